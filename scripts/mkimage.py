@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Build a tiny busybox image from Debian's busybox-static, with no network.
+
+Writes, into OUT_DIR:
+  busybox-oci.tar     an OCI image layout archive (index.json, blobs/sha256/...)
+  busybox-docker.tar  the same image as a legacy `docker save` archive
+
+The output is byte-for-byte reproducible (fixed mtimes and ordering), so the
+image digest is stable across runs and machines with the same busybox build.
+Usage: mkimage.py OUT_DIR [REF]
+"""
+import gzip
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+BUSYBOX = "/bin/busybox"
+MTIME = 0
+
+
+def add_file(tar, name, data, mode=0o644):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = mode
+    info.mtime = MTIME
+    tar.addfile(info, io.BytesIO(data))
+
+
+def add_dir(tar, name, mode=0o755):
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = mode
+    info.mtime = MTIME
+    tar.addfile(info)
+
+
+def add_link(tar, name, target):
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.SYMTYPE
+    info.linkname = target
+    info.mtime = MTIME
+    tar.addfile(info)
+
+
+def rootfs_layer():
+    applets = subprocess.run([BUSYBOX, "--list"], check=True, capture_output=True, text=True).stdout.split()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ("bin", "etc", "tmp", "root", "var", "var/www", "proc", "sys", "dev"):
+            add_dir(tar, d, 0o1777 if d == "tmp" else 0o755)
+        with open(BUSYBOX, "rb") as f:
+            add_file(tar, "bin/busybox", f.read(), 0o755)
+        for applet in sorted(set(applets)):
+            if applet != "busybox":
+                add_link(tar, f"bin/{applet}", "busybox")
+        add_file(tar, "etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+        add_file(tar, "etc/group", b"root:x:0:\nnogroup:x:65534:\n")
+        add_file(tar, "var/www/index.html", b"hello from zattera\n")
+    return buf.getvalue()
+
+
+def sha(data):
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def canonical(obj):
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def build(out_dir, ref):
+    layer = rootfs_layer()
+    diff_id = sha(layer)
+    gz = gzip.compress(layer, compresslevel=6, mtime=MTIME)
+    config = canonical({
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine),
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "Cmd": ["sh"],
+            "WorkingDir": "/",
+        },
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created_by": "zattera scripts/mkimage.py from Debian busybox-static"}],
+    })
+    manifest = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(config), "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": sha(gz), "size": len(gz)}],
+    })
+    index = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": sha(manifest),
+            "size": len(manifest),
+            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[-1]},
+        }],
+    })
+    os.makedirs(out_dir, exist_ok=True)
+    oci_path = os.path.join(out_dir, "busybox-oci.tar")
+    with tarfile.open(oci_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
+        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
+        add_file(tar, "index.json", index)
+        add_dir(tar, "blobs")
+        add_dir(tar, "blobs/sha256")
+        for blob in (config, manifest, gz):
+            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
+    os.replace(oci_path + ".tmp", oci_path)
+
+    # Legacy `docker save`: uncompressed layer tar, config named by its hex digest.
+    config_hex = sha(config).split(":")[1]
+    layer_dir = hashlib.sha256(layer).hexdigest()
+    docker_manifest = canonical([{"Config": config_hex + ".json", "RepoTags": [ref.removeprefix("docker.io/library/")], "Layers": [layer_dir + "/layer.tar"]}])
+    docker_path = os.path.join(out_dir, "busybox-docker.tar")
+    with tarfile.open(docker_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
+        add_file(tar, config_hex + ".json", config)
+        add_dir(tar, layer_dir)
+        add_file(tar, layer_dir + "/VERSION", b"1.0")
+        add_file(tar, layer_dir + "/layer.tar", layer)
+        add_file(tar, "manifest.json", docker_manifest)
+    os.replace(docker_path + ".tmp", docker_path)
+    print(f"{oci_path}: {ref} manifest {sha(manifest)}")
+    print(f"{docker_path}: {ref}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    build(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "docker.io/zattera/busybox:test")

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The test rig: installs what the tests need, starts an isolated containerd
+# (its own root, state directory and socket; CRI disabled) unless it is already
+# up, and builds the test images. Idempotent; used by CI, the README and
+# developers. Prints the environment the tests read.
+#
+#   ZATTERA_RIG_DIR   where the rig keeps containerd's root, logs and images
+#                     (default /var/lib/zattera-rig)
+#   ZATTERA_RIG_RUN   containerd's state dir and socket (default /run/zattera-rig)
+set -euo pipefail
+
+RIG_DIR=${ZATTERA_RIG_DIR:-/var/lib/zattera-rig}
+RIG_RUN=${ZATTERA_RIG_RUN:-/run/zattera-rig}
+SOCK="$RIG_RUN/containerd/containerd.sock"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+say() { printf '\033[1m[rig]\033[0m %s\n' "$*" >&2; }
+
+if [ "$(id -u)" != 0 ]; then
+  echo "rig.sh: must run as root (it installs packages and starts containerd)" >&2
+  exit 1
+fi
+
+# --- packages --------------------------------------------------------------
+PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2
+          docker-registry skopeo python3 ca-certificates procps)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # policy-rc.d keeps the package scripts from starting the host's own
+  # containerd or registry: the rig runs its own, isolated ones.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+  trap - EXIT
+fi
+
+# --- containerd --------------------------------------------------------------
+mkdir -p "$RIG_DIR" "$RIG_RUN/containerd"
+cat > "$RIG_DIR/containerd.toml" <<TOML
+version = 2
+root = "$RIG_DIR/containerd"
+state = "$RIG_RUN/containerd"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+
+[grpc]
+  address = "$SOCK"
+
+[ttrpc]
+  address = "$SOCK.ttrpc"
+
+[debug]
+  address = "$RIG_RUN/containerd/debug.sock"
+TOML
+
+if ctr --address "$SOCK" version >/dev/null 2>&1; then
+  say "containerd already running on $SOCK"
+else
+  say "starting containerd on $SOCK (log: $RIG_DIR/containerd.log)"
+  rm -f "$SOCK"
+  setsid nohup containerd --config "$RIG_DIR/containerd.toml" >>"$RIG_DIR/containerd.log" 2>&1 < /dev/null &
+  echo $! > "$RIG_RUN/containerd.pid"
+  for _ in $(seq 1 100); do
+    ctr --address "$SOCK" version >/dev/null 2>&1 && break
+    sleep 0.1
+  done
+  if ! ctr --address "$SOCK" version >/dev/null 2>&1; then
+    echo "rig.sh: containerd did not come up; last log lines:" >&2
+    tail -n 20 "$RIG_DIR/containerd.log" >&2
+    exit 1
+  fi
+fi
+
+# --- test images -------------------------------------------------------------
+IMAGES="$RIG_DIR/images"
+if [ ! -s "$IMAGES/busybox-oci.tar" ] || [ ! -s "$IMAGES/busybox-docker.tar" ] || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ]; then
+  say "building test images in $IMAGES"
+  python3 "$HERE/mkimage.py" "$IMAGES" >&2
+fi
+
+cat <<ENV
+export ZATTERA_TEST_CONTAINERD=$SOCK
+export ZATTERA_TEST_IMAGES=$IMAGES
+ENV

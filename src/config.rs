@@ -1,0 +1,233 @@
+//! Agent configuration: `/etc/zattera/agent.toml` plus command-line flags.
+//!
+//! The file uses the same keys as the flags (`containerd-address = "..."`;
+//! the snake_case spelling is accepted too). Flags win over the file, the file
+//! wins over the defaults. An unknown key is an error that names the key and
+//! the file, so a typo never silently falls back to a default.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::runtime::Namespace;
+
+/// Where the config file is looked for when `--config` is not given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/zattera/agent.toml";
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/zattera";
+pub const DEFAULT_RUN_DIR: &str = "/run/zattera";
+pub const DEFAULT_CONTAINERD_ADDRESS: &str = "/run/containerd/containerd.sock";
+pub const DEFAULT_NAMESPACE: &str = "zattera";
+pub const DEFAULT_HOST_IP: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+/// Every key the config file (and the command line) may set. All optional:
+/// this is one layer of settings, merged with [`Settings::overlay`].
+#[derive(Debug, Default, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Settings {
+    /// Directory of standalone manifests.
+    pub manifests: Option<PathBuf>,
+    /// Control-plane address (`host:port`); absent means standalone.
+    pub control: Option<String>,
+    #[serde(alias = "containerd_address")]
+    pub containerd_address: Option<PathBuf>,
+    pub namespace: Option<String>,
+    #[serde(alias = "data_dir")]
+    pub data_dir: Option<PathBuf>,
+    #[serde(alias = "run_dir")]
+    pub run_dir: Option<PathBuf>,
+    #[serde(alias = "host_ip")]
+    pub host_ip: Option<IpAddr>,
+    #[serde(alias = "node_id")]
+    pub node_id: Option<String>,
+}
+
+impl Settings {
+    /// Parses one config file's text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_path_buf(),
+            message: e.to_string().trim_end().to_owned(),
+        })
+    }
+
+    /// Reads the config file. An explicitly named file must exist; the default
+    /// one may be absent (a node configured only by flags).
+    pub fn load(explicit: Option<&Path>) -> Result<Self, ConfigError> {
+        let path = explicit.unwrap_or(Path::new(DEFAULT_CONFIG_PATH));
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::parse(&text, path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && explicit.is_none() => {
+                Ok(Self::default())
+            }
+            Err(e) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source: e,
+            }),
+        }
+    }
+
+    /// `self` with every key that `top` sets replaced by `top`'s value.
+    #[must_use]
+    pub fn overlay(self, top: Settings) -> Settings {
+        Settings {
+            manifests: top.manifests.or(self.manifests),
+            control: top.control.or(self.control),
+            containerd_address: top.containerd_address.or(self.containerd_address),
+            namespace: top.namespace.or(self.namespace),
+            data_dir: top.data_dir.or(self.data_dir),
+            run_dir: top.run_dir.or(self.run_dir),
+            host_ip: top.host_ip.or(self.host_ip),
+            node_id: top.node_id.or(self.node_id),
+        }
+    }
+
+    /// Fills in defaults and validates.
+    pub fn resolve(self) -> Result<Config, ConfigError> {
+        let namespace = self
+            .namespace
+            .as_deref()
+            .unwrap_or(DEFAULT_NAMESPACE)
+            .parse::<Namespace>()
+            .map_err(|e| ConfigError::Invalid {
+                key: "namespace",
+                message: e.to_string(),
+            })?;
+        Ok(Config {
+            manifests: self.manifests,
+            control: self.control.filter(|c| !c.is_empty()),
+            containerd_address: self
+                .containerd_address
+                .unwrap_or_else(|| DEFAULT_CONTAINERD_ADDRESS.into()),
+            namespace,
+            data_dir: self.data_dir.unwrap_or_else(|| DEFAULT_DATA_DIR.into()),
+            run_dir: self.run_dir.unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
+            host_ip: self.host_ip.unwrap_or(DEFAULT_HOST_IP),
+            node_id: self.node_id.filter(|n| !n.is_empty()),
+        })
+    }
+}
+
+/// The resolved configuration the agent runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub manifests: Option<PathBuf>,
+    pub control: Option<String>,
+    pub containerd_address: PathBuf,
+    pub namespace: Namespace,
+    pub data_dir: PathBuf,
+    pub run_dir: PathBuf,
+    pub host_ip: IpAddr,
+    pub node_id: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {}: {message}", path.display())]
+    Parse { path: PathBuf, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Settings, ConfigError> {
+        Settings::parse(text, Path::new("/etc/zattera/agent.toml"))
+    }
+
+    #[test]
+    fn reads_every_key_in_flag_spelling() {
+        let s = parse(
+            r#"
+            manifests = "/srv/manifests"
+            control = "10.0.0.1:8443"
+            containerd-address = "/run/c.sock"
+            namespace = "edge"
+            data-dir = "/d"
+            run-dir = "/r"
+            host-ip = "192.0.2.7"
+            node-id = "n1"
+            "#,
+        )
+        .unwrap();
+        let c = s.resolve().unwrap();
+        assert_eq!(c.manifests.as_deref(), Some(Path::new("/srv/manifests")));
+        assert_eq!(c.control.as_deref(), Some("10.0.0.1:8443"));
+        assert_eq!(c.containerd_address, Path::new("/run/c.sock"));
+        assert_eq!(c.namespace.as_str(), "edge");
+        assert_eq!(c.data_dir, Path::new("/d"));
+        assert_eq!(c.run_dir, Path::new("/r"));
+        assert_eq!(c.host_ip.to_string(), "192.0.2.7");
+        assert_eq!(c.node_id.as_deref(), Some("n1"));
+    }
+
+    #[test]
+    fn snake_case_spelling_is_accepted() {
+        let s = parse("data_dir = \"/x\"\nrun_dir = \"/y\"").unwrap();
+        assert_eq!(s.data_dir.as_deref(), Some(Path::new("/x")));
+        assert_eq!(s.run_dir.as_deref(), Some(Path::new("/y")));
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let c = Settings::default().resolve().unwrap();
+        assert_eq!(c.containerd_address, Path::new(DEFAULT_CONTAINERD_ADDRESS));
+        assert_eq!(c.namespace.as_str(), "zattera");
+        assert_eq!(c.data_dir, Path::new("/var/lib/zattera"));
+        assert_eq!(c.run_dir, Path::new("/run/zattera"));
+        assert_eq!(c.host_ip, DEFAULT_HOST_IP);
+        assert!(c.control.is_none() && c.manifests.is_none() && c.node_id.is_none());
+    }
+
+    #[test]
+    fn unknown_key_names_key_and_file() {
+        let err = parse("namespace = \"a\"\ndata-dri = \"/x\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/etc/zattera/agent.toml"), "{err}");
+        assert!(err.contains("data-dri"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let err = parse("host-ip = \"not-an-ip\"").unwrap_err().to_string();
+        assert!(err.contains("host-ip"), "{err}");
+    }
+
+    #[test]
+    fn flags_win_over_file() {
+        let file = parse("namespace = \"file\"\ndata-dir = \"/file\"").unwrap();
+        let flags = Settings {
+            namespace: Some("flag".into()),
+            ..Settings::default()
+        };
+        let c = file.overlay(flags).resolve().unwrap();
+        assert_eq!(c.namespace.as_str(), "flag");
+        assert_eq!(c.data_dir, Path::new("/file"));
+    }
+
+    #[test]
+    fn bad_namespace_is_rejected_with_the_key() {
+        let s = Settings {
+            namespace: Some("bad ns".into()),
+            ..Settings::default()
+        };
+        let err = s.resolve().unwrap_err().to_string();
+        assert!(err.contains("namespace"), "{err}");
+    }
+
+    #[test]
+    fn explicit_missing_file_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope.toml");
+        let err = Settings::load(Some(&missing)).unwrap_err().to_string();
+        assert!(err.contains("nope.toml"), "{err}");
+    }
+}

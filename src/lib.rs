@@ -1,0 +1,10 @@
+//! zattera-agent: a containerd-native node agent.
+//!
+//! It keeps one machine in sync with a control plane (or with manifest files,
+//! standalone), running containers through containerd's gRPC API, with
+//! networks from [`zattera_netns`] and internal DNS from [`zattera_dns`].
+//! See the README for the architecture.
+
+pub mod config;
+pub mod proto;
+pub mod runtime;

@@ -1,0 +1,193 @@
+//! `zattera-agent`: the node agent's command line.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+use zattera_agent::config::{Config, Settings};
+use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "zattera-agent",
+    version,
+    about = "containerd-native node agent"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options every command understands; they override the config file.
+#[derive(Debug, Args)]
+struct GlobalArgs {
+    /// Config file [default: /etc/zattera/agent.toml, if present]
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// containerd's gRPC socket [default: /run/containerd/containerd.sock]
+    #[arg(long, global = true, value_name = "PATH")]
+    containerd_address: Option<PathBuf>,
+    /// containerd namespace the agent owns [default: zattera]
+    #[arg(long, global = true, value_name = "NS")]
+    namespace: Option<String>,
+    /// Where durable state lives [default: /var/lib/zattera]
+    #[arg(long, global = true, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Where the admin socket and netns files live [default: /run/zattera]
+    #[arg(long, global = true, value_name = "DIR", env = "ZATTERA_RUN_DIR")]
+    run_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the agent: converge containerd to the desired set and keep it there.
+    Run(RunArgs),
+    /// Show the assignments this node runs.
+    Status {
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Manage images in the agent's containerd namespace.
+    #[command(subcommand)]
+    Image(ImageCommand),
+    /// Enroll this node with a control plane.
+    Join {
+        #[arg(long, value_name = "ADDR")]
+        control: String,
+        #[arg(long, value_name = "TOKEN")]
+        token: String,
+    },
+    /// Print the version.
+    Version,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Directory of standalone manifests (one TOML file per app).
+    #[arg(long, value_name = "DIR")]
+    manifests: Option<PathBuf>,
+    /// Control-plane address; without it the agent runs standalone.
+    #[arg(long, value_name = "ADDR")]
+    control: Option<String>,
+    /// Host address published ports bind to [default: 127.0.0.1]
+    #[arg(long, value_name = "IP")]
+    host_ip: Option<std::net::IpAddr>,
+    /// This node's id.
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageCommand {
+    /// Import an OCI image layout archive or a `docker save` archive and unpack it.
+    Import {
+        /// The archive (an uncompressed tar).
+        file: PathBuf,
+        /// Name for the archive's single image, instead of the name it carries.
+        #[arg(long, value_name = "REF")]
+        name: Option<String>,
+    },
+    /// Pull an image from its registry and unpack it.
+    Pull {
+        /// Image reference, normalised as Docker does (busybox → docker.io/library/busybox:latest).
+        reference: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let daemon = matches!(cli.command, Command::Run(_));
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new(if daemon { "info" } else { "warn" })),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("zattera-agent: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("zattera-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
+    let file = Settings::load(global.config.as_deref())?;
+    let flags = Settings {
+        containerd_address: global.containerd_address.clone(),
+        namespace: global.namespace.clone(),
+        data_dir: global.data_dir.clone(),
+        run_dir: global.run_dir.clone(),
+        manifests: run.and_then(|r| r.manifests.clone()),
+        control: run.and_then(|r| r.control.clone()),
+        host_ip: run.and_then(|r| r.host_ip),
+        node_id: run.and_then(|r| r.node_id.clone()),
+    };
+    Ok(file.overlay(flags).resolve()?)
+}
+
+async fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Version => {
+            println!("zattera-agent {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+        Command::Image(ImageCommand::Import { file, name }) => {
+            let config = load_config(&cli.global, None)?;
+            let name = name
+                .map(|n| n.parse::<ImageRef>())
+                .transpose()
+                .context("--name")?;
+            let ctd = Containerd::connect(&config.containerd_address, config.namespace).await?;
+            let imported = import_archive(&ctd, &file, name)
+                .await
+                .with_context(|| format!("import {}", file.display()))?;
+            for image in imported {
+                for name in &image.names {
+                    println!(
+                        "imported {name} ({}, {} new blobs, rootfs {})",
+                        image.target.digest, image.blobs_written, image.chain_id
+                    );
+                }
+            }
+            Ok(())
+        }
+        Command::Image(ImageCommand::Pull { reference }) => {
+            let _ = reference.parse::<ImageRef>()?;
+            bail!(
+                "image pull is not implemented yet; import an archive with `zattera-agent image import`"
+            )
+        }
+        Command::Run(args) => {
+            let config = load_config(&cli.global, Some(&args))?;
+            let _ctd =
+                Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
+            bail!(
+                "the executor is not implemented yet: `run` only checks its configuration and containerd for now"
+            )
+        }
+        Command::Status { .. } => {
+            let config = load_config(&cli.global, None)?;
+            bail!(
+                "no agent admin socket at {}: `status` needs the executor, which is not implemented yet",
+                config.run_dir.join("agent.sock").display()
+            )
+        }
+        Command::Join { .. } => bail!("join is not implemented yet"),
+    }
+}

@@ -1,0 +1,157 @@
+//! The gRPC connection to containerd, scoped to one namespace.
+//!
+//! Every request built here carries `containerd-namespace`, so no call can
+//! wander into another namespace (Docker's `moby`, CRI's `k8s.io`). The channel
+//! reconnects by itself when containerd restarts; a call made while containerd
+//! is down fails with [`RuntimeError::Unavailable`].
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use containerd_client::services::v1::{
+    containers_client::ContainersClient, content_client::ContentClient, diff_client::DiffClient,
+    images_client::ImagesClient, leases_client::LeasesClient, namespaces_client::NamespacesClient,
+    snapshots::snapshots_client::SnapshotsClient, tasks_client::TasksClient,
+    version_client::VersionClient,
+};
+use tonic::metadata::MetadataValue;
+use tonic::transport::{Channel, Endpoint};
+
+use super::error::RuntimeError;
+use super::names::Namespace;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// containerd answers from memory for most calls; a minute covers large
+/// content writes and layer applies on a slow disk.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A connection to containerd in one namespace. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Containerd {
+    channel: Channel,
+    namespace: Namespace,
+    socket: PathBuf,
+}
+
+impl Containerd {
+    /// Connects and checks that containerd answers, so that a wrong socket is
+    /// reported once, clearly, instead of on the first real call.
+    pub async fn connect(socket: &Path, namespace: Namespace) -> Result<Self, RuntimeError> {
+        let unavailable = |reason: String| RuntimeError::Unavailable {
+            socket: socket.to_path_buf(),
+            reason,
+        };
+        match std::fs::metadata(socket) {
+            Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                return Err(unavailable("not a unix socket".into()));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(unavailable(
+                    "no such socket: is containerd running? (set --containerd-address)".into(),
+                ));
+            }
+            Err(e) => return Err(unavailable(e.to_string())),
+        }
+        let path = socket.to_path_buf();
+        // The URI is required by tonic but unused: the connector dials the socket.
+        let channel = Endpoint::from_static("http://containerd.invalid")
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
+            .connect_with_connector_lazy(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }));
+        let this = Self {
+            channel,
+            namespace,
+            socket: socket.to_path_buf(),
+        };
+        let version = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            VersionClient::new(this.channel.clone()).version(()),
+        )
+        .await
+        .map_err(|_| unavailable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|status| unavailable(describe_connect_failure(&status)))?
+        .into_inner();
+        tracing::debug!(socket = %socket.display(), version = %version.version, "connected to containerd");
+        Ok(this)
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// A request in this connection's namespace.
+    pub fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(message);
+        // Namespaces are validated identifiers, so they are valid header values.
+        if let Ok(ns) = MetadataValue::try_from(self.namespace.as_str()) {
+            req.metadata_mut().insert("containerd-namespace", ns);
+        }
+        req
+    }
+
+    /// A request in this namespace that also holds `lease`, so what it
+    /// creates is protected from garbage collection until the lease goes.
+    pub fn leased_request<T>(&self, message: T, lease: &str) -> tonic::Request<T> {
+        let mut req = self.request(message);
+        if let Ok(l) = MetadataValue::try_from(lease) {
+            req.metadata_mut().insert("containerd-lease", l);
+        }
+        req
+    }
+
+    pub fn content(&self) -> ContentClient<Channel> {
+        ContentClient::new(self.channel.clone())
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    pub fn images(&self) -> ImagesClient<Channel> {
+        ImagesClient::new(self.channel.clone())
+    }
+
+    pub fn snapshots(&self) -> SnapshotsClient<Channel> {
+        SnapshotsClient::new(self.channel.clone())
+    }
+
+    pub fn diff(&self) -> DiffClient<Channel> {
+        DiffClient::new(self.channel.clone())
+    }
+
+    pub fn leases(&self) -> LeasesClient<Channel> {
+        LeasesClient::new(self.channel.clone())
+    }
+
+    pub fn containers(&self) -> ContainersClient<Channel> {
+        ContainersClient::new(self.channel.clone())
+    }
+
+    pub fn tasks(&self) -> TasksClient<Channel> {
+        TasksClient::new(self.channel.clone())
+    }
+
+    pub fn namespaces(&self) -> NamespacesClient<Channel> {
+        NamespacesClient::new(self.channel.clone())
+    }
+}
+
+/// Turns tonic's nested transport error into the one cause a person needs.
+fn describe_connect_failure(status: &tonic::Status) -> String {
+    let mut source: Option<&dyn std::error::Error> = std::error::Error::source(status);
+    let mut innermost = None;
+    while let Some(s) = source {
+        innermost = Some(s.to_string());
+        source = s.source();
+    }
+    innermost.unwrap_or_else(|| status.message().to_owned())
+}

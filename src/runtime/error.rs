@@ -1,0 +1,57 @@
+//! Errors of the containerd runtime layer. Each names the object it was about
+//! (socket, image, digest, snapshot) and the cause.
+
+use std::path::PathBuf;
+
+use tonic::Code;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("containerd at {}: {reason}", socket.display())]
+    Unavailable { socket: PathBuf, reason: String },
+
+    #[error("{context}: {}", describe_status(status))]
+    Grpc {
+        context: String,
+        status: tonic::Status,
+    },
+
+    #[error("image archive {}: {reason}", path.display())]
+    Archive { path: PathBuf, reason: String },
+
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl RuntimeError {
+    /// Wraps a containerd call's failure with what was being done.
+    pub fn grpc(context: impl Into<String>) -> impl FnOnce(tonic::Status) -> Self {
+        let context = context.into();
+        move |status| Self::Grpc { context, status }
+    }
+
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::Grpc { status, .. } if status.code() == Code::NotFound)
+    }
+
+    pub fn is_already_exists(&self) -> bool {
+        matches!(self, Self::Grpc { status, .. } if status.code() == Code::AlreadyExists)
+    }
+}
+
+fn describe_status(status: &tonic::Status) -> String {
+    match status.code() {
+        Code::Unavailable => format!("containerd unavailable ({})", status.message()),
+        Code::Unknown | Code::Internal => status.message().to_owned(),
+        code => format!("{} ({code:?})", status.message()),
+    }
+}
+
+/// Treats NotFound as success: removing what is already gone is a no-op.
+pub fn ignore_not_found<T>(result: Result<T, tonic::Status>) -> Result<(), tonic::Status> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == Code::NotFound => Ok(()),
+        Err(s) => Err(s),
+    }
+}

@@ -1,0 +1,26 @@
+//! The containerd runtime: the agent's only door to containers.
+//!
+//! Everything goes through containerd's gRPC API in the agent's own namespace
+//! ([`Containerd`]); nothing shells out to `ctr`. Images are stored client-side
+//! (content writes under a lease, image records, unpack with the Diff and
+//! Snapshots services) so that containerd 1.6, which has no Transfer service,
+//! works as well as 2.x.
+
+pub mod archive;
+mod connection;
+pub mod content;
+pub mod descriptor;
+pub mod digest;
+mod error;
+pub mod images;
+pub mod lease;
+mod names;
+pub mod reference;
+pub mod unpack;
+
+pub use connection::Containerd;
+pub use digest::Digest;
+pub use error::RuntimeError;
+pub use images::{ImportedImage, import_archive};
+pub use names::{InvalidName, Namespace, validate_identifier};
+pub use reference::ImageRef;

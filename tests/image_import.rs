@@ -1,0 +1,204 @@
+//! `image import` against the rig's real containerd: both archive formats,
+//! idempotence, a corrupted blob, and that `ctr run` starts what we unpacked.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::process::Command;
+
+use containerd_client::services::v1::{GetImageRequest, ListRequest};
+use support::{TEST_IMAGE, list_snapshots, rig, with_namespace};
+use zattera_agent::runtime::unpack::snapshot_exists;
+use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
+
+async fn image_exists(ctd: &Containerd, name: &str) -> bool {
+    ctd.images()
+        .get(ctd.request(GetImageRequest { name: name.into() }))
+        .await
+        .is_ok()
+}
+
+async fn lease_count(ctd: &Containerd) -> usize {
+    ctd.leases()
+        .list(ctd.request(ListRequest { filters: vec![] }))
+        .await
+        .expect("list leases")
+        .into_inner()
+        .leases
+        .len()
+}
+
+/// `ctr run --rm` of the image: proves the rootfs is unpacked and usable.
+fn ctr_run(socket: &std::path::Path, ns: &str, image: &str, args: &[&str]) -> String {
+    let id = format!("ctr-run-{}", std::process::id());
+    let out = Command::new("ctr")
+        .arg("--address")
+        .arg(socket)
+        .args(["-n", ns, "run", "--rm", image, &id])
+        .args(args)
+        .output()
+        .expect("run ctr");
+    assert!(
+        out.status.success(),
+        "ctr run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn oci_archive_imports_unpacks_and_runs() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "oci", |ctd, rig| async move {
+        let imported = import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import");
+        assert_eq!(imported.len(), 1);
+        let image = &imported[0];
+        assert_eq!(image.names[0].to_string(), TEST_IMAGE);
+        assert_eq!(image.blobs_written, 3, "manifest, config and one layer");
+        assert!(image_exists(&ctd, TEST_IMAGE).await);
+        assert!(
+            snapshot_exists(&ctd, image.chain_id.as_str())
+                .await
+                .unwrap()
+        );
+        assert_eq!(lease_count(&ctd).await, 0, "the import lease is released");
+
+        let out = ctr_run(
+            &rig.socket,
+            ctd.namespace().as_str(),
+            TEST_IMAGE,
+            &["cat", "/var/www/index.html"],
+        );
+        assert_eq!(out, "hello from zattera\n");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn docker_save_archive_imports_under_a_new_name() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "docker", |ctd, rig| async move {
+        let name: ImageRef = "localhost:5000/team/bb:v1".parse().unwrap();
+        let imported = import_archive(&ctd, &rig.docker_archive(), Some(name.clone()))
+            .await
+            .expect("import");
+        assert_eq!(imported[0].names, vec![name.clone()]);
+        assert!(image_exists(&ctd, &name.to_string()).await);
+        assert!(
+            !image_exists(&ctd, TEST_IMAGE).await,
+            "--name replaces the archive's name"
+        );
+        let out = ctr_run(
+            &rig.socket,
+            ctd.namespace().as_str(),
+            &name.to_string(),
+            &["sh", "-c", "echo $((6*7))"],
+        );
+        assert_eq!(out, "42\n");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn importing_twice_writes_nothing_new() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "twice", |ctd, rig| async move {
+        let first = import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("first import");
+        let snapshots_before = list_snapshots(&ctd).await;
+        let second = import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("second import");
+        assert_eq!(second[0].blobs_written, 0);
+        assert_eq!(second[0].chain_id, first[0].chain_id);
+        assert_eq!(
+            list_snapshots(&ctd).await,
+            snapshots_before,
+            "no new snapshots"
+        );
+        // The docker form of the same image shares its unpacked layer.
+        let docker = import_archive(
+            &ctd,
+            &rig.docker_archive(),
+            Some("localhost/other:1".parse().unwrap()),
+        )
+        .await
+        .expect("docker import");
+        assert_eq!(docker[0].chain_id, first[0].chain_id);
+        assert_eq!(list_snapshots(&ctd).await, snapshots_before);
+    })
+    .await;
+}
+
+/// Flips one byte inside the layer blob of a copy of the OCI archive.
+fn corrupt_copy(src: &std::path::Path, dir: &std::path::Path) -> std::path::PathBuf {
+    let dst = dir.join("corrupt.tar");
+    std::fs::copy(src, &dst).unwrap();
+    let mut archive = tar::Archive::new(std::fs::File::open(&dst).unwrap());
+    let (offset, size) = archive
+        .entries_with_seek()
+        .unwrap()
+        .map(Result::unwrap)
+        .filter(|e| e.path().unwrap().starts_with("blobs/sha256"))
+        .map(|e| (e.raw_file_position(), e.size()))
+        .max_by_key(|(_, size)| *size)
+        .expect("a layer blob");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&dst)
+        .unwrap();
+    let at = offset + size / 2;
+    let mut byte = [0u8];
+    file.seek(SeekFrom::Start(at)).unwrap();
+    file.read_exact(&mut byte).unwrap();
+    file.seek(SeekFrom::Start(at)).unwrap();
+    file.write_all(&[byte[0] ^ 0xff]).unwrap();
+    dst
+}
+
+#[tokio::test]
+async fn corrupted_blob_is_refused_and_leaves_no_image() {
+    let Some(rig) = rig() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let corrupt = corrupt_copy(&rig.oci_archive(), dir.path());
+    with_namespace(&rig, "corrupt", |ctd, _rig| async move {
+        let err = import_archive(&ctd, &corrupt, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("sha256:"), "error names the blob: {err}");
+        assert!(
+            !image_exists(&ctd, TEST_IMAGE).await,
+            "no image record for a bad archive"
+        );
+        assert!(list_snapshots(&ctd).await.is_empty(), "nothing unpacked");
+        assert_eq!(
+            lease_count(&ctd).await,
+            0,
+            "the lease is released on failure"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn archive_that_is_not_an_image_names_the_file() {
+    let Some(rig) = rig() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let bogus = dir.path().join("bogus.tar");
+    std::fs::write(&bogus, vec![0u8; 4096]).unwrap();
+    with_namespace(&rig, "bogus", |ctd, _rig| async move {
+        let err = import_archive(&ctd, &bogus, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bogus.tar"), "{err}");
+    })
+    .await;
+}

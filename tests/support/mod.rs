@@ -1,0 +1,246 @@
+//! Test support: connects integration tests to the rig's containerd
+//! (scripts/rig.sh) and gives each test its own containerd namespace, purged
+//! afterwards even when the test fails.
+//!
+//! Without the rig a test skips with a message, except under `CI=true`,
+//! where a missing rig is a failure: CI must never pass by testing nothing.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use containerd_client::services::v1::snapshots::{ListSnapshotsRequest, RemoveSnapshotRequest};
+use containerd_client::services::v1::{
+    DeleteContainerRequest, DeleteContentRequest, DeleteImageRequest, DeleteNamespaceRequest,
+    DeleteRequest, DeleteTaskRequest, KillRequest, ListContainersRequest, ListContentRequest,
+    ListImagesRequest, ListRequest,
+};
+use futures::{FutureExt, StreamExt};
+use zattera_agent::runtime::{Containerd, Namespace};
+
+pub const DEFAULT_SOCKET: &str = "/run/zattera-rig/containerd/containerd.sock";
+pub const DEFAULT_IMAGES: &str = "/var/lib/zattera-rig/images";
+/// The name scripts/mkimage.py gives the test image.
+pub const TEST_IMAGE: &str = "docker.io/zattera/busybox:test";
+
+#[derive(Debug, Clone)]
+pub struct Rig {
+    pub socket: PathBuf,
+    pub images: PathBuf,
+}
+
+impl Rig {
+    pub fn oci_archive(&self) -> PathBuf {
+        self.images.join("busybox-oci.tar")
+    }
+    pub fn docker_archive(&self) -> PathBuf {
+        self.images.join("busybox-docker.tar")
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// The rig, or `None` (with a message) when it is not set up outside CI.
+pub fn rig() -> Option<Rig> {
+    let socket = PathBuf::from(
+        std::env::var("ZATTERA_TEST_CONTAINERD").unwrap_or_else(|_| DEFAULT_SOCKET.into()),
+    );
+    let images = PathBuf::from(
+        std::env::var("ZATTERA_TEST_IMAGES").unwrap_or_else(|_| DEFAULT_IMAGES.into()),
+    );
+    let mut missing = Vec::new();
+    if !nix_is_root() {
+        missing.push("root".to_owned());
+    }
+    if !socket.exists() {
+        missing.push(format!("containerd socket {}", socket.display()));
+    }
+    if !images.join("busybox-oci.tar").exists() {
+        missing.push(format!("test images in {}", images.display()));
+    }
+    if missing.is_empty() {
+        return Some(Rig { socket, images });
+    }
+    let msg = format!(
+        "missing {}: run `sudo scripts/rig.sh` first",
+        missing.join(", ")
+    );
+    assert!(!in_ci(), "CI=true and the test rig is not ready: {msg}");
+    eprintln!("SKIPPED: {msg}");
+    None
+}
+
+fn nix_is_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| {
+        use std::os::unix::fs::MetadataExt;
+        m.uid() == 0
+    })
+}
+
+/// A containerd namespace unique to this test process and call.
+pub fn unique_namespace(test: &str) -> Namespace {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let name = format!("zt-test-{test}-{}-{n}", std::process::id());
+    name.parse().expect("test namespace name is valid")
+}
+
+/// Runs `body` with a connection to a fresh namespace, then purges the
+/// namespace whether the body passed or panicked.
+pub async fn with_namespace<F, Fut>(rig: &Rig, test: &str, body: F)
+where
+    F: FnOnce(Containerd, Rig) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let ns = unique_namespace(test);
+    let ctd = Containerd::connect(&rig.socket, ns.clone())
+        .await
+        .expect("connect to the rig's containerd");
+    let outcome = std::panic::AssertUnwindSafe(body(ctd.clone(), rig.clone()))
+        .catch_unwind()
+        .await;
+    purge_namespace(&ctd).await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Deletes everything in the connection's namespace, then the namespace.
+pub async fn purge_namespace(ctd: &Containerd) {
+    let containers = ctd
+        .containers()
+        .list(ctd.request(ListContainersRequest { filters: vec![] }))
+        .await
+        .map(|r| r.into_inner().containers)
+        .unwrap_or_default();
+    for c in containers {
+        let _ = ctd
+            .tasks()
+            .kill(ctd.request(KillRequest {
+                container_id: c.id.clone(),
+                exec_id: String::new(),
+                signal: 9,
+                all: true,
+            }))
+            .await;
+        for _ in 0..50 {
+            let deleted = ctd
+                .tasks()
+                .delete(ctd.request(DeleteTaskRequest {
+                    container_id: c.id.clone(),
+                }))
+                .await;
+            match deleted {
+                Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                _ => break,
+            }
+        }
+        let _ = ctd
+            .containers()
+            .delete(ctd.request(DeleteContainerRequest { id: c.id }))
+            .await;
+    }
+    let images = ctd
+        .images()
+        .list(ctd.request(ListImagesRequest { filters: vec![] }))
+        .await
+        .map(|r| r.into_inner().images)
+        .unwrap_or_default();
+    for image in images {
+        let _ = ctd
+            .images()
+            .delete(ctd.request(DeleteImageRequest {
+                name: image.name,
+                sync: false,
+                target: None,
+            }))
+            .await;
+    }
+    let leases = ctd
+        .leases()
+        .list(ctd.request(ListRequest { filters: vec![] }))
+        .await
+        .map(|r| r.into_inner().leases)
+        .unwrap_or_default();
+    for lease in leases {
+        let _ = ctd
+            .leases()
+            .delete(ctd.request(DeleteRequest {
+                id: lease.id,
+                sync: false,
+            }))
+            .await;
+    }
+    // Children before parents: repeat until nothing more can go.
+    for _ in 0..16 {
+        let snapshots = list_snapshots(ctd).await;
+        if snapshots.is_empty() {
+            break;
+        }
+        for key in snapshots {
+            let _ = ctd
+                .snapshots()
+                .remove(ctd.request(RemoveSnapshotRequest {
+                    snapshotter: "overlayfs".into(),
+                    key,
+                }))
+                .await;
+        }
+    }
+    let content = ctd
+        .content()
+        .list(ctd.request(ListContentRequest { filters: vec![] }))
+        .await;
+    if let Ok(stream) = content {
+        let infos: Vec<_> = stream.into_inner().collect().await;
+        for info in infos.into_iter().flatten().flat_map(|r| r.info) {
+            let _ = ctd
+                .content()
+                .delete(ctd.request(DeleteContentRequest {
+                    digest: info.digest,
+                }))
+                .await;
+        }
+    }
+    let deleted = ctd
+        .namespaces()
+        .delete(tonic::Request::new(DeleteNamespaceRequest {
+            name: ctd.namespace().to_string(),
+        }))
+        .await;
+    if let Err(s) = deleted
+        && s.code() != tonic::Code::NotFound
+    {
+        eprintln!(
+            "warning: namespace {} not removed: {}",
+            ctd.namespace(),
+            s.message()
+        );
+    }
+}
+
+pub async fn list_snapshots(ctd: &Containerd) -> Vec<String> {
+    let Ok(stream) = ctd
+        .snapshots()
+        .list(ctd.request(ListSnapshotsRequest {
+            snapshotter: "overlayfs".into(),
+            filters: vec![],
+        }))
+        .await
+    else {
+        return Vec::new();
+    };
+    let batches: Vec<_> = stream.into_inner().collect().await;
+    batches
+        .into_iter()
+        .flatten()
+        .flat_map(|r| r.info)
+        .map(|i| i.name)
+        .collect()
+}
