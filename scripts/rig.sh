@@ -22,7 +22,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # --- packages --------------------------------------------------------------
-PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2
+PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
           docker-registry skopeo python3 ca-certificates procps)
 missing=()
 for p in "${PACKAGES[@]}"; do
