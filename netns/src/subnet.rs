@@ -32,22 +32,33 @@ impl Subnet {
         Ipv4Addr::new(POOL[0], POOL[1], self.slot, 1)
     }
 
+    /// Host `n` of this /24 (`.1` is the gateway).
+    pub fn host(self, n: u8) -> Ipv4Addr {
+        Ipv4Addr::new(POOL[0], POOL[1], self.slot, n)
+    }
+
+    /// The subnet `ip` belongs to, if it is inside the pool.
+    pub fn of(ip: Ipv4Addr) -> Option<Self> {
+        let o = ip.octets();
+        (o[0] == POOL[0] && o[1] == POOL[1]).then_some(Self { slot: o[2] })
+    }
+
     /// Whether `ip` is inside this /24.
     pub fn contains(self, ip: Ipv4Addr) -> bool {
         let o = ip.octets();
         o[0] == POOL[0] && o[1] == POOL[1] && o[2] == self.slot
-    }
-
-    /// The bridge interface name: short enough for the kernel's 15 characters,
-    /// and derived from the slot so that it is stable across restarts.
-    pub fn bridge_name(self) -> String {
-        format!("ztbr{}", self.slot)
     }
 }
 
 impl fmt::Display for Subnet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/24", self.network())
+    }
+}
+
+impl serde::Serialize for Subnet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 
@@ -206,8 +217,6 @@ mod tests {
     fn strict_parse_accepts_only_pool_slots() {
         let s: Subnet = "10.201.42.0/24".parse().unwrap();
         assert_eq!(s.gateway(), Ipv4Addr::new(10, 201, 42, 1));
-        assert_eq!(s.bridge_name(), "ztbr42");
-        assert!(s.bridge_name().len() <= 15);
         assert!(s.contains(Ipv4Addr::new(10, 201, 42, 200)));
         assert!(!s.contains(Ipv4Addr::new(10, 201, 43, 2)));
         assert!(matches!(

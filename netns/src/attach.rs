@@ -1,0 +1,123 @@
+//! One container on one network: a namespace file, a veth pair with the host
+//! end on the bridge and `eth0` inside, its address, `lo` up and a default
+//! route via the gateway.
+//!
+//! Names are derived from the container id (namespace file) and its address
+//! (veths), so detach needs nothing but the durable record, and works after
+//! a crash whatever is left: file or not, veth or not.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use crate::config::NetConfig;
+use crate::error::{Error, Result};
+use crate::netlink::{Netlink, in_netns};
+use crate::network::Network;
+use crate::nsfile;
+use crate::subnet::Subnet;
+
+/// What attach built; enough for the runtime spec and for detach.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Attachment {
+    pub container_id: String,
+    pub subnet: Subnet,
+    pub ip: Ipv4Addr,
+    pub gateway: Ipv4Addr,
+    /// Reference this as the OCI spec's `network` namespace path.
+    pub netns_path: PathBuf,
+    pub host_veth: String,
+    pub mtu: u32,
+}
+
+/// The interface name a container sees.
+pub const CONTAINER_IFNAME: &str = "eth0";
+
+pub(crate) async fn attach(
+    cfg: &NetConfig,
+    nl: &Netlink,
+    net: &Network,
+    container_id: &str,
+    ip: Ipv4Addr,
+) -> Result<Attachment> {
+    let host = ip.octets()[3];
+    if !net.subnet.contains(ip) || !(2..=254).contains(&host) {
+        return Err(Error::IpOutside {
+            ip,
+            subnet: net.subnet,
+        });
+    }
+    let att = Attachment {
+        container_id: container_id.to_owned(),
+        subnet: net.subnet,
+        ip,
+        gateway: net.gateway,
+        netns_path: cfg.netns_path(container_id)?,
+        host_veth: cfg.host_veth_name(ip),
+        mtu: net.mtu,
+    };
+    let result = build(cfg, nl, net, &att).await;
+    if let Err(e) = &result {
+        tracing::warn!(container = container_id, %ip, error = %e, "attach failed; undoing");
+        let _ = detach(cfg, nl, container_id, Some(ip)).await;
+    }
+    result.map(|()| att)
+}
+
+async fn build(cfg: &NetConfig, nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
+    let peer = cfg.peer_veth_name(att.ip);
+    // IPAM says the address is free, so same-named veths are crash leftovers.
+    nl.delete_by_name(&att.host_veth).await?;
+    nl.delete_by_name(&peer).await?;
+    nsfile::create(&att.netns_path).await?;
+
+    nl.create_veth(&att.host_veth, &peer, net.mtu).await?;
+    let peer_link = nl
+        .link(&peer)
+        .await?
+        .ok_or_else(|| Error::Config(format!("veth end {peer} vanished right after creation")))?;
+    let ns = nsfile::open(&att.netns_path)?;
+    nl.move_to_netns(&peer_link, &ns).await?;
+    drop(ns);
+    let host_link = nl.link(&att.host_veth).await?.ok_or_else(|| {
+        Error::Config(format!(
+            "veth end {} vanished right after creation",
+            att.host_veth
+        ))
+    })?;
+    nl.attach_to_bridge(&host_link, net.index).await?;
+
+    let (ip, gateway) = (att.ip, att.gateway);
+    in_netns(&att.netns_path, move |inner| async move {
+        if let Some(lo) = inner.link("lo").await? {
+            inner.set_up(lo.index, "lo").await?;
+        }
+        let eth = inner.link(&peer).await?.ok_or_else(|| {
+            Error::Config(format!("veth end {peer} not found inside the namespace"))
+        })?;
+        inner.rename_up(&eth, CONTAINER_IFNAME).await?;
+        inner
+            .add_address(eth.index, CONTAINER_IFNAME, ip, 24)
+            .await?;
+        inner.add_default_route(gateway).await
+    })
+    .await
+}
+
+/// Removes a container's veth and namespace file. Every part may already be
+/// gone. Without `ip` the veth is not looked for: it disappears with the
+/// namespace once no process holds it.
+pub(crate) async fn detach(
+    cfg: &NetConfig,
+    nl: &Netlink,
+    container_id: &str,
+    ip: Option<Ipv4Addr>,
+) -> Result<()> {
+    let path = cfg.netns_path(container_id)?;
+    if let Some(ip) = ip {
+        // Deleting one end deletes the pair, even if a process still sits in
+        // the namespace.
+        nl.delete_by_name(&cfg.host_veth_name(ip)).await?;
+        nl.delete_by_name(&cfg.peer_veth_name(ip)).await?;
+    }
+    nsfile::remove(&path)
+}

@@ -1,0 +1,257 @@
+//! Every name the crate gives to a kernel object comes from one [`NetConfig`],
+//! so that tests and several agents can run side by side without ever seeing
+//! each other's bridges, veths, namespace files or nftables table.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::subnet::Subnet;
+
+/// Names and paths of everything this crate creates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// Prefix of every interface we create: bridges are `<prefix><slot>`,
+    /// host veth ends `<prefix><slot>v<host octet>`. 2 to 8 lowercase ASCII
+    /// letters, so a name never passes 15 characters and one prefix never
+    /// parses as another's interface.
+    pub bridge_prefix: String,
+    /// Our nftables table, in family `inet`. Letters, digits and `_`.
+    pub nft_table: String,
+    /// Directory holding one network namespace file per container.
+    pub netns_dir: PathBuf,
+    /// The `nft` binary: a bare name is looked up on `PATH`.
+    pub nft_binary: PathBuf,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        Self {
+            bridge_prefix: "ztbr".to_owned(),
+            nft_table: "zattera".to_owned(),
+            netns_dir: PathBuf::from("/run/zattera/netns"),
+            nft_binary: PathBuf::from("nft"),
+        }
+    }
+}
+
+/// Interface names the kernel accepts: at most 15 bytes.
+pub const IFNAMSIZ_MAX: usize = 15;
+
+impl NetConfig {
+    /// The agent's defaults with the table suffixed by the containerd
+    /// namespace when it is not the default one (DESIGN decision 2).
+    pub fn for_namespace(containerd_namespace: &str, run_dir: &std::path::Path) -> Result<Self> {
+        let mut cfg = Self {
+            netns_dir: run_dir.join("netns"),
+            ..Self::default()
+        };
+        if containerd_namespace != "zattera" {
+            let suffix: String = containerd_namespace
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            cfg.nft_table = format!("zattera_{suffix}");
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Rejects names that could collide with someone else's objects or that
+    /// the kernel or `nft` would not take.
+    pub fn validate(&self) -> Result<()> {
+        let p = &self.bridge_prefix;
+        if !(2..=8).contains(&p.len()) || !p.bytes().all(|b| b.is_ascii_lowercase()) {
+            return Err(Error::Config(format!(
+                "bridge prefix {p:?} must be 2 to 8 lowercase ASCII letters"
+            )));
+        }
+        let t = &self.nft_table;
+        if t.is_empty()
+            || t.len() > 64
+            || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            || !t.as_bytes()[0].is_ascii_alphabetic()
+        {
+            return Err(Error::Config(format!(
+                "nft table name {t:?} must start with a letter and hold only letters, digits and '_'"
+            )));
+        }
+        if !self.netns_dir.is_absolute() {
+            return Err(Error::Config(format!(
+                "netns dir {} must be an absolute path",
+                self.netns_dir.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The bridge of one environment subnet.
+    pub fn bridge_name(&self, subnet: Subnet) -> String {
+        format!("{}{}", self.bridge_prefix, subnet.slot())
+    }
+
+    /// The host end of a container's veth: derived from its address, which
+    /// IPAM never hands out twice, so two live attachments never share one.
+    pub fn host_veth_name(&self, ip: Ipv4Addr) -> String {
+        let o = ip.octets();
+        format!("{}{}v{}", self.bridge_prefix, o[2], o[3])
+    }
+
+    /// The container end while it is still in the host namespace (it is
+    /// renamed `eth0` inside the container's namespace).
+    pub fn peer_veth_name(&self, ip: Ipv4Addr) -> String {
+        let o = ip.octets();
+        format!("{}{}p{}", self.bridge_prefix, o[2], o[3])
+    }
+
+    /// Which of our names `ifname` is, if any.
+    pub fn parse_ifname(&self, ifname: &str) -> Option<OwnedName> {
+        let rest = ifname.strip_prefix(&self.bridge_prefix)?;
+        let slot_end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let slot: u8 = rest[..slot_end].parse().ok()?;
+        if rest[..slot_end] != slot.to_string() {
+            return None; // leading zeros: not a name we would make
+        }
+        let tail = &rest[slot_end..];
+        if tail.is_empty() {
+            return Some(OwnedName::Bridge(Subnet::from_slot(slot)));
+        }
+        let kind = tail.chars().next()?;
+        let digits = &tail[kind.len_utf8()..];
+        let host: u8 = digits.parse().ok()?;
+        if host.to_string() != digits {
+            return None;
+        }
+        let ip = Subnet::from_slot(slot).host(host);
+        match kind {
+            'v' => Some(OwnedName::HostVeth(ip)),
+            'p' => Some(OwnedName::PeerVeth(ip)),
+            _ => None,
+        }
+    }
+
+    /// Path of one container's network namespace file.
+    pub fn netns_path(&self, container_id: &str) -> Result<PathBuf> {
+        validate_container_id(container_id)?;
+        Ok(self.netns_dir.join(container_id))
+    }
+}
+
+/// An interface name that belongs to this configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnedName {
+    Bridge(Subnet),
+    HostVeth(Ipv4Addr),
+    PeerVeth(Ipv4Addr),
+}
+
+/// Container ids become file names: no separators, no dot names, bounded.
+pub fn validate_container_id(id: &str) -> Result<()> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "container id {id:?} must be 1 to 128 characters of letters, digits, '-', '_' or '.'"
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(prefix: &str) -> NetConfig {
+        NetConfig {
+            bridge_prefix: prefix.to_owned(),
+            ..NetConfig::default()
+        }
+    }
+
+    #[test]
+    fn names_fit_the_kernel_limit() {
+        let c = cfg("abcdefgh");
+        c.validate().unwrap();
+        let ip = Ipv4Addr::new(10, 201, 255, 254);
+        assert!(c.bridge_name(Subnet::from_slot(255)).len() <= IFNAMSIZ_MAX);
+        assert!(c.host_veth_name(ip).len() <= IFNAMSIZ_MAX);
+        assert!(c.peer_veth_name(ip).len() <= IFNAMSIZ_MAX);
+    }
+
+    #[test]
+    fn names_round_trip_and_foreign_names_do_not_parse() {
+        let c = cfg("ztbr");
+        let ip = Ipv4Addr::new(10, 201, 7, 42);
+        assert_eq!(
+            c.parse_ifname(&c.bridge_name(Subnet::from_slot(7))),
+            Some(OwnedName::Bridge(Subnet::from_slot(7)))
+        );
+        assert_eq!(
+            c.parse_ifname(&c.host_veth_name(ip)),
+            Some(OwnedName::HostVeth(ip))
+        );
+        assert_eq!(
+            c.parse_ifname(&c.peer_veth_name(ip)),
+            Some(OwnedName::PeerVeth(ip))
+        );
+        for foreign in [
+            "eth0",
+            "ztbr",
+            "ztbr07",
+            "ztbr256",
+            "ztbrx1",
+            "ztbr1v",
+            "ztbr1q2",
+            "ztbr1v300",
+        ] {
+            assert_eq!(c.parse_ifname(foreign), None, "{foreign}");
+        }
+        // A longer prefix never parses under a shorter one, nor the reverse.
+        assert_eq!(cfg("zt").parse_ifname("ztbr5"), None);
+        assert_eq!(cfg("ztbra").parse_ifname("ztbr5"), None);
+    }
+
+    #[test]
+    fn bad_config_is_refused() {
+        assert!(cfg("zt1").validate().is_err());
+        assert!(cfg("z").validate().is_err());
+        assert!(cfg("abcdefghi").validate().is_err());
+        let mut c = cfg("ztbr");
+        c.nft_table = "bad name".into();
+        assert!(c.validate().is_err());
+        let mut c = cfg("ztbr");
+        c.netns_dir = "relative".into();
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn container_ids_are_safe_file_names() {
+        validate_container_id("abc-123_x.y").unwrap();
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(validate_container_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn namespace_suffixes_the_table() {
+        let run = std::path::Path::new("/run/zattera");
+        assert_eq!(
+            NetConfig::for_namespace("zattera", run).unwrap().nft_table,
+            "zattera"
+        );
+        assert_eq!(
+            NetConfig::for_namespace("zt-test-1", run)
+                .unwrap()
+                .nft_table,
+            "zattera_zt_test_1"
+        );
+    }
+}

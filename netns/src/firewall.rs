@@ -1,0 +1,237 @@
+//! The agent's nftables table, rendered from a desired state.
+//!
+//! The whole table is rebuilt in one `nft -f` transaction
+//! (`table; delete table; table { ... }`), so the kernel switches from the old
+//! rules to the new ones atomically and a rebuild from the same state is a
+//! no-op. Only our table (family `inet`) is ever named: other tables, and the
+//! host's own ruleset, are never read into the transaction nor flushed.
+//!
+//! The rules, per chain (all with policy accept, so they only ever act on
+//! traffic of our bridges and published ports):
+//! - `prerouting`/`output` (nat): DNAT of published ports, through maps keyed
+//!   by `address . port` (one host address) or `port` (any local address);
+//!   `output` covers connections made on the host itself, loopback included.
+//! - `postrouting` (nat): masquerade a subnet leaving through a non-bridge
+//!   interface; masquerade loopback-sourced traffic DNATed onto a bridge
+//!   (needs `route_localnet`); hairpin masquerade for a container reaching a
+//!   published port of its own bridge.
+//! - `forward` (filter): established/related and DNATed flows accepted;
+//!   inside one bridge accepted; between two of our bridges dropped; out of a
+//!   bridge accepted; unsolicited traffic into a bridge dropped.
+//! - `input` (filter): DNS from each bridge to its own gateway accepted.
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+
+use crate::subnet::Subnet;
+
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+/// One environment bridge the rules cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BridgeRules {
+    pub bridge: String,
+    pub subnet: Subnet,
+}
+
+/// `host_ip:host_port -> container_ip:container_port`. A `host_ip` of
+/// 0.0.0.0 means every local address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PublishedPort {
+    pub proto: Proto,
+    pub host_ip: Ipv4Addr,
+    pub host_port: u16,
+    pub container_ip: Ipv4Addr,
+    pub container_port: u16,
+}
+
+/// Everything the table must hold. Build it from the agent's state and hand
+/// it to [`crate::nft::Nft::apply`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FirewallState {
+    pub bridges: Vec<BridgeRules>,
+    pub published: Vec<PublishedPort>,
+}
+
+/// The `nft -f` script that replaces table `inet <table>` with `state`.
+pub fn render(table: &str, state: &FirewallState) -> String {
+    let mut bridges = state.bridges.clone();
+    bridges.sort_by_key(|b| b.subnet);
+    bridges.dedup();
+    let mut published = state.published.clone();
+    published.sort();
+    published.dedup();
+
+    let mut s = String::new();
+    // Declaring then deleting makes the delete valid when the table is absent.
+    let _ = writeln!(
+        s,
+        "table inet {table}\ndelete table inet {table}\ntable inet {table} {{"
+    );
+
+    let names: Vec<String> = bridges
+        .iter()
+        .map(|b| format!("\"{}\"", b.bridge))
+        .collect();
+    s.push_str("  set bridges {\n    type ifname\n");
+    push_elements(&mut s, &names);
+    s.push_str("  }\n");
+
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let p = proto.name();
+        let one: Vec<String> = published
+            .iter()
+            .filter(|x| x.proto == proto && !x.host_ip.is_unspecified())
+            .map(|x| {
+                format!(
+                    "{} . {} : {} . {}",
+                    x.host_ip, x.host_port, x.container_ip, x.container_port
+                )
+            })
+            .collect();
+        let any: Vec<String> = published
+            .iter()
+            .filter(|x| x.proto == proto && x.host_ip.is_unspecified())
+            .map(|x| {
+                format!(
+                    "{} : {} . {}",
+                    x.host_port, x.container_ip, x.container_port
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            "  map pub_{p} {{\n    type ipv4_addr . inet_service : ipv4_addr . inet_service"
+        );
+        push_elements(&mut s, &one);
+        s.push_str("  }\n");
+        let _ = writeln!(
+            s,
+            "  map puball_{p} {{\n    type inet_service : ipv4_addr . inet_service"
+        );
+        push_elements(&mut s, &any);
+        s.push_str("  }\n");
+    }
+
+    for (chain, hook, prio) in [
+        ("prerouting", "prerouting", "dstnat"),
+        ("output", "output", "-100"),
+    ] {
+        let _ = writeln!(
+            s,
+            "  chain {chain} {{\n    type nat hook {hook} priority {prio}; policy accept;"
+        );
+        for p in ["tcp", "udp"] {
+            let _ = writeln!(s, "    dnat ip to ip daddr . {p} dport map @pub_{p}");
+            let _ = writeln!(
+                s,
+                "    fib daddr type local dnat ip to {p} dport map @puball_{p}"
+            );
+        }
+        s.push_str("  }\n");
+    }
+
+    s.push_str(
+        "  chain postrouting {\n    type nat hook postrouting priority srcnat; policy accept;\n",
+    );
+    s.push_str("    ip saddr 127.0.0.0/8 oifname @bridges masquerade\n");
+    for b in &bridges {
+        let (n, net) = (&b.bridge, b.subnet);
+        let _ = writeln!(
+            s,
+            "    ct status dnat oifname \"{n}\" ip saddr {net} ip daddr {net} masquerade"
+        );
+        let _ = writeln!(s, "    ip saddr {net} oifname != @bridges masquerade");
+    }
+    s.push_str("  }\n");
+
+    s.push_str("  chain forward {\n    type filter hook forward priority filter; policy accept;\n");
+    s.push_str(
+        "    ct state established,related accept\n    ct status dnat oifname @bridges accept\n",
+    );
+    for b in &bridges {
+        let _ = writeln!(s, "    iifname \"{0}\" oifname \"{0}\" accept", b.bridge);
+    }
+    s.push_str("    iifname @bridges oifname @bridges drop\n");
+    s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
+
+    s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
+    for b in &bridges {
+        for p in ["udp", "tcp"] {
+            let _ = writeln!(
+                s,
+                "    iifname \"{}\" ip daddr {} {p} dport 53 accept",
+                b.bridge,
+                b.subnet.gateway()
+            );
+        }
+    }
+    s.push_str("  }\n}\n");
+    s
+}
+
+fn push_elements(s: &mut String, elements: &[String]) {
+    if !elements.is_empty() {
+        let _ = writeln!(s, "    elements = {{ {} }}", elements.join(", "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_one_atomic_replacement_of_our_table_only() {
+        let state = FirewallState {
+            bridges: vec![BridgeRules {
+                bridge: "ztbr5".into(),
+                subnet: Subnet::from_slot(5),
+            }],
+            published: vec![
+                PublishedPort {
+                    proto: Proto::Tcp,
+                    host_ip: Ipv4Addr::LOCALHOST,
+                    host_port: 8080,
+                    container_ip: Ipv4Addr::new(10, 201, 5, 2),
+                    container_port: 80,
+                },
+                PublishedPort {
+                    proto: Proto::Udp,
+                    host_ip: Ipv4Addr::UNSPECIFIED,
+                    host_port: 5353,
+                    container_ip: Ipv4Addr::new(10, 201, 5, 3),
+                    container_port: 53,
+                },
+            ],
+        };
+        let script = render("zattera_t", &state);
+        assert!(script.starts_with("table inet zattera_t\ndelete table inet zattera_t\n"));
+        assert!(!script.contains("flush ruleset"));
+        assert!(script.contains("127.0.0.1 . 8080 : 10.201.5.2 . 80"));
+        assert!(script.contains("5353 : 10.201.5.3 . 53"));
+        assert!(script.contains("ip saddr 10.201.5.0/24 oifname != @bridges masquerade"));
+        assert!(script.contains("iifname \"ztbr5\" ip daddr 10.201.5.1 udp dport 53 accept"));
+        // Every table the script names is ours.
+        for line in script.lines().filter(|l| l.contains("table ")) {
+            assert!(line.contains("inet zattera_t"), "{line}");
+        }
+        // Deterministic: the same state renders the same script.
+        assert_eq!(script, render("zattera_t", &state));
+    }
+}

@@ -1,0 +1,243 @@
+//! What exists in the kernel under our names, read directly (no agent
+//! needed), and the garbage-collection plan built from it.
+//!
+//! Without the agent's records, gc removes only what is provably broken:
+//! namespace files that are not mounted or hold no `eth0` (a crash in the
+//! middle of attach), veth ends left in the host namespace or off any
+//! bridge, bridges with no port, and our table once no bridge is left. A
+//! caller that knows the live containers (the agent) passes them as `keep`,
+//! and every other container's namespace and veth goes too.
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use crate::config::OwnedName;
+use crate::error::Result;
+use crate::netlink::in_netns;
+use crate::network::owned_scope;
+use crate::node::NetNode;
+use crate::nsfile;
+use crate::subnet::Subnet;
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BridgeInfo {
+    pub name: String,
+    /// The logical network name; `None` when the bridge is not ours.
+    pub scope: Option<String>,
+    pub subnet: Subnet,
+    pub addresses: Vec<String>,
+    pub ports: Vec<String>,
+    pub up: bool,
+    pub mtu: u32,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct VethInfo {
+    pub name: String,
+    /// The container address the name was derived from.
+    pub ip: Ipv4Addr,
+    /// The bridge it is a port of.
+    pub bridge: Option<String>,
+    /// Whether the other end is in another namespace (a complete attachment).
+    pub peer_elsewhere: bool,
+    /// A container end still in the host namespace.
+    pub stray_peer: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct NetnsInfo {
+    pub container_id: String,
+    pub path: PathBuf,
+    pub mounted: bool,
+    /// `eth0`'s address inside, when present.
+    pub ip: Option<Ipv4Addr>,
+}
+
+/// Everything of ours the kernel holds.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Inventory {
+    pub bridges: Vec<BridgeInfo>,
+    pub veths: Vec<VethInfo>,
+    pub netns: Vec<NetnsInfo>,
+    pub table: String,
+    pub table_present: bool,
+}
+
+pub async fn read(node: &NetNode) -> Result<Inventory> {
+    let cfg = node.config();
+    let nl = node.netlink();
+    let links = nl.links().await?;
+    let name_of = |index: u32| {
+        links
+            .iter()
+            .find(|l| l.index == index)
+            .map(|l| l.name.clone())
+    };
+    let mut bridges = Vec::new();
+    let mut veths = Vec::new();
+    for link in &links {
+        match cfg.parse_ifname(&link.name) {
+            Some(OwnedName::Bridge(subnet)) => {
+                let addresses = nl
+                    .ipv4_addresses(link.index, &link.name)
+                    .await?
+                    .into_iter()
+                    .map(|(a, p)| format!("{a}/{p}"))
+                    .collect();
+                let ports = links
+                    .iter()
+                    .filter(|l| l.controller == Some(link.index))
+                    .map(|l| l.name.clone())
+                    .collect();
+                bridges.push(BridgeInfo {
+                    name: link.name.clone(),
+                    scope: owned_scope(link).map(str::to_owned),
+                    subnet,
+                    addresses,
+                    ports,
+                    up: link.up,
+                    mtu: link.mtu,
+                });
+            }
+            Some(OwnedName::HostVeth(ip) | OwnedName::PeerVeth(ip))
+                if link.kind.as_deref() == Some("veth") =>
+            {
+                veths.push(VethInfo {
+                    name: link.name.clone(),
+                    ip,
+                    bridge: link.controller.and_then(name_of),
+                    peer_elsewhere: link.peer_netns_id.is_some_and(|id| id >= 0),
+                    stray_peer: matches!(
+                        cfg.parse_ifname(&link.name),
+                        Some(OwnedName::PeerVeth(_))
+                    ),
+                });
+            }
+            _ => {}
+        }
+    }
+    let mut netns = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(&cfg.netns_dir) {
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let Some(id) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if crate::config::validate_container_id(&id).is_err()
+                || !entry.file_type().is_ok_and(|t| t.is_file())
+            {
+                continue;
+            }
+            let mounted = nsfile::is_mounted(&path);
+            let ip = if mounted {
+                eth0_address(path.clone()).await
+            } else {
+                None
+            };
+            netns.push(NetnsInfo {
+                container_id: id,
+                path,
+                mounted,
+                ip,
+            });
+        }
+    }
+    netns.sort_by(|a, b| a.container_id.cmp(&b.container_id));
+    let table_present = node.nft().list()?.is_some();
+    Ok(Inventory {
+        bridges,
+        veths,
+        netns,
+        table: cfg.nft_table.clone(),
+        table_present,
+    })
+}
+
+async fn eth0_address(path: PathBuf) -> Option<Ipv4Addr> {
+    in_netns(&path, |nl| async move {
+        let Some(eth) = nl.link(crate::attach::CONTAINER_IFNAME).await? else {
+            return Ok(None);
+        };
+        Ok(nl
+            .ipv4_addresses(eth.index, crate::attach::CONTAINER_IFNAME)
+            .await?
+            .first()
+            .map(|(a, _)| *a))
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// What gc would remove.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GcPlan {
+    pub netns: Vec<PathBuf>,
+    pub veths: Vec<String>,
+    pub bridges: Vec<String>,
+    pub delete_table: bool,
+}
+
+impl GcPlan {
+    pub fn is_empty(&self) -> bool {
+        self.netns.is_empty()
+            && self.veths.is_empty()
+            && self.bridges.is_empty()
+            && !self.delete_table
+    }
+}
+
+/// Builds the plan; see the module docs for what counts as garbage.
+pub fn plan(inv: &Inventory, keep: Option<&BTreeSet<String>>) -> GcPlan {
+    let mut plan = GcPlan::default();
+    let mut dead_ips = BTreeSet::new();
+    for ns in &inv.netns {
+        let unwanted = keep.is_some_and(|k| !k.contains(&ns.container_id));
+        if !ns.mounted || ns.ip.is_none() || unwanted {
+            plan.netns.push(ns.path.clone());
+            if let Some(ip) = ns.ip {
+                dead_ips.insert(ip);
+            }
+        }
+    }
+    for v in &inv.veths {
+        if v.stray_peer || v.bridge.is_none() || !v.peer_elsewhere || dead_ips.contains(&v.ip) {
+            plan.veths.push(v.name.clone());
+        }
+    }
+    let mut bridges_left = 0;
+    for b in inv.bridges.iter().filter(|b| b.scope.is_some()) {
+        if b.ports.iter().all(|p| plan.veths.contains(p)) {
+            plan.bridges.push(b.name.clone());
+        } else {
+            bridges_left += 1;
+        }
+    }
+    plan.delete_table = inv.table_present && bridges_left == 0;
+    plan
+}
+
+/// Carries out a plan: veths, then namespace files, then bridges, then the
+/// table. Each step is idempotent, so a failed gc can simply be run again.
+pub async fn apply(node: &NetNode, plan: &GcPlan) -> Result<()> {
+    let nl = node.netlink();
+    for v in &plan.veths {
+        nl.delete_by_name(v).await?;
+    }
+    for path in &plan.netns {
+        nsfile::remove(path)?;
+    }
+    for b in &plan.bridges {
+        // Re-checked by name at delete time: only bridges that still carry our alias.
+        if let Some(link) = nl.link(b).await?
+            && owned_scope(&link).is_some()
+        {
+            nl.delete(link.index, b).await?;
+        }
+    }
+    if plan.delete_table {
+        node.remove_rules()?;
+    }
+    Ok(())
+}

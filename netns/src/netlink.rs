@@ -1,0 +1,349 @@
+//! The narrow rtnetlink surface this crate needs: links, addresses, routes.
+//! Everything else talks to the kernel through [`Netlink`], so the netlink
+//! details (message builders, error codes) stay in this one file.
+//!
+//! A netlink socket is bound to the network namespace of the thread that
+//! opened it; [`in_netns`] uses that to configure the inside of a container
+//! namespace from a short-lived thread.
+
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::Path;
+
+use futures::TryStreamExt;
+use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::link::{
+    InfoBridgePort, InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+};
+use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+use crate::error::{Error, Result};
+
+const ENODEV: i32 = 19;
+const ENOENT: i32 = 2;
+const EADDRNOTAVAIL: i32 = 99;
+
+/// What we read back about one interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// The rtnetlink kind (`bridge`, `veth`, ...), `None` for plain devices.
+    pub kind: Option<String>,
+    pub alias: Option<String>,
+    /// Index of the bridge this interface is a port of.
+    pub controller: Option<u32>,
+    pub mtu: u32,
+    pub up: bool,
+    /// Set on a veth whose peer lives in another namespace.
+    pub peer_netns_id: Option<i32>,
+}
+
+impl Link {
+    fn from_message(msg: &LinkMessage) -> Self {
+        let mut link = Link {
+            index: msg.header.index,
+            name: String::new(),
+            kind: None,
+            alias: None,
+            controller: None,
+            mtu: 0,
+            up: msg.header.flags.contains(LinkFlags::Up),
+            peer_netns_id: None,
+        };
+        for attr in &msg.attributes {
+            match attr {
+                LinkAttribute::IfName(n) => link.name.clone_from(n),
+                LinkAttribute::IfAlias(a) => link.alias = Some(a.clone()),
+                LinkAttribute::Controller(c) => link.controller = Some(*c),
+                LinkAttribute::Mtu(m) => link.mtu = *m,
+                LinkAttribute::LinkNetNsId(id) => link.peer_netns_id = Some(*id),
+                LinkAttribute::LinkInfo(infos) => {
+                    for info in infos {
+                        if let LinkInfo::Kind(kind) = info {
+                            link.kind = Some(kind_name(kind));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        link
+    }
+
+    pub fn is_bridge(&self) -> bool {
+        self.kind.as_deref() == Some("bridge")
+    }
+}
+
+fn kind_name(kind: &InfoKind) -> String {
+    match kind {
+        InfoKind::Bridge => "bridge".to_owned(),
+        InfoKind::Veth => "veth".to_owned(),
+        InfoKind::Dummy => "dummy".to_owned(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Whether a netlink error means "no such object".
+pub(crate) fn is_not_found(err: &rtnetlink::Error) -> bool {
+    matches!(err, rtnetlink::Error::NetlinkError(m)
+        if [ENODEV, ENOENT, EADDRNOTAVAIL].contains(&-m.raw_code()))
+}
+
+/// A connection to rtnetlink in one network namespace.
+#[derive(Debug, Clone)]
+pub struct Netlink {
+    handle: Handle,
+}
+
+impl Netlink {
+    /// Opens a connection in the calling thread's namespace and drives it on
+    /// the current tokio runtime.
+    pub fn connect() -> Result<Self> {
+        let (conn, handle, _) =
+            rtnetlink::new_connection().map_err(|source| Error::NetlinkSocket {
+                context: String::new(),
+                source,
+            })?;
+        tokio::spawn(conn);
+        Ok(Self { handle })
+    }
+
+    pub async fn link(&self, name: &str) -> Result<Option<Link>> {
+        let mut stream = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_owned())
+            .execute();
+        match stream.try_next().await {
+            Ok(msg) => Ok(msg.as_ref().map(Link::from_message)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(Error::netlink("look up link", name, e)),
+        }
+    }
+
+    pub async fn links(&self) -> Result<Vec<Link>> {
+        self.handle
+            .link()
+            .get()
+            .execute()
+            .map_ok(|m| Link::from_message(&m))
+            .try_collect()
+            .await
+            .map_err(|e| Error::netlink("list", "links", e))
+    }
+
+    /// Creates a bridge, down, with `alias` recording its owner and scope.
+    pub async fn create_bridge(&self, name: &str, alias: &str) -> Result<()> {
+        let msg = LinkBridge::new(name).alias(alias).build();
+        self.handle
+            .link()
+            .add(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("create bridge", name, e))
+    }
+
+    pub async fn set_alias(&self, link: &Link, alias: &str) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(link.index).alias(alias).build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("set alias of", &link.name, e))
+    }
+
+    pub async fn set_up(&self, index: u32, name: &str) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(index).up().build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("bring up", name, e))
+    }
+
+    /// Deletes a link; an absent one is not an error.
+    pub async fn delete(&self, index: u32, name: &str) -> Result<()> {
+        match self.handle.link().del(index).execute().await {
+            Err(e) if !is_not_found(&e) => Err(Error::netlink("delete", name, e)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Deletes a link by name; an absent one is not an error.
+    pub async fn delete_by_name(&self, name: &str) -> Result<bool> {
+        match self.link(name).await? {
+            Some(link) => self.delete(link.index, name).await.map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    pub async fn ipv4_addresses(&self, index: u32, name: &str) -> Result<Vec<(Ipv4Addr, u8)>> {
+        let msgs: Vec<_> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| Error::netlink("list addresses of", name, e))?;
+        let mut out = Vec::new();
+        for m in msgs {
+            for attr in &m.attributes {
+                if let AddressAttribute::Local(std::net::IpAddr::V4(ip))
+                | AddressAttribute::Address(std::net::IpAddr::V4(ip)) = attr
+                    && !out.iter().any(|(a, _)| a == ip)
+                {
+                    out.push((*ip, m.header.prefix_len));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn add_address(
+        &self,
+        index: u32,
+        name: &str,
+        ip: Ipv4Addr,
+        prefix: u8,
+    ) -> Result<()> {
+        self.handle
+            .address()
+            .add(index, ip.into(), prefix)
+            .replace()
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("add address to", format!("{name} ({ip}/{prefix})"), e))
+    }
+
+    /// Links enslaved to the bridge with index `bridge`.
+    pub async fn ports_of(&self, bridge: u32) -> Result<Vec<Link>> {
+        Ok(self
+            .links()
+            .await?
+            .into_iter()
+            .filter(|l| l.controller == Some(bridge))
+            .collect())
+    }
+
+    /// Creates a veth pair in this namespace with both ends at `mtu`.
+    pub async fn create_veth(&self, host: &str, peer: &str, mtu: u32) -> Result<()> {
+        let msg = LinkVeth::new(host, peer).mtu(mtu).build();
+        self.handle
+            .link()
+            .add(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("create veth", format!("{host} <-> {peer}"), e))
+    }
+
+    /// Puts a link on a bridge, with hairpin so a container can reach its own
+    /// published port, and brings it up.
+    pub async fn attach_to_bridge(&self, port: &Link, bridge: u32) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(port.index)
+            .controller(bridge)
+            .build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("attach to bridge", &port.name, e))?;
+        let msg = LinkBridgePort::new(port.index)
+            .append_info_data(InfoBridgePort::HairpinMode(true))
+            .build();
+        self.handle
+            .link()
+            .set_port(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("set hairpin on", &port.name, e))?;
+        self.set_up(port.index, &port.name).await
+    }
+
+    /// Moves a link into the namespace behind `netns`.
+    pub async fn move_to_netns(&self, link: &Link, netns: &impl AsFd) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(link.index)
+            .setns_by_fd(netns.as_fd().as_raw_fd())
+            .build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("move into container namespace", &link.name, e))
+    }
+
+    /// Renames a (down) link and sets it up.
+    pub async fn rename_up(&self, link: &Link, new_name: &str) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(link.index)
+            .name(new_name.to_owned())
+            .up()
+            .build();
+        self.handle.link().set(msg).execute().await.map_err(|e| {
+            Error::netlink(
+                "rename and bring up",
+                format!("{} -> {new_name}", link.name),
+                e,
+            )
+        })
+    }
+
+    pub async fn add_default_route(&self, gateway: Ipv4Addr) -> Result<()> {
+        let route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .gateway(gateway)
+            .build();
+        self.handle
+            .route()
+            .add(route)
+            .replace()
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("add default route via", gateway.to_string(), e))
+    }
+}
+
+/// Runs `work` with a [`Netlink`] bound to the namespace file at `path`, on a
+/// dedicated thread that enters the namespace and then exits, so no thread of
+/// the caller's runtime ever changes namespace.
+pub async fn in_netns<T, F, Fut>(path: &Path, work: F) -> Result<T>
+where
+    T: Send + 'static,
+    F: FnOnce(Netlink) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let path = path.to_owned();
+    let what = format!("netns {}", path.display());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("zt-netns".into())
+        .spawn(move || {
+            let _ = tx.send(run_in_netns(&path, work));
+        })
+        .map_err(|_| Error::Thread(what.clone()))?;
+    rx.await.map_err(|_| Error::Thread(what))?
+}
+
+fn run_in_netns<T, F, Fut>(path: &Path, work: F) -> Result<T>
+where
+    F: FnOnce(Netlink) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let file = std::fs::File::open(path).map_err(|e| Error::netns(path, "open", e))?;
+    nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(|e| Error::netns(path, "enter (setns)", e))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::netns(path, "start a runtime for", e))?;
+    rt.block_on(async {
+        let nl = Netlink::connect()?;
+        work(nl).await
+    })
+}

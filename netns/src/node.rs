@@ -1,0 +1,161 @@
+//! [`NetNode`]: the one object the agent's executor holds. It ties the
+//! config, a netlink connection and our nftables table together and keeps
+//! the last firewall state it applied, so ensuring or removing a network
+//! updates that network's rules too.
+
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+
+use crate::attach::{self, Attachment};
+use crate::config::NetConfig;
+use crate::error::{Error, Result};
+use crate::firewall::{BridgeRules, FirewallState, PublishedPort};
+use crate::netlink::Netlink;
+use crate::network::{self, Network};
+use crate::nft::Nft;
+use crate::subnet::Subnet;
+use crate::sysctl;
+
+#[derive(Debug)]
+pub struct NetNode {
+    cfg: NetConfig,
+    nl: Netlink,
+    nft: Nft,
+    /// What the table holds now (as far as this process knows: the table is
+    /// rebuilt whole from this on every change).
+    rules: Mutex<FirewallState>,
+}
+
+impl NetNode {
+    /// Validates `cfg` and opens a netlink connection on the current tokio
+    /// runtime. Touches nothing yet.
+    pub fn new(cfg: NetConfig) -> Result<Self> {
+        cfg.validate()?;
+        let nft = Nft::new(cfg.nft_binary.clone(), cfg.nft_table.clone());
+        Ok(Self {
+            nl: Netlink::connect()?,
+            nft,
+            cfg,
+            rules: Mutex::new(FirewallState::default()),
+        })
+    }
+
+    pub fn config(&self) -> &NetConfig {
+        &self.cfg
+    }
+
+    pub fn netlink(&self) -> &Netlink {
+        &self.nl
+    }
+
+    pub fn nft(&self) -> &Nft {
+        &self.nft
+    }
+
+    /// runtime.md N-4: the bridge for `subnet`, named after its slot, carrying
+    /// `scope` as its logical name, with the gateway `.1/24`, up; forwarding
+    /// and `route_localnet` on; the network's rules in our table. Idempotent.
+    /// An existing bridge with another subnet or scope is re-created when
+    /// nothing is attached to it, and is an error naming both otherwise.
+    pub async fn ensure_network(&self, scope: &str, subnet: Subnet) -> Result<Network> {
+        let name = self.cfg.bridge_name(subnet);
+        let net = network::ensure_bridge(&self.nl, &name, scope, subnet).await?;
+        sysctl::enable_forwarding()?;
+        sysctl::enable_route_localnet(&name)?;
+        self.update_rules(|s| {
+            if !s.bridges.iter().any(|b| b.bridge == name) {
+                s.bridges.push(BridgeRules {
+                    bridge: name.clone(),
+                    subnet,
+                });
+            }
+        })?;
+        Ok(net)
+    }
+
+    /// The network of `subnet` if its bridge exists.
+    pub async fn network(&self, subnet: Subnet) -> Result<Option<Network>> {
+        network::lookup(&self.nl, &self.cfg.bridge_name(subnet), subnet).await
+    }
+
+    /// runtime.md N-5: removes the network's rules (and published ports into
+    /// it), then its bridge. Idempotent. Attached containers lose their link.
+    pub async fn remove_network(&self, subnet: Subnet) -> Result<()> {
+        let name = self.cfg.bridge_name(subnet);
+        // Refuse before changing anything if the name is not ours.
+        let existing = network::lookup(&self.nl, &name, subnet).await?;
+        self.update_rules(|s| {
+            s.bridges.retain(|b| b.bridge != name);
+            s.published.retain(|p| !subnet.contains(p.container_ip));
+        })?;
+        if let Some(net) = existing {
+            self.nl.delete(net.index, &name).await?;
+        }
+        Ok(())
+    }
+
+    /// Attaches a container with address `ip` (from [`crate::Ipam`]) to the
+    /// network of `subnet`, which must have been ensured.
+    pub async fn attach(
+        &self,
+        container_id: &str,
+        subnet: Subnet,
+        ip: Ipv4Addr,
+    ) -> Result<Attachment> {
+        let net = self
+            .network(subnet)
+            .await?
+            .ok_or(Error::NoNetwork(subnet))?;
+        attach::attach(&self.cfg, &self.nl, &net, container_id, ip).await
+    }
+
+    /// Removes a container's veth and namespace file; idempotent, and fine
+    /// after a crash that left any part of them. Pass the address from the
+    /// container's record when known.
+    pub async fn detach(&self, container_id: &str, ip: Option<Ipv4Addr>) -> Result<()> {
+        attach::detach(&self.cfg, &self.nl, container_id, ip).await
+    }
+
+    /// Replaces the published ports and rebuilds the table.
+    pub fn set_published(&self, ports: Vec<PublishedPort>) -> Result<()> {
+        self.update_rules(|s| s.published = ports)
+    }
+
+    /// Rebuilds the whole table from `state` (at start, from the agent's
+    /// records), in one transaction.
+    pub fn apply_rules(&self, state: FirewallState) -> Result<()> {
+        self.update_rules(|s| *s = state)
+    }
+
+    /// Deletes our table: the host's ruleset is as it was before us.
+    pub fn remove_rules(&self) -> Result<()> {
+        let mut guard = self
+            .rules
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.nft.delete()?;
+        *guard = FirewallState::default();
+        Ok(())
+    }
+
+    /// The rules state last applied.
+    pub fn rules(&self) -> FirewallState {
+        self.rules
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn update_rules(&self, change: impl FnOnce(&mut FirewallState)) -> Result<()> {
+        let mut guard = self
+            .rules
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut next = guard.clone();
+        change(&mut next);
+        // Keep the current state on failure: the kernel still holds it.
+        self.nft.apply(&next)?;
+        *guard = next;
+        Ok(())
+    }
+}
