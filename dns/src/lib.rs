@@ -1,10 +1,51 @@
-//! zattera-dns: the scoped internal resolver bound on each bridge gateway.
+//! zattera-dns: the scoped internal resolver bound on each bridge gateway
+//! (runtime.md §8, DESIGN.md decision 6).
 //!
-//! Each listener answers only for its own scope (project, environment):
-//! `<app>.internal` and `<app>.<env>.<project>.internal`. Every other name is
-//! relayed to the host's upstream resolvers. Today this crate holds the name
-//! rules ([`name`]); listeners land with the DNS issue.
+//! The agent holds one [`DnsServer`] and drives it with two calls:
+//!
+//! * [`DnsServer::reconcile`] with one [`ListenerSpec`] (gateway address,
+//!   [`Scope`]) per network: UDP and TCP listeners on `<gateway>:53` are
+//!   opened, moved to a new scope, or closed to match; failed binds come
+//!   back as [`ListenerState::Failed`] and are retried at the next call.
+//! * [`DnsServer::set_table`] with a [`NameTable`] built from a route
+//!   snapshot ([`NameTable::from_routes`], answers are VIPs) or, standalone,
+//!   from the healthy local instances ([`NameTable::from_instances`]). The
+//!   table is swapped atomically: readers never wait.
+//!
+//! A listener of scope S answers `<app>.internal` and
+//! `<app>.<env>.<project>.internal` from the table when the name belongs to
+//! S, NXDOMAIN for any other internal name, and relays every other name to
+//! the host's upstream resolvers ([`UpstreamSource`]).
+//!
+//! Module map, one job each:
+//!
+//! | module | job |
+//! |---|---|
+//! | [`name`] | internal name rules and [`Scope`] |
+//! | [`table`] | the name table and its inputs |
+//! | [`request`] | bytes in, decision out: answer, forward or drop (no I/O) |
+//! | `forward` | raw relay to the upstreams over UDP or TCP |
+//! | [`upstream`] | the upstream list from resolv.conf, re-read on change |
+//! | `udp`, `tcp` | receive loops (why not hickory-server: see `udp`) |
+//! | `listener` | binding one gateway's sockets |
+//! | `server` | [`DnsServer`] and reconcile |
 
+mod config;
+mod context;
+mod error;
+mod forward;
+mod listener;
 pub mod name;
+pub mod request;
+mod server;
+pub mod table;
+mod tcp;
+mod udp;
+pub mod upstream;
 
-pub use name::{InternalName, Scope};
+pub use config::Config;
+pub use error::{BindError, Error};
+pub use name::{InternalName, NameClass, Scope};
+pub use server::{DnsServer, ListenerSpec, ListenerState, ListenerStatus};
+pub use table::{LocalInstance, NameTable, RouteService};
+pub use upstream::UpstreamSource;

@@ -1,13 +1,36 @@
 //! Internal names and the scope a listener answers for (runtime.md §8, D-7).
 
 /// The (project, environment) a gateway's listener serves.
+///
+/// Following the recommended reading of D-7, `project` is the project **id**
+/// and `environment` the environment **name** (`production`, `staging`): two
+/// apps of one project and environment name share a scope even though each
+/// has its own environment id.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Scope {
     pub project: String,
     pub environment: String,
 }
 
-/// A query name under `.internal`, split into its parts.
+impl Scope {
+    pub fn new(project: impl Into<String>, environment: impl Into<String>) -> Self {
+        Self {
+            project: project.into(),
+            environment: environment.into(),
+        }
+    }
+
+    /// The form used as a table key: environment names are DNS labels, so
+    /// they compare without case; project ids are opaque and kept as given.
+    pub(crate) fn normalized(&self) -> Self {
+        Self {
+            project: self.project.clone(),
+            environment: self.environment.to_ascii_lowercase(),
+        }
+    }
+}
+
+/// A query name under `.internal`, split into its parts (lower case).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum InternalName {
     /// `<app>.internal`: the app in the asker's own scope.
@@ -20,47 +43,58 @@ pub enum InternalName {
     },
 }
 
+/// Where a query name belongs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NameClass {
+    /// Not under `.internal`: relayed upstream.
+    External,
+    /// Under `.internal` and well formed.
+    Internal(InternalName),
+    /// Under `.internal` but of no form we answer (`internal` alone, three
+    /// labels, five or more, odd bytes): NXDOMAIN.
+    Invalid,
+}
+
 impl InternalName {
-    /// Parses a query name (case-insensitive, trailing dot optional). `None`
-    /// means the name is not internal and goes upstream; `Some(Err)` means
-    /// it is under `.internal` but has no meaning here (NXDOMAIN).
-    pub fn parse(qname: &str) -> Option<Result<Self, ()>> {
-        let lower = qname.trim_end_matches('.').to_ascii_lowercase();
-        let rest = lower
-            .strip_suffix(".internal")
-            .or_else(|| (lower == "internal").then_some(""))?;
-        let labels: Vec<&str> = if rest.is_empty() {
-            vec![]
-        } else {
-            rest.split('.').collect()
-        };
-        Some(match labels.as_slice() {
-            [app] => Ok(Self::Short {
-                app: (*app).to_owned(),
-            }),
-            [app, env, project] => Ok(Self::Qualified {
-                app: (*app).to_owned(),
-                environment: (*env).to_owned(),
-                project: (*project).to_owned(),
-            }),
-            _ => Err(()),
-        })
+    /// Classifies a dotted name (case-insensitive, trailing dot optional).
+    pub fn parse(qname: &str) -> NameClass {
+        let trimmed = qname.trim_end_matches('.');
+        if trimmed.is_empty() {
+            return NameClass::External;
+        }
+        Self::from_labels(trimmed.split('.').map(str::as_bytes))
     }
 
-    /// The app this name means, if it may be answered inside `scope`.
-    pub fn app_in(&self, scope: &Scope) -> Option<&str> {
-        match self {
-            Self::Short { app } => Some(app),
-            Self::Qualified {
-                app,
-                environment,
-                project,
-            } if environment.eq_ignore_ascii_case(&scope.environment)
-                && project.eq_ignore_ascii_case(&scope.project) =>
-            {
-                Some(app)
+    /// Classifies a name given as its wire labels (root label excluded).
+    /// Working on labels, not a dotted string, keeps a label that itself
+    /// contains a dot from passing for two labels.
+    pub fn from_labels<'a>(labels: impl IntoIterator<Item = &'a [u8]>) -> NameClass {
+        let labels: Vec<&[u8]> = labels.into_iter().collect();
+        let Some((last, rest)) = labels.split_last() else {
+            return NameClass::External;
+        };
+        if !last.eq_ignore_ascii_case(b"internal") {
+            return NameClass::External;
+        }
+        let mut parts = Vec::with_capacity(rest.len());
+        for label in rest {
+            match std::str::from_utf8(label) {
+                Ok(text) if !text.is_empty() && !text.contains('.') => {
+                    parts.push(text.to_ascii_lowercase());
+                }
+                _ => return NameClass::Invalid,
             }
-            Self::Qualified { .. } => None,
+        }
+        match <[String; 1]>::try_from(parts) {
+            Ok([app]) => NameClass::Internal(Self::Short { app }),
+            Err(parts) => match <[String; 3]>::try_from(parts) {
+                Ok([app, environment, project]) => NameClass::Internal(Self::Qualified {
+                    app,
+                    environment,
+                    project,
+                }),
+                Err(_) => NameClass::Invalid,
+            },
         }
     }
 }
@@ -69,40 +103,46 @@ impl InternalName {
 mod tests {
     use super::*;
 
-    fn scope() -> Scope {
-        Scope {
-            project: "demo".into(),
-            environment: "production".into(),
-        }
+    #[test]
+    fn short_and_qualified_names_are_split_in_lower_case() {
+        assert_eq!(
+            InternalName::parse("Web.Internal."),
+            NameClass::Internal(InternalName::Short { app: "web".into() })
+        );
+        assert_eq!(
+            InternalName::parse("web.Production.demo.INTERNAL"),
+            NameClass::Internal(InternalName::Qualified {
+                app: "web".into(),
+                environment: "production".into(),
+                project: "demo".into(),
+            })
+        );
     }
 
     #[test]
-    fn short_and_qualified_names_resolve_in_scope() {
-        let short = InternalName::parse("Web.Internal.").unwrap().unwrap();
-        assert_eq!(short.app_in(&scope()), Some("web"));
-        let q = InternalName::parse("web.production.demo.internal")
-            .unwrap()
-            .unwrap();
-        assert_eq!(q.app_in(&scope()), Some("web"));
+    fn non_internal_names_go_upstream_and_odd_internal_ones_are_invalid() {
+        assert_eq!(InternalName::parse("example.com"), NameClass::External);
+        assert_eq!(
+            InternalName::parse("internal.example.com"),
+            NameClass::External
+        );
+        assert_eq!(InternalName::parse("."), NameClass::External);
+        assert_eq!(InternalName::parse("a.b.internal"), NameClass::Invalid);
+        assert_eq!(InternalName::parse("internal"), NameClass::Invalid);
+        assert_eq!(InternalName::parse("a.b.c.d.internal"), NameClass::Invalid);
     }
 
     #[test]
-    fn other_scopes_are_not_answered() {
-        let q = InternalName::parse("web.staging.demo.internal")
-            .unwrap()
-            .unwrap();
-        assert_eq!(q.app_in(&scope()), None);
-        let q = InternalName::parse("web.production.other.internal")
-            .unwrap()
-            .unwrap();
-        assert_eq!(q.app_in(&scope()), None);
+    fn a_label_holding_a_dot_or_bad_utf8_is_invalid() {
+        let labels: [&[u8]; 2] = [b"we.b", b"internal"];
+        assert_eq!(InternalName::from_labels(labels), NameClass::Invalid);
+        let labels: [&[u8]; 2] = [b"\xff", b"internal"];
+        assert_eq!(InternalName::from_labels(labels), NameClass::Invalid);
     }
 
     #[test]
-    fn non_internal_names_go_upstream_and_odd_internal_ones_are_nxdomain() {
-        assert!(InternalName::parse("example.com").is_none());
-        assert!(InternalName::parse("internal.example.com").is_none());
-        assert_eq!(InternalName::parse("a.b.internal"), Some(Err(())));
-        assert_eq!(InternalName::parse("internal"), Some(Err(())));
+    fn scope_normalisation_lowers_only_the_environment() {
+        let s = Scope::new("Proj-ID", "Production").normalized();
+        assert_eq!(s, Scope::new("Proj-ID", "production"));
     }
 }
