@@ -6,5 +6,6 @@
 //! See the README for the architecture.
 
 pub mod config;
+pub mod logshim;
 pub mod proto;
 pub mod runtime;

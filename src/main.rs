@@ -100,6 +100,17 @@ enum ImageCommand {
 }
 
 fn main() -> ExitCode {
+    // Started by containerd's runc shim as a container's logger: no CLI, no async.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(path) = zattera_agent::logshim::invoked_as_shim(&args) {
+        return match zattera_agent::logshim::run(&path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("zattera-agent log shim {}: {e}", path.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cli = Cli::parse();
     let daemon = matches!(cli.command, Command::Run(_));
     tracing_subscriber::fmt()

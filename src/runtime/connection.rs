@@ -21,9 +21,6 @@ use super::error::RuntimeError;
 use super::names::Namespace;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// containerd answers from memory for most calls; a minute covers large
-/// content writes and layer applies on a slow disk.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// A connection to containerd in one namespace. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -56,8 +53,9 @@ impl Containerd {
         let path = socket.to_path_buf();
         // The URI is required by tonic but unused: the connector dials the socket.
         let channel = Endpoint::from_static("http://containerd.invalid")
+            // No per-request timeout on the channel: event streams and task
+            // waits are long-lived. Callers bound what must be bounded.
             .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(REQUEST_TIMEOUT)
             .connect_with_connector_lazy(tower::service_fn(move |_| {
                 let path = path.clone();
                 async move {

@@ -6,13 +6,16 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use containerd_client::services::v1::{CreateImageRequest, Image, UpdateImageRequest};
+use containerd_client::services::v1::{
+    CreateImageRequest, GetImageRequest, Image, UpdateImageRequest,
+};
+use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
 use tonic::Code;
 
 use super::archive::{ImageArchive, PlannedImage};
 use super::connection::Containerd;
 use super::content;
-use super::descriptor::Descriptor;
+use super::descriptor::{Descriptor, media, select_manifest};
 use super::digest::Digest;
 use super::error::RuntimeError;
 use super::lease::Lease;
@@ -136,4 +139,84 @@ pub async fn put_image_record(
         }
         Err(s) => Err(RuntimeError::grpc(format!("create image {name}"))(s)),
     }
+}
+
+/// An image present in the namespace, resolved for this platform.
+#[derive(Debug, Clone)]
+pub struct LocalImage {
+    pub name: ImageRef,
+    pub target: Descriptor,
+    pub config: ImageConfiguration,
+    /// Top chain id: the rootfs parent snapshot.
+    pub chain_id: Digest,
+    /// Whether that snapshot exists (unpacked for overlayfs).
+    pub unpacked: bool,
+}
+
+/// Looks an image up by name; `None` when there is no record.
+pub async fn get_local(
+    ctd: &Containerd,
+    name: &ImageRef,
+) -> Result<Option<LocalImage>, RuntimeError> {
+    let got = ctd
+        .images()
+        .get(ctd.request(GetImageRequest {
+            name: name.to_string(),
+        }))
+        .await;
+    let image = match got {
+        Ok(r) => r.into_inner().image,
+        Err(s) if s.code() == Code::NotFound => return Ok(None),
+        Err(s) => return Err(RuntimeError::grpc(format!("get image {name}"))(s)),
+    };
+    let Some(target) = image.and_then(|i| i.target) else {
+        return Ok(None);
+    };
+    let bad = |what: String| RuntimeError::Invalid(format!("image {name}: {what}"));
+    let target = Descriptor {
+        digest: target
+            .digest
+            .parse()
+            .map_err(|e: super::digest::InvalidDigest| bad(e.to_string()))?,
+        size: u64::try_from(target.size).unwrap_or(0),
+        media_type: target.media_type,
+    };
+    let manifest_digest = if media::is_index(&target.media_type) {
+        let index = ImageIndex::from_reader(&content::read_blob(ctd, &target.digest).await?[..])
+            .map_err(|e| bad(format!("index {}: {e}", target.digest)))?;
+        let chosen = select_manifest(&index).ok_or_else(|| {
+            bad(format!(
+                "no manifest for linux/{}",
+                super::descriptor::host_architecture()
+            ))
+        })?;
+        Descriptor::from_oci(chosen)?.digest
+    } else {
+        target.digest.clone()
+    };
+    let manifest =
+        ImageManifest::from_reader(&content::read_blob(ctd, &manifest_digest).await?[..])
+            .map_err(|e| bad(format!("manifest {manifest_digest}: {e}")))?;
+    let config_digest = Descriptor::from_oci(manifest.config())?.digest;
+    let config =
+        ImageConfiguration::from_reader(&content::read_blob(ctd, &config_digest).await?[..])
+            .map_err(|e| bad(format!("config {config_digest}: {e}")))?;
+    let diff_ids = config
+        .rootfs()
+        .diff_ids()
+        .iter()
+        .map(|d| d.parse::<Digest>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(e.to_string()))?;
+    let chain_id = unpack::chain_ids(&diff_ids)
+        .pop()
+        .ok_or_else(|| bad("image has no layers".into()))?;
+    let unpacked = unpack::snapshot_exists(ctd, chain_id.as_str()).await?;
+    Ok(Some(LocalImage {
+        name: name.clone(),
+        target,
+        config,
+        chain_id,
+        unpacked,
+    }))
 }

@@ -8,6 +8,7 @@
 
 pub mod archive;
 mod connection;
+pub mod containers;
 pub mod content;
 pub mod descriptor;
 pub mod digest;
@@ -16,11 +17,12 @@ pub mod images;
 pub mod lease;
 mod names;
 pub mod reference;
+pub mod spec;
 pub mod unpack;
 
 pub use connection::Containerd;
 pub use digest::Digest;
 pub use error::RuntimeError;
-pub use images::{ImportedImage, import_archive};
+pub use images::{ImportedImage, LocalImage, get_local, import_archive};
 pub use names::{InvalidName, Namespace, validate_identifier};
 pub use reference::ImageRef;

@@ -208,20 +208,57 @@ pub async fn purge_namespace(ctd: &Containerd) {
                 .await;
         }
     }
-    let deleted = ctd
-        .namespaces()
-        .delete(tonic::Request::new(DeleteNamespaceRequest {
-            name: ctd.namespace().to_string(),
-        }))
-        .await;
-    if let Err(s) = deleted
-        && s.code() != tonic::Code::NotFound
-    {
+    // Deletion races containerd's GC of what was just removed: retry briefly.
+    let mut last = None;
+    for _ in 0..20 {
+        let deleted = ctd
+            .namespaces()
+            .delete(tonic::Request::new(DeleteNamespaceRequest {
+                name: ctd.namespace().to_string(),
+            }))
+            .await;
+        match deleted {
+            Ok(_) => {
+                last = None;
+                break;
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {
+                last = None;
+                break;
+            }
+            Err(s) => last = Some(s),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    if let Some(s) = last {
         eprintln!(
             "warning: namespace {} not removed: {}",
             ctd.namespace(),
             s.message()
         );
+    }
+    remove_test_cgroups(ctd.namespace().as_str());
+}
+
+/// Tests put containers under `/zattera-test/<namespace>/<id>` in every
+/// cgroup hierarchy; runc removes the leaves, this removes the parents.
+fn remove_test_cgroups(namespace: &str) {
+    let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    let mut dirs: Vec<PathBuf> = vec![PathBuf::from("/sys/fs/cgroup/zattera-test").join(namespace)];
+    for h in hierarchies.flatten() {
+        dirs.push(h.path().join("zattera-test").join(namespace));
+    }
+    for dir in dirs {
+        if let Ok(children) = std::fs::read_dir(&dir) {
+            for child in children.flatten() {
+                if child.path().is_dir() {
+                    let _ = std::fs::remove_dir(child.path());
+                }
+            }
+        }
+        let _ = std::fs::remove_dir(&dir);
     }
 }
 

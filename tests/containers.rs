@@ -1,0 +1,253 @@
+//! Containers and tasks against the rig's real containerd and runc: output
+//! through the log shim in CRI format, graceful and forced stops, removal,
+//! label filters.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
+use zattera_agent::logshim::log_uri;
+use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
+use zattera_agent::runtime::spec::{self, ContainerSpec};
+use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
+
+fn agent_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent"))
+}
+
+/// Imports the test image and creates + starts a container running `script`.
+async fn start_busybox(
+    ctd: &Containerd,
+    rig: &Rig,
+    id: &str,
+    script: &str,
+    logs: &Path,
+) -> PathBuf {
+    import_archive(ctd, &rig.oci_archive(), None)
+        .await
+        .expect("import");
+    let name: ImageRef = TEST_IMAGE.parse().unwrap();
+    let image = get_local(ctd, &name)
+        .await
+        .unwrap()
+        .expect("image is present");
+    assert!(image.unpacked);
+    let hostname: String = id.chars().take(12).collect();
+    let cfg = image.config.config().clone().unwrap_or_default();
+    let c = ContainerSpec {
+        hostname: hostname.clone(),
+        args: spec::process_args(&[], &[], script, true),
+        env: spec::process_env(
+            &hostname,
+            &cfg.env().clone().unwrap_or_default(),
+            [("GREETING", "hi")],
+        ),
+        cwd: "/".into(),
+        cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
+        ..ContainerSpec::default()
+    };
+    let labels = HashMap::from([
+        ("dev.zattera/managed".to_owned(), "true".to_owned()),
+        ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
+    ]);
+    containers::create(
+        ctd,
+        &NewContainer {
+            id: id.into(),
+            image: name.to_string(),
+            chain_id: image.chain_id,
+            labels,
+            spec: spec::build(&c).unwrap(),
+        },
+    )
+    .await
+    .expect("create container");
+    let log = logs.join(format!("{id}.log"));
+    containers::start(ctd, id, &log_uri(&agent_binary(), &log))
+        .await
+        .expect("start task");
+    log
+}
+
+async fn wait_stopped(ctd: &Containerd, id: &str) -> u32 {
+    for _ in 0..200 {
+        if let TaskState::Stopped { exit_code } = containers::task_state(ctd, id).await.unwrap() {
+            return exit_code;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("task {id} did not stop");
+}
+
+/// Log lines, once the file holds at least `want` of them (the shim drains after exit).
+async fn read_log(path: &Path, want: usize) -> Vec<String> {
+    for _ in 0..100 {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        if lines.len() >= want {
+            return lines;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{} never reached {want} lines", path.display());
+}
+
+/// `(stream, tag, text)` of one CRI log line, after checking its timestamp.
+fn parse_cri(line: &str) -> (String, String, String) {
+    let parts: Vec<&str> = line.splitn(4, ' ').collect();
+    assert_eq!(parts.len(), 4, "not a CRI line: {line:?}");
+    humantime::parse_rfc3339(parts[0]).unwrap_or_else(|e| panic!("bad time in {line:?}: {e}"));
+    (parts[1].into(), parts[2].into(), parts[3].into())
+}
+
+#[tokio::test]
+async fn output_of_both_streams_lands_in_the_cri_log_in_order() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "logs", |ctd, rig| async move {
+        let script = "echo $GREETING $HOSTNAME; for i in $(seq 1 300); do echo out $i; echo err $i >&2; done";
+        let log = start_busybox(&ctd, &rig, "logs-1", script, &logs_path).await;
+        assert_eq!(wait_stopped(&ctd, "logs-1").await, 0);
+        let lines = read_log(&log, 601).await;
+        let parsed: Vec<_> = lines.iter().map(|l| parse_cri(l)).collect();
+        assert_eq!(parsed[0], ("stdout".into(), "F".into(), "hi logs-1".into()));
+        let stdout: Vec<&str> = parsed.iter().skip(1).filter(|p| p.0 == "stdout").map(|p| p.2.as_str()).collect();
+        let stderr: Vec<&str> = parsed.iter().filter(|p| p.0 == "stderr").map(|p| p.2.as_str()).collect();
+        let want_out: Vec<String> = (1..=300).map(|i| format!("out {i}")).collect();
+        let want_err: Vec<String> = (1..=300).map(|i| format!("err {i}")).collect();
+        assert_eq!(stdout, want_out);
+        assert_eq!(stderr, want_err);
+        assert!(parsed.iter().all(|p| p.1 == "F"));
+        containers::remove(&ctd, "logs-1", 15, Duration::from_secs(1)).await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stop_honours_a_process_that_traps_sigterm() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "trap", |ctd, rig| async move {
+        let script = "trap 'echo bye; exit 0' TERM; echo ready; while true; do sleep 0.1; done";
+        let log = start_busybox(&ctd, &rig, "trap-1", script, &logs_path).await;
+        read_log(&log, 1).await; // the trap is installed
+        let started = Instant::now();
+        let exit = containers::stop(&ctd, "trap-1", 15, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert_eq!(exit, Some(0), "the trap's exit code, not a SIGKILL");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "stopped within grace"
+        );
+        let lines = read_log(&log, 2).await;
+        assert_eq!(
+            parse_cri(&lines[1]),
+            ("stdout".into(), "F".into(), "bye".into())
+        );
+        assert_eq!(
+            containers::task_state(&ctd, "trap-1").await.unwrap(),
+            TaskState::Absent
+        );
+        containers::remove(&ctd, "trap-1", 15, Duration::from_secs(1))
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stop_kills_a_process_that_ignores_sigterm_after_grace() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "ignore", |ctd, rig| async move {
+        let script = "trap '' TERM; echo ready; while true; do sleep 0.1; done";
+        let log = start_busybox(&ctd, &rig, "ignore-1", script, &logs_path).await;
+        read_log(&log, 1).await;
+        let grace = Duration::from_secs(1);
+        let started = Instant::now();
+        let exit = containers::stop(&ctd, "ignore-1", 15, grace).await.unwrap();
+        assert!(
+            started.elapsed() >= grace,
+            "SIGKILL only after the grace period"
+        );
+        assert_eq!(exit, Some(137), "128 + SIGKILL");
+        containers::remove(&ctd, "ignore-1", 15, grace)
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn remove_is_idempotent_and_leaves_no_rootfs() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "remove", |ctd, rig| async move {
+        start_busybox(&ctd, &rig, "rm-1", "sleep 1000", &logs_path).await;
+        assert!(matches!(
+            containers::task_state(&ctd, "rm-1").await.unwrap(),
+            TaskState::Running { pid } if pid > 0
+        ));
+        assert!(list_snapshots(&ctd).await.contains(&"rm-1".to_owned()));
+        // sleep as PID 1 ignores SIGTERM: this exercises the SIGKILL path too.
+        containers::remove(&ctd, "rm-1", 15, Duration::from_millis(300))
+            .await
+            .unwrap();
+        containers::remove(&ctd, "rm-1", 15, Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert!(containers::get(&ctd, "rm-1").await.unwrap().is_none());
+        assert!(!list_snapshots(&ctd).await.contains(&"rm-1".to_owned()));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn list_filters_by_labels() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "list", |ctd, rig| async move {
+        start_busybox(&ctd, &rig, "list-a", "true", &logs_path).await;
+        start_busybox(&ctd, &rig, "list-b", "true", &logs_path).await;
+        let owned = containers::list(&ctd, &[("dev.zattera/managed", "true")])
+            .await
+            .unwrap();
+        assert_eq!(owned.len(), 2);
+        let one = containers::list(&ctd, &[("dev.zattera/assignment-id", "list-b")])
+            .await
+            .unwrap();
+        assert_eq!(
+            one.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(),
+            ["list-b"]
+        );
+        let none = containers::list(&ctd, &[("dev.zattera/assignment-id", "nope")])
+            .await
+            .unwrap();
+        assert!(none.is_empty());
+        containers::add_labels(
+            &ctd,
+            "list-a",
+            HashMap::from([("dev.zattera/exit-code".into(), "0".into())]),
+        )
+        .await
+        .unwrap();
+        let labelled = containers::get(&ctd, "list-a").await.unwrap().unwrap();
+        assert_eq!(labelled.labels["dev.zattera/exit-code"], "0");
+        assert_eq!(
+            labelled.labels["dev.zattera/managed"], "true",
+            "merged, not replaced"
+        );
+    })
+    .await;
+}
