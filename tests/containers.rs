@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
 use zattera_agent::logshim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
+use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
+use zattera_agent::runtime::stats;
 use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
 
 fn agent_binary() -> PathBuf {
@@ -248,6 +250,108 @@ async fn list_filters_by_labels() {
             labelled.labels["dev.zattera/managed"], "true",
             "merged, not replaced"
         );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn exec_returns_exit_codes_and_both_streams() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "exec", |ctd, rig| async move {
+        start_busybox(&ctd, &rig, "exec-1", "sleep 1000", &logs_path).await;
+        let fifo_dir = logs_path.join("fifos");
+        let run = |args: &[&str], timeout_ms: u64| ExecRequest {
+            args: args.iter().map(|a| (*a).to_owned()).collect(),
+            env: vec!["EXTRA=yes".into()],
+            cwd: String::new(),
+            timeout: Duration::from_millis(timeout_ms),
+        };
+        let ok = exec(&ctd, "exec-1", &fifo_dir, &run(&["true"], 10_000))
+            .await
+            .unwrap();
+        assert_eq!((ok.exit_code, ok.timed_out), (0, false));
+        let no = exec(&ctd, "exec-1", &fifo_dir, &run(&["false"], 10_000))
+            .await
+            .unwrap();
+        assert_eq!(no.exit_code, 1);
+        let out = exec(
+            &ctd,
+            "exec-1",
+            &fifo_dir,
+            &run(
+                &["sh", "-c", "echo $EXTRA $GREETING; echo oops >&2; exit 3"],
+                10_000,
+            ),
+        )
+        .await
+        .unwrap();
+        assert_eq!(out.exit_code, 3);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "yes hi\n",
+            "container env plus extra"
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "oops\n");
+
+        let slow = exec(&ctd, "exec-1", &fifo_dir, &run(&["sleep", "100"], 300))
+            .await
+            .unwrap();
+        assert!(slow.timed_out);
+        assert_eq!(slow.exit_code, 137, "killed at the timeout");
+
+        let missing = exec(
+            &ctd,
+            "exec-1",
+            &fifo_dir,
+            &run(&["/no/such/binary"], 10_000),
+        )
+        .await;
+        assert!(
+            missing.is_err(),
+            "a command that cannot start is an error: {missing:?}"
+        );
+        let nobody = exec(&ctd, "nope", &fifo_dir, &run(&["true"], 1000))
+            .await
+            .unwrap_err();
+        assert!(nobody.to_string().contains("nope"), "{nobody}");
+        assert_eq!(
+            std::fs::read_dir(&fifo_dir).unwrap().count(),
+            0,
+            "fifos are removed"
+        );
+        containers::remove(&ctd, "exec-1", 9, Duration::from_secs(1))
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn stats_see_cpu_and_memory_of_a_busy_container() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "stats", |ctd, rig| async move {
+        start_busybox(&ctd, &rig, "stats-1", "while true; do :; done", &logs_path).await;
+        let TaskState::Running { pid } = containers::task_state(&ctd, "stats-1").await.unwrap()
+        else {
+            panic!("not running");
+        };
+        let cgroup = PathBuf::from(format!("/zattera-test/{}/stats-1", ctd.namespace()));
+        let first = stats::sample(&cgroup, pid).unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let second = stats::sample(&cgroup, pid).unwrap();
+        let cpu = stats::cpu_percent(&first, &second);
+        assert!(
+            cpu > 10.0 && cpu < 220.0,
+            "a busy loop uses most of a core, got {cpu}%"
+        );
+        assert!(second.memory_bytes > 0);
+        containers::remove(&ctd, "stats-1", 9, Duration::from_secs(1))
+            .await
+            .unwrap();
     })
     .await;
 }

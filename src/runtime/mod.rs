@@ -13,11 +13,13 @@ pub mod content;
 pub mod descriptor;
 pub mod digest;
 mod error;
+pub mod exec;
 pub mod images;
 pub mod lease;
 mod names;
 pub mod reference;
 pub mod spec;
+pub mod stats;
 pub mod unpack;
 
 pub use connection::Containerd;
