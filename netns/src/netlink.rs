@@ -135,9 +135,9 @@ impl Netlink {
             .map_err(|e| Error::netlink("list", "links", e))
     }
 
-    /// Creates a bridge, down, with `alias` recording its owner and scope.
-    pub async fn create_bridge(&self, name: &str, alias: &str) -> Result<()> {
-        let msg = LinkBridge::new(name).alias(alias).build();
+    /// Creates a bridge, down.
+    pub async fn create_bridge(&self, name: &str) -> Result<()> {
+        let msg = LinkBridge::new(name).build();
         self.handle
             .link()
             .add(msg)

@@ -124,12 +124,16 @@ pub(crate) async fn ensure_bridge(
         tracing::info!(bridge = name, old_scope = %existing.scope, old = %describe(&addrs), new_scope = scope, %subnet, "re-creating stale empty bridge");
         nl.delete(existing.index, name).await?;
     }
-    nl.create_bridge(name, &alias).await?;
+    nl.create_bridge(name).await?;
     let built = async {
         let link = nl
             .link(name)
             .await?
             .ok_or_else(|| Error::Config(format!("bridge {name} vanished right after creation")))?;
+        // The kernel ignores an alias given at creation: set it right after.
+        // (A crash in between leaves a bridge that is not recognised as ours
+        // and must be removed by hand; the window is one netlink round trip.)
+        nl.set_alias(&link, &alias).await?;
         nl.add_address(link.index, name, want.0, want.1).await?;
         nl.set_up(link.index, name).await?;
         Ok::<_, Error>(Network {

@@ -1,0 +1,592 @@
+//! Integration tests: real netlink, real namespaces, real nft, as root.
+//! Each test has its own interface prefix, nft table, run dir and subnet
+//! slots (200-238; 237 is the egress test's outside link, 239 is for dummy
+//! host addresses), so they run in parallel with each other and with the
+//! rest of the project's tests.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::many_single_char_names
+)]
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use support::{
+    World, foreign_ruleset, ip, link_exists, ready, tcp_get, tcp_server, udp_get, udp_server,
+};
+use zattera_netns::inventory;
+use zattera_netns::{
+    Error, HostPorts, Ipam, NetConfig, NetNode, Proto, PublishedPort, Subnet, nsfile,
+};
+
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, port)
+}
+
+/// eth0's address inside a namespace, read with iproute2 (not our code).
+fn eth0_of(path: &std::path::Path) -> Ipv4Addr {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", path.display()))
+        .args(["ip", "-o", "-4", "addr", "show", "dev", "eth0"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let addr = text
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .unwrap();
+    addr.split('/').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ensure_is_idempotent_checks_subnet_and_scope_and_refuses_foreign_names() {
+    if !ready("ensure") {
+        return;
+    }
+    let before = foreign_ruleset();
+    let w = World::new("ensure");
+    let node = w.node();
+    let s = Subnet::from_slot(206);
+    let bridge = w.cfg.bridge_name(s);
+
+    let net = node.ensure_network("zt-proj-envone", s).await.unwrap();
+    assert_eq!(net.bridge, bridge);
+    assert_eq!(net.gateway, Ipv4Addr::new(10, 201, 206, 1));
+    let again = node.ensure_network("zt-proj-envone", s).await.unwrap();
+    assert_eq!(net, again);
+    let addrs = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "dev", &bridge])
+        .output()
+        .unwrap();
+    let addrs = String::from_utf8_lossy(&addrs.stdout);
+    assert_eq!(addrs.matches("inet ").count(), 1, "{addrs}");
+    assert!(addrs.contains("10.201.206.1/24"), "{addrs}");
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .unwrap()
+            .trim(),
+        "1"
+    );
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{bridge}/route_localnet"))
+            .unwrap()
+            .trim(),
+        "1"
+    );
+    let table = node.nft().list().unwrap().expect("our table exists");
+    assert!(table.contains(&bridge), "{table}");
+
+    // Another scope on an empty bridge: re-created for the new owner.
+    let other = node.ensure_network("zt-proj-envtwo", s).await.unwrap();
+    assert_eq!(other.scope, "zt-proj-envtwo");
+
+    // A stale address on an empty bridge: re-created with the right one.
+    ip(&["addr", "add", "10.201.206.77/24", "dev", &bridge]);
+    node.ensure_network("zt-proj-envtwo", s).await.unwrap();
+    let addrs = std::process::Command::new("ip")
+        .args(["-o", "-4", "addr", "show", "dev", &bridge])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&addrs.stdout).contains("10.201.206.77"));
+
+    // With a container attached, a mismatch is an error naming both sides.
+    let att = node
+        .attach("c-ensure", s, Ipv4Addr::new(10, 201, 206, 2))
+        .await
+        .unwrap();
+    let err = node
+        .ensure_network("zt-proj-envthree", s)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::ScopeInUse { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("zt-proj-envthree") && msg.contains("zt-proj-envtwo"),
+        "{msg}"
+    );
+    ip(&["addr", "add", "10.201.206.78/24", "dev", &bridge]);
+    let err = node.ensure_network("zt-proj-envtwo", s).await.unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::SubnetInUse { .. }), "{msg}");
+    assert!(
+        msg.contains("10.201.206.0/24") && msg.contains("10.201.206.78/24"),
+        "{msg}"
+    );
+    node.detach(&att.container_id, Some(att.ip)).await.unwrap();
+
+    // An interface with our bridge's name that is not our bridge.
+    let s2 = Subnet::from_slot(207);
+    let foreign = w.cfg.bridge_name(s2);
+    support::add_dummy(&foreign);
+    let err = node.ensure_network("zt-proj-x", s2).await.unwrap_err();
+    assert!(matches!(err, Error::NotOurs { .. }), "{err}");
+    assert!(err.to_string().contains(&foreign));
+    ip(&["link", "del", &foreign]);
+    // A bridge that lacks our alias is not ours either.
+    ip(&["link", "add", &foreign, "type", "bridge"]);
+    assert!(matches!(
+        node.ensure_network("zt-proj-x", s2).await,
+        Err(Error::NotOurs { .. })
+    ));
+    assert!(matches!(
+        node.remove_network(s2).await,
+        Err(Error::NotOurs { .. })
+    ));
+    assert!(
+        link_exists(&foreign),
+        "a foreign bridge must never be deleted"
+    );
+
+    // Removal takes the bridge and its rules; a second removal is a no-op.
+    node.remove_network(s).await.unwrap();
+    assert!(!link_exists(&bridge));
+    let table = node.nft().list().unwrap().unwrap();
+    assert!(!table.contains(&format!("\"{bridge}\"")), "{table}");
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+    assert!(node.nft().list().unwrap().is_none());
+    assert_eq!(
+        before,
+        foreign_ruleset(),
+        "the host's ruleset outside our tables changed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_nft_binary_is_a_clear_error() {
+    if !ready("nft_missing") {
+        return;
+    }
+    let w = World::new("nft_missing");
+    let node = NetNode::new(NetConfig {
+        nft_binary: "/nonexistent/nft".into(),
+        ..w.cfg.clone()
+    })
+    .unwrap();
+    let err = node
+        .ensure_network("zt-p-e", Subnet::from_slot(208))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NftMissing { .. }), "{err}");
+    assert!(err.to_string().contains("/nonexistent/nft"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environments_reach_inside_and_never_across() {
+    if !ready("isolation") {
+        return;
+    }
+    let w = World::new("isolation");
+    let node = w.node();
+    let (sa_, sb) = (Subnet::from_slot(200), Subnet::from_slot(201));
+    node.ensure_network("zt-p-a", sa_).await.unwrap();
+    node.ensure_network("zt-p-b", sb).await.unwrap();
+    let mut ipam = Ipam::default();
+    let mut attach = async |id: &str, s: Subnet| {
+        let ip = ipam.allocate(s, id).unwrap();
+        node.attach(id, s, ip).await.unwrap()
+    };
+    let a1 = attach("a1", sa_).await;
+    let a2 = attach("a2", sa_).await;
+    let b1 = attach("b1", sb).await;
+    assert_ne!(a1.ip, a2.ip);
+    assert_eq!(eth0_of(&a1.netns_path), a1.ip);
+
+    let _srv_a1 = tcp_server(Some(&a1.netns_path), sa(a1.ip, 7000), "a1");
+    let _srv_b1 = tcp_server(Some(&b1.netns_path), sa(b1.ip, 7000), "b1");
+
+    // Inside one environment: yes.
+    let got = tcp_get(Some(&a2.netns_path), sa(a1.ip, 7000)).unwrap();
+    assert_eq!(got, format!("a1 {}", a2.ip));
+    // The path to B works (host to B1, A1 to B's gateway)...
+    assert!(tcp_get(None, sa(b1.ip, 7000)).unwrap().starts_with("b1"));
+    // ...but from A to B and B to A: never.
+    let err = tcp_get(Some(&a1.netns_path), sa(b1.ip, 7000)).unwrap_err();
+    assert!(err.contains("connect"), "{err}");
+    assert!(tcp_get(Some(&b1.netns_path), sa(a1.ip, 7000)).is_err());
+
+    for att in [&a1, &a2, &b1] {
+        node.detach(&att.container_id, Some(att.ip)).await.unwrap();
+    }
+    node.remove_network(sa_).await.unwrap();
+    node.remove_network(sb).await.unwrap();
+    node.remove_rules().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_ports_answer_on_loopback_and_a_second_address_from_host_and_containers() {
+    if !ready("publish") {
+        return;
+    }
+    let before = foreign_ruleset();
+    let w = World::new("publish");
+    let node = w.node();
+    let s = Subnet::from_slot(202);
+    let other = Subnet::from_slot(209);
+    node.ensure_network("zt-p-pub", s).await.unwrap();
+    node.ensure_network("zt-p-other", other).await.unwrap();
+    let p1 = node.attach("p1", s, s.host(10)).await.unwrap();
+    let p2 = node.attach("p2", s, s.host(11)).await.unwrap();
+    let o1 = node.attach("o1", other, other.host(10)).await.unwrap();
+
+    // A second host address on a dummy we own.
+    let dummy = w.extra_ifname("d");
+    let host2 = Ipv4Addr::new(10, 201, 239, 202);
+    support::add_dummy(&dummy);
+    ip(&["addr", "add", &format!("{host2}/32"), "dev", &dummy]);
+    ip(&["link", "set", &dummy, "up"]);
+
+    let _tcp = tcp_server(Some(&p1.netns_path), sa(Ipv4Addr::UNSPECIFIED, 8080), "web");
+    let _udp = udp_server(Some(&p1.netns_path), sa(Ipv4Addr::UNSPECIFIED, 5353), "dns");
+
+    let mut ports = HostPorts::default();
+    let lo_port = ports
+        .allocate(Proto::Tcp, Ipv4Addr::LOCALHOST, None)
+        .unwrap();
+    let h2_port = ports.allocate(Proto::Tcp, host2, None).unwrap();
+    let udp_port = ports.allocate(Proto::Udp, host2, None).unwrap();
+    let pubs = vec![
+        PublishedPort {
+            proto: Proto::Tcp,
+            host_ip: Ipv4Addr::LOCALHOST,
+            host_port: lo_port,
+            container_ip: p1.ip,
+            container_port: 8080,
+        },
+        PublishedPort {
+            proto: Proto::Tcp,
+            host_ip: host2,
+            host_port: h2_port,
+            container_ip: p1.ip,
+            container_port: 8080,
+        },
+        PublishedPort {
+            proto: Proto::Udp,
+            host_ip: host2,
+            host_port: udp_port,
+            container_ip: p1.ip,
+            container_port: 5353,
+        },
+    ];
+    node.set_published(pubs).unwrap();
+
+    // From the host: loopback (output DNAT + route_localnet + masquerade)...
+    let got = tcp_get(None, sa(Ipv4Addr::LOCALHOST, lo_port)).unwrap();
+    assert!(got.starts_with("web "), "{got}");
+    // ...and the second address.
+    assert!(
+        tcp_get(None, sa(host2, h2_port))
+            .unwrap()
+            .starts_with("web ")
+    );
+    assert_eq!(udp_get(None, sa(host2, udp_port)).unwrap(), "dns");
+    // From a container on the same bridge (hairpin), from the container
+    // itself, and from a container of another environment.
+    let got = tcp_get(Some(&p2.netns_path), sa(host2, h2_port)).unwrap();
+    assert_eq!(
+        got,
+        format!("web {}", s.gateway()),
+        "hairpin is masqueraded to the gateway"
+    );
+    assert!(
+        tcp_get(Some(&p1.netns_path), sa(host2, h2_port))
+            .unwrap()
+            .starts_with("web ")
+    );
+    assert!(
+        tcp_get(Some(&o1.netns_path), sa(host2, h2_port))
+            .unwrap()
+            .starts_with("web ")
+    );
+    assert_eq!(
+        udp_get(Some(&p2.netns_path), sa(host2, udp_port)).unwrap(),
+        "dns"
+    );
+    // A port we did not publish does not answer.
+    assert!(tcp_get(None, sa(host2, 8080)).is_err());
+
+    // Unpublishing takes the DNAT away.
+    node.set_published(Vec::new()).unwrap();
+    assert!(tcp_get(None, sa(host2, h2_port)).is_err());
+
+    for att in [&p1, &p2, &o1] {
+        node.detach(&att.container_id, Some(att.ip)).await.unwrap();
+    }
+    node.remove_network(s).await.unwrap();
+    node.remove_network(other).await.unwrap();
+    node.remove_rules().unwrap();
+    assert_eq!(
+        before,
+        foreign_ruleset(),
+        "the host's ruleset outside our tables changed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_is_masqueraded_and_published_ports_answer_from_outside() {
+    if !ready("egress") {
+        return;
+    }
+    let mut w = World::new("egress");
+    let node = w.node();
+    let s = Subnet::from_slot(203);
+    node.ensure_network("zt-p-egress", s).await.unwrap();
+    let c = node.attach("eg1", s, s.host(2)).await.unwrap();
+
+    // The outside world: a namespace of our own behind a veth.
+    let world = w.dir.path().join("world");
+    w.extra_netns.push(world.clone());
+    nsfile::create(&world).await.unwrap();
+    let (host_end, world_end) = (w.extra_ifname("h"), w.extra_ifname("w"));
+    let host_ip = Ipv4Addr::new(10, 201, 237, 1);
+    let world_ip = Ipv4Addr::new(10, 201, 237, 2);
+    ip(&[
+        "link", "add", &host_end, "type", "veth", "peer", "name", &world_end,
+    ]);
+    ip(&["link", "set", &world_end, "netns", world.to_str().unwrap()]);
+    ip(&["addr", "add", &format!("{host_ip}/24"), "dev", &host_end]);
+    ip(&["link", "set", &host_end, "up"]);
+    let ns = format!("--net={}", world.display());
+    for args in [
+        vec![
+            "ip",
+            "addr",
+            "add",
+            "10.201.237.2/24",
+            "dev",
+            world_end.as_str(),
+        ],
+        vec!["ip", "link", "set", world_end.as_str(), "up"],
+        vec!["ip", "link", "set", "lo", "up"],
+    ] {
+        let out = std::process::Command::new("nsenter")
+            .arg(&ns)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Egress: the connection arrives from the host's address, not 10.201.203.x.
+    let _outside = tcp_server(Some(&world), sa(world_ip, 9000), "outside");
+    let got = tcp_get(Some(&c.netns_path), sa(world_ip, 9000)).unwrap();
+    assert_eq!(got, format!("outside {host_ip}"));
+
+    // From outside: a port published on every host address (0.0.0.0).
+    let _web = tcp_server(Some(&c.netns_path), sa(Ipv4Addr::UNSPECIFIED, 80), "web");
+    let port = HostPorts::default()
+        .allocate(Proto::Tcp, Ipv4Addr::UNSPECIFIED, None)
+        .unwrap();
+    node.set_published(vec![PublishedPort {
+        proto: Proto::Tcp,
+        host_ip: Ipv4Addr::UNSPECIFIED,
+        host_port: port,
+        container_ip: c.ip,
+        container_port: 80,
+    }])
+    .unwrap();
+    let got = tcp_get(Some(&world), sa(host_ip, port)).unwrap();
+    assert_eq!(
+        got,
+        format!("web {world_ip}"),
+        "outside clients keep their address"
+    );
+    // Unsolicited traffic from outside straight to a container is dropped.
+    assert!(tcp_get(Some(&world), sa(c.ip, 80)).is_err());
+
+    node.detach("eg1", Some(c.ip)).await.unwrap();
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detach_is_idempotent_and_survives_half_gone_attachments() {
+    if !ready("crash") {
+        return;
+    }
+    let w = World::new("crash");
+    let node = w.node();
+    let s = Subnet::from_slot(204);
+    node.ensure_network("zt-p-crash", s).await.unwrap();
+
+    // The namespace file is already gone.
+    let a = node.attach("k1", s, s.host(2)).await.unwrap();
+    nsfile::remove(&a.netns_path).unwrap();
+    node.detach("k1", Some(a.ip)).await.unwrap();
+    assert!(!link_exists(&a.host_veth));
+    assert!(!a.netns_path.exists());
+
+    // The veth is already gone.
+    let b = node.attach("k2", s, s.host(3)).await.unwrap();
+    ip(&["link", "del", &b.host_veth]);
+    node.detach("k2", Some(b.ip)).await.unwrap();
+    assert!(!b.netns_path.exists());
+
+    // Nothing is left at all, twice; and without knowing the address.
+    node.detach("k2", Some(b.ip)).await.unwrap();
+    node.detach("never-attached", None).await.unwrap();
+
+    // Attaching over leftovers of a crashed attach (same id, same address).
+    let c = node.attach("k3", s, s.host(4)).await.unwrap();
+    let again = node.attach("k3", s, s.host(4)).await.unwrap();
+    assert_eq!(c, again);
+    assert_eq!(eth0_of(&again.netns_path), s.host(4));
+    node.detach("k3", Some(c.ip)).await.unwrap();
+    assert!(!link_exists(&c.host_veth));
+
+    // Attaching to a network that was never ensured says so.
+    let err = node
+        .attach("k4", Subnet::from_slot(210), Subnet::from_slot(210).host(2))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NoNetwork(_)), "{err}");
+    // An address outside the subnet or on the gateway is refused, and leaves nothing.
+    assert!(matches!(
+        node.attach("k5", s, s.gateway()).await,
+        Err(Error::IpOutside { .. })
+    ));
+    assert!(!w.cfg.netns_path("k5").unwrap().exists());
+
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
+    if !ready("gc") {
+        return;
+    }
+    let w = World::new("gc");
+    let node = w.node();
+    let s = Subnet::from_slot(211);
+    let empty = Subnet::from_slot(212);
+    node.ensure_network("zt-p-gc", s).await.unwrap();
+    node.ensure_network("zt-p-gcempty", empty).await.unwrap();
+    let live = node.attach("live", s, s.host(2)).await.unwrap();
+    let dead = node.attach("dead", s, s.host(3)).await.unwrap();
+
+    // Crash leftovers: a namespace file with no eth0 (killed before the veth
+    // moved in), a veth pair still all in the host namespace, a plain file.
+    let half = w.cfg.netns_path("half").unwrap();
+    nsfile::create(&half).await.unwrap();
+    let (hv, pv) = (
+        w.cfg.host_veth_name(s.host(9)),
+        w.cfg.peer_veth_name(s.host(9)),
+    );
+    ip(&["link", "add", &hv, "type", "veth", "peer", "name", &pv]);
+    std::fs::write(w.cfg.netns_path("stale").unwrap(), b"").unwrap();
+
+    let inv = inventory::read(&node).await.unwrap();
+    assert!(inv.table_present);
+    // Kernel only: what is provably broken, and the empty bridge.
+    let plan = inventory::plan(&inv, None);
+    let netns: BTreeSet<_> = plan
+        .netns
+        .iter()
+        .map(|p| p.file_name().unwrap().to_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        netns,
+        BTreeSet::from(["half".to_owned(), "stale".to_owned()])
+    );
+    assert_eq!(
+        BTreeSet::from_iter(plan.veths.clone()),
+        BTreeSet::from([hv.clone(), pv.clone()])
+    );
+    assert_eq!(plan.bridges, vec![w.cfg.bridge_name(empty)]);
+    assert!(!plan.delete_table);
+    // With the live set known, the dead container goes too.
+    let keep = BTreeSet::from(["live".to_owned()]);
+    let plan = inventory::plan(&inv, Some(&keep));
+    assert!(plan.netns.contains(&dead.netns_path));
+    assert!(plan.veths.contains(&dead.host_veth));
+    inventory::apply(&node, &plan).await.unwrap();
+
+    assert!(!half.exists() && !dead.netns_path.exists());
+    assert!(!link_exists(&hv) && !link_exists(&pv) && !link_exists(&dead.host_veth));
+    assert!(!link_exists(&w.cfg.bridge_name(empty)));
+    assert!(live.netns_path.exists() && link_exists(&live.host_veth));
+    let after = inventory::read(&node).await.unwrap();
+    assert!(
+        inventory::plan(&after, Some(&keep)).is_empty(),
+        "{:?}",
+        inventory::plan(&after, Some(&keep))
+    );
+
+    // Once the last container goes, gc takes the bridge and the table.
+    node.detach("live", Some(live.ip)).await.unwrap();
+    let plan = inventory::plan(&inventory::read(&node).await.unwrap(), None);
+    assert!(plan.delete_table);
+    inventory::apply(&node, &plan).await.unwrap();
+    assert!(!link_exists(&w.cfg.bridge_name(s)));
+    assert!(node.nft().list().unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_containers_on_one_bridge() {
+    if !ready("many") {
+        return;
+    }
+    let w = World::new("many");
+    let node = w.node();
+    let s = Subnet::from_slot(205);
+    let net = node.ensure_network("zt-p-many", s).await.unwrap();
+    let mut ipam = Ipam::default();
+    let mut atts = Vec::new();
+    for i in 0..200 {
+        let id = format!("m{i}");
+        let ip = ipam.allocate(s, &id).unwrap();
+        atts.push(node.attach(&id, s, ip).await.unwrap());
+    }
+    let ips: BTreeSet<_> = atts.iter().map(|a| a.ip).collect();
+    assert_eq!(ips.len(), 200);
+    let ports = node
+        .netlink()
+        .ports_of(net_index(&node, s).await)
+        .await
+        .unwrap();
+    assert_eq!(ports.len(), 200);
+    assert!(ports.iter().all(|p| p.mtu == net.mtu));
+    // Spot-check both ends of the range.
+    for a in [&atts[0], &atts[199]] {
+        assert_eq!(eth0_of(&a.netns_path), a.ip);
+    }
+    let _srv = tcp_server(Some(&atts[0].netns_path), sa(atts[0].ip, 7100), "first");
+    assert!(
+        tcp_get(Some(&atts[199].netns_path), sa(atts[0].ip, 7100))
+            .unwrap()
+            .starts_with("first")
+    );
+    for a in &atts {
+        node.detach(&a.container_id, Some(a.ip)).await.unwrap();
+        ipam.release(&a.container_id, a.ip);
+    }
+    assert!(
+        node.netlink()
+            .ports_of(net_index(&node, s).await)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(std::fs::read_dir(&w.cfg.netns_dir).unwrap().count(), 0);
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
+
+async fn net_index(node: &NetNode, s: Subnet) -> u32 {
+    node.netlink()
+        .link(&node.config().bridge_name(s))
+        .await
+        .unwrap()
+        .unwrap()
+        .index
+}
