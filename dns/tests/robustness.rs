@@ -1,0 +1,211 @@
+//! Hostile input against a live listener: garbage, truncated and oversized
+//! packets over UDP and TCP, idle and excess TCP connections. The listener
+//! must keep answering real clients throughout. Addresses 127.77.30-39.x.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RecordType};
+use support::{PORT, dig_async, require, serve_on, test_config};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UdpSocket};
+use zattera_dns::{Config, DnsServer, NameTable, RouteService, Scope};
+
+fn table() -> NameTable {
+    NameTable::from_routes(&[RouteService {
+        fqdn: "db.production.shop.internal.".into(),
+        project_id: "proj-1".into(),
+        environment_id: "e".into(),
+        vip: "10.97.0.5".into(),
+    }])
+}
+
+/// A small deterministic generator, so a failure replays the same bytes.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.next().to_le_bytes()[0]).collect()
+    }
+}
+
+fn query(id: u16, name: &str) -> Vec<u8> {
+    let mut m = Message::new(id, MessageType::Query, OpCode::Query);
+    m.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    m.to_vec().unwrap()
+}
+
+async fn still_answers(at: SocketAddr) {
+    let d = dig_async(at, &["+tries=1", "+time=2", "db.internal"]).await;
+    assert_eq!(
+        d.addrs(),
+        vec!["10.97.0.5"],
+        "listener stopped answering: {}",
+        d.raw
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_over_udp_gets_formerr_or_nothing() {
+    if !require("garbage_over_udp_gets_formerr_or_nothing", false, &["dig"]) {
+        return;
+    }
+    let ip = IpAddr::V4(Ipv4Addr::new(127, 77, 30, 1));
+    let server = DnsServer::new(test_config(vec![])).unwrap();
+    serve_on(&server, ip, Scope::new("proj-1", "production")).await;
+    server.set_table(table());
+    let at = SocketAddr::new(ip, PORT);
+    let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+
+    // A header that promises a question, followed by a cut-off name.
+    let cut = [
+        0xab, 0xcd, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 0x3f, b'x', b'y',
+    ];
+    sock.send_to(&cut, at).await.unwrap();
+    let mut buf = vec![0u8; 65535];
+    let len = tokio::time::timeout(Duration::from_secs(2), sock.recv(&mut buf))
+        .await
+        .expect("FORMERR in time")
+        .unwrap();
+    let m = Message::from_vec(&buf[..len]).unwrap();
+    assert_eq!(m.metadata.id, 0xabcd);
+    assert_eq!(m.metadata.message_type, MessageType::Response);
+    assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+
+    // Random junk of every size, every prefix of a real query, a response
+    // (QR set), and a near-64 KiB datagram.
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    for i in 0..2000usize {
+        let junk = rng.bytes(i % 700);
+        sock.send_to(&junk, at).await.unwrap();
+    }
+    let real = query(7, "db.internal.");
+    for len in 0..real.len() {
+        sock.send_to(&real[..len], at).await.unwrap();
+    }
+    let mut reply = real.clone();
+    reply[2] |= 0x80;
+    sock.send_to(&reply, at).await.unwrap();
+    let mut huge = real.clone();
+    huge.resize(65_000, 0xee);
+    sock.send_to(&huge, at).await.unwrap();
+    // Whatever came back for all that (FORMERR or answers), drain it.
+    let drain_until = Instant::now() + Duration::from_millis(500);
+    while tokio::time::timeout_at(drain_until.into(), sock.recv(&mut buf))
+        .await
+        .is_ok()
+    {}
+    still_answers(at).await;
+
+    // The same socket still gets a correct answer to a real query.
+    sock.send_to(&real, at).await.unwrap();
+    let len = tokio::time::timeout(Duration::from_secs(2), sock.recv(&mut buf))
+        .await
+        .expect("answer in time")
+        .unwrap();
+    let m = Message::from_vec(&buf[..len]).unwrap();
+    assert_eq!((m.metadata.id, m.answers.len()), (7, 1));
+    server.shutdown().await;
+}
+
+async fn read_framed(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut len = [0u8; 2];
+    stream.read_exact(&mut len).await.ok()?;
+    let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    stream.read_exact(&mut msg).await.ok()?;
+    Some(msg)
+}
+
+async fn closed_within(stream: &mut TcpStream, limit: Duration) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(
+        tokio::time::timeout(limit, stream.read(&mut byte)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_connections_are_bounded_in_number_and_idle_time() {
+    if !require(
+        "tcp_connections_are_bounded_in_number_and_idle_time",
+        false,
+        &["dig"],
+    ) {
+        return;
+    }
+    let ip = IpAddr::V4(Ipv4Addr::new(127, 77, 31, 1));
+    let server = DnsServer::new(Config {
+        tcp_max_connections: 4,
+        tcp_idle_timeout: Duration::from_millis(400),
+        ..test_config(vec![])
+    })
+    .unwrap();
+    serve_on(&server, ip, Scope::new("proj-1", "production")).await;
+    server.set_table(table());
+    let at = SocketAddr::new(ip, PORT);
+
+    // Framed garbage with a readable header: FORMERR, and the connection
+    // stays usable for a real query after it.
+    let mut s = TcpStream::connect(at).await.unwrap();
+    let junk = [0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0, 0x3f, b'x'];
+    s.write_all(&[0, 14]).await.unwrap();
+    s.write_all(&junk).await.unwrap();
+    let m = Message::from_vec(&read_framed(&mut s).await.unwrap()).unwrap();
+    assert_eq!(m.metadata.response_code, ResponseCode::FormErr);
+    let real = query(9, "db.internal.");
+    s.write_all(&u16::try_from(real.len()).unwrap().to_be_bytes())
+        .await
+        .unwrap();
+    s.write_all(&real).await.unwrap();
+    let m = Message::from_vec(&read_framed(&mut s).await.unwrap()).unwrap();
+    assert_eq!((m.metadata.id, m.answers.len()), (9, 1));
+    drop(s);
+
+    // A message cut short then silence: closed after the idle time.
+    let mut s = TcpStream::connect(at).await.unwrap();
+    s.write_all(&[0x03, 0xe8, 1, 2, 3]).await.unwrap();
+    assert!(closed_within(&mut s, Duration::from_secs(2)).await);
+    // A zero-length frame or a response instead of a query: closed.
+    let mut s = TcpStream::connect(at).await.unwrap();
+    s.write_all(&[0, 0]).await.unwrap();
+    assert!(closed_within(&mut s, Duration::from_secs(2)).await);
+    let mut reply = real.clone();
+    reply[2] |= 0x80;
+    let mut s = TcpStream::connect(at).await.unwrap();
+    s.write_all(&u16::try_from(reply.len()).unwrap().to_be_bytes())
+        .await
+        .unwrap();
+    s.write_all(&reply).await.unwrap();
+    assert!(closed_within(&mut s, Duration::from_secs(2)).await);
+
+    // Let the connections above be reaped, then fill every slot.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(TcpStream::connect(at).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The fifth is accepted by the kernel and closed by us at once.
+    let mut fifth = TcpStream::connect(at).await.unwrap();
+    assert!(closed_within(&mut fifth, Duration::from_millis(300)).await);
+    // UDP is unaffected meanwhile.
+    still_answers(at).await;
+    // The idle ones are closed after the idle time, freeing the slots.
+    for s in &mut idle {
+        assert!(closed_within(s, Duration::from_secs(2)).await);
+    }
+    let d = dig_async(at, &["+tries=1", "+time=2", "+tcp", "db.internal"]).await;
+    assert_eq!(d.addrs(), vec!["10.97.0.5"], "{}", d.raw);
+    server.shutdown().await;
+}
