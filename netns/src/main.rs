@@ -1,8 +1,38 @@
 //! `zattera-netns`: the operator's tool for debugging node networking.
+//!
+//! It reads the kernel directly (links, addresses, namespace files, our
+//! nftables table). Asking a running agent through its admin socket, and so
+//! knowing which containers are live, is not built yet: every command says
+//! what it could not know without the agent.
 
+use std::net::Ipv4Addr;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use zattera_netns::inventory::{self, Inventory};
+use zattera_netns::{NetConfig, NetNode, PublishedPort, Subnet, nsfile};
+
+const AFTER_HELP: &str = "\
+NAMES
+    Bridges are <prefix><slot> (default ztbr7 for 10.201.7.0/24) and carry the
+    alias zattera:<network name>; host veth ends are <prefix><slot>v<host>;
+    each container's network namespace is the file <run-dir>/netns/<container id>;
+    the rules live in the nftables table inet <table> (default zattera, or
+    zattera_<namespace> for another containerd namespace).
+
+EXIT STATUS
+    0 on success, 1 on an error (printed with its cause), 2 for a command that
+    is not available yet.
+
+EXAMPLES
+    zattera-netns ls
+    zattera-netns inspect zt-shop-01hxenvid000
+    zattera-netns exec 3f2a9c -- ss -tlnp
+    zattera-netns gc            # list what nobody owns
+    zattera-netns gc --apply    # and remove it";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -10,63 +40,416 @@ use clap::{Parser, Subcommand};
     version,
     about = "Inspect and debug the networks of a zattera node",
     long_about = "Inspect and debug the networks of a zattera node: environment bridges, \
-                  container network namespaces, published ports and internal DNS.\n\n\
-                  It asks the running agent through its admin socket (under --run-dir) and \
-                  falls back to reading the kernel and containerd directly when the agent is down."
+                  container network namespaces, published ports and the agent's nftables table.\n\n\
+                  It reads the kernel directly, so it works while the agent is down. It only ever \
+                  changes objects under the names below (gc --apply); everything else on the host \
+                  is left alone. Run it as root.",
+    after_long_help = AFTER_HELP
 )]
 struct Cli {
-    /// The agent's run dir, where its admin socket lives.
+    /// The agent's run dir; namespace files live in <run-dir>/netns.
     #[arg(
         long,
         global = true,
         env = "ZATTERA_RUN_DIR",
         default_value = "/run/zattera"
     )]
-    run_dir: std::path::PathBuf,
+    run_dir: PathBuf,
+    /// The agent's containerd namespace: picks the nft table name (zattera_<ns> unless it is "zattera").
+    #[arg(
+        long,
+        global = true,
+        env = "ZATTERA_NAMESPACE",
+        default_value = "zattera"
+    )]
+    namespace: String,
+    /// Interface name prefix of the agent's bridges and veths.
+    #[arg(long, global = true, default_value = "ztbr", value_name = "PREFIX")]
+    bridge_prefix: String,
+    /// Override the nft table name (family inet).
+    #[arg(long, global = true, value_name = "TABLE")]
+    nft_table: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// List environments: bridges, subnets, gateways, instances and their IPs.
+    /// List networks: bridge, subnet, gateway, network name, members with their IPs and veths, published ports.
     Ls {
+        /// Print one JSON object instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// Show one network: members, published ports, nft rules, DNS listener.
+    /// Show one network: members, published ports, its nft rules, its DNS listener.
+    ///
+    /// NETWORK is a network name (zt-…), a bridge name or a subnet (10.201.X.0/24).
     Inspect { network: String },
-    /// Run a host command inside an instance's network namespace.
+    /// Run a host program inside a container's network namespace.
+    ///
+    /// TARGET is a container id (the name of its namespace file). The program
+    /// comes from the host (ss, tcpdump, curl, ip) and sees only the
+    /// container's interfaces, routes and sockets.
     Exec {
         target: String,
+        /// The program and its arguments, after `--`.
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// Resolve a name the way an instance would, against its gateway.
+    /// Resolve a name the way an instance would, against its gateway (not available yet).
     Dig {
         name: String,
         #[arg(long)]
         from: String,
     },
-    /// List (and with --apply remove) bridges, netns files, veths and rules nobody owns.
+    /// List, and with --apply remove, bridges, namespace files, veths and rules nobody owns.
+    ///
+    /// Without the agent, only what is provably broken counts: namespace files
+    /// that are not mounted or hold no eth0 (a crash in the middle of an
+    /// attach), veth ends left in the host namespace or off any bridge,
+    /// bridges with no port, and the nft table once no bridge is left.
     Gc {
+        /// Remove what is listed.
         #[arg(long)]
         apply: bool,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let name = match cli.command {
-        Command::Ls { .. } => "ls",
-        Command::Inspect { .. } => "inspect",
-        Command::Exec { .. } => "exec",
-        Command::Dig { .. } => "dig",
-        Command::Gc { .. } => "gc",
-    };
-    eprintln!(
-        "zattera-netns {name}: not implemented yet (networking has not landed; run dir {})",
-        cli.run_dir.display()
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("zattera-netns: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn config(cli: &Cli) -> Result<NetConfig> {
+    let mut cfg = NetConfig::for_namespace(&cli.namespace, &cli.run_dir)?;
+    cfg.bridge_prefix.clone_from(&cli.bridge_prefix);
+    if let Some(t) = &cli.nft_table {
+        cfg.nft_table.clone_from(t);
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let cfg = config(&cli)?;
+    match cli.command {
+        // exec replaces this process: no runtime, no threads to leave behind.
+        Command::Exec { target, command } => exec(&cfg, &target, &command),
+        Command::Dig { name, from } => {
+            eprintln!(
+                "zattera-netns dig {name} --from {from}: not available yet: it needs the agent's \
+                 admin socket (under {}) and its DNS resolver; meanwhile run \
+                 `zattera-netns exec {from} -- dig @<gateway> {name}`",
+                cli.run_dir.display()
+            );
+            Ok(ExitCode::from(2))
+        }
+        command => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the runtime")?;
+            rt.block_on(async move {
+                let node = NetNode::new(cfg)?;
+                match command {
+                    Command::Ls { json } => ls(&node, json).await,
+                    Command::Inspect { network } => inspect(&node, &network).await,
+                    Command::Gc { apply, json } => gc(&node, apply, json).await,
+                    Command::Exec { .. } | Command::Dig { .. } => unreachable!("handled above"),
+                }
+            })
+            .map(|()| ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[derive(Debug, serde::Serialize)]
+struct NetworkView {
+    network: Option<String>,
+    bridge: String,
+    subnet: Subnet,
+    gateway: Ipv4Addr,
+    up: bool,
+    mtu: u32,
+    members: Vec<Member>,
+    published: Vec<PublishedView>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Member {
+    container_id: String,
+    ip: Ipv4Addr,
+    veth: Option<String>,
+    netns: PathBuf,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct PublishedView {
+    proto: &'static str,
+    host: String,
+    container: String,
+}
+
+fn views(cfg: &NetConfig, inv: &Inventory, published: &[PublishedPort]) -> Vec<NetworkView> {
+    inv.bridges
+        .iter()
+        .map(|b| {
+            let members = inv
+                .netns
+                .iter()
+                .filter_map(|n| {
+                    let ip = n.ip.filter(|ip| b.subnet.contains(*ip))?;
+                    let veth = cfg.host_veth_name(ip);
+                    let present = inv.veths.iter().any(|v| v.name == veth);
+                    Some(Member {
+                        container_id: n.container_id.clone(),
+                        ip,
+                        veth: present.then_some(veth),
+                        netns: n.path.clone(),
+                    })
+                })
+                .collect();
+            let published = published
+                .iter()
+                .filter(|p| b.subnet.contains(p.container_ip))
+                .map(|p| PublishedView {
+                    proto: p.proto.name(),
+                    host: format!("{}:{}", p.host_ip, p.host_port),
+                    container: format!("{}:{}", p.container_ip, p.container_port),
+                })
+                .collect();
+            NetworkView {
+                network: b.scope.clone(),
+                bridge: b.name.clone(),
+                subnet: b.subnet,
+                gateway: b.subnet.gateway(),
+                up: b.up,
+                mtu: b.mtu,
+                members,
+                published,
+            }
+        })
+        .collect()
+}
+
+async fn ls(node: &NetNode, json: bool) -> Result<()> {
+    let inv = inventory::read(node).await?;
+    let published = node.nft().published()?;
+    let views = views(node.config(), &inv, &published);
+    if json {
+        let doc = serde_json::json!({
+            "networks": views,
+            "nft_table": format!("inet {}", inv.table),
+            "nft_table_present": inv.table_present,
+            "agent": "not asked (admin socket not implemented); read from the kernel",
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    if views.is_empty() {
+        println!(
+            "no networks (no bridge named {}<slot>); nft table inet {} {}",
+            node.config().bridge_prefix,
+            inv.table,
+            if inv.table_present {
+                "present"
+            } else {
+                "absent"
+            }
+        );
+        return Ok(());
+    }
+    println!(
+        "{:<28} {:<12} {:<16} {:<12} {:>7}",
+        "NETWORK", "BRIDGE", "SUBNET", "GATEWAY", "MEMBERS"
     );
-    ExitCode::from(2)
+    for v in &views {
+        println!(
+            "{:<28} {:<12} {:<16} {:<12} {:>7}",
+            v.network.as_deref().unwrap_or("(not ours)"),
+            v.bridge,
+            v.subnet.to_string(),
+            v.gateway.to_string(),
+            v.members.len()
+        );
+        for m in &v.members {
+            println!(
+                "    {:<24} {:<15} {}",
+                m.container_id,
+                m.ip.to_string(),
+                m.veth.as_deref().unwrap_or("(no veth)")
+            );
+        }
+        for p in &v.published {
+            println!("    publish {} {} -> {}", p.proto, p.host, p.container);
+        }
+    }
+    Ok(())
+}
+
+async fn inspect(node: &NetNode, wanted: &str) -> Result<()> {
+    let inv = inventory::read(node).await?;
+    let published = node.nft().published()?;
+    let views = views(node.config(), &inv, &published);
+    let found = views.iter().find(|v| {
+        v.network.as_deref() == Some(wanted) || v.bridge == wanted || v.subnet.to_string() == wanted
+    });
+    let Some(v) = found else {
+        let known: Vec<String> = views
+            .iter()
+            .map(|v| {
+                format!(
+                    "{} ({}, {})",
+                    v.network.as_deref().unwrap_or("?"),
+                    v.bridge,
+                    v.subnet
+                )
+            })
+            .collect();
+        if known.is_empty() {
+            bail!("network {wanted:?} not found: there are no networks on this node");
+        }
+        bail!(
+            "network {wanted:?} not found; networks here: {}",
+            known.join(", ")
+        );
+    };
+    println!(
+        "network   {}",
+        v.network
+            .as_deref()
+            .unwrap_or("(bridge without our alias: not ours)")
+    );
+    println!(
+        "bridge    {} ({}, mtu {})",
+        v.bridge,
+        if v.up { "up" } else { "DOWN" },
+        v.mtu
+    );
+    println!("subnet    {}", v.subnet);
+    println!("gateway   {}", v.gateway);
+    println!("members   {}", v.members.len());
+    for m in &v.members {
+        println!(
+            "  {:<24} {:<15} {:<14} {}",
+            m.container_id,
+            m.ip.to_string(),
+            m.veth.as_deref().unwrap_or("(no veth)"),
+            m.netns.display()
+        );
+    }
+    println!("published {}", v.published.len());
+    for p in &v.published {
+        println!("  {} {} -> {}", p.proto, p.host, p.container);
+    }
+    println!("dns       {}", dns_listener(v.gateway));
+    let table = inv.table.clone();
+    match node.nft().list()? {
+        None => println!("rules     table inet {table} is absent"),
+        Some(text) => {
+            let subnet = v.subnet.to_string();
+            let quoted = format!("\"{}\"", v.bridge);
+            let gateway = v.gateway.to_string();
+            println!("rules     (from table inet {table})");
+            for line in text
+                .lines()
+                .filter(|l| l.contains(&quoted) || l.contains(&subnet) || l.contains(&gateway))
+            {
+                println!("  {}", line.trim());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether a socket is bound to gateway:53, read from /proc/net (no traffic).
+fn dns_listener(gateway: Ipv4Addr) -> String {
+    let local = format!("{:08X}:0035", u32::from_ne_bytes(gateway.octets()));
+    let mut found = Vec::new();
+    for proto in ["udp", "tcp"] {
+        let table = std::fs::read_to_string(format!("/proc/net/{proto}")).unwrap_or_default();
+        if table
+            .lines()
+            .skip(1)
+            .any(|l| l.split_whitespace().nth(1) == Some(local.as_str()))
+        {
+            found.push(proto);
+        }
+    }
+    if found.is_empty() {
+        format!("no listener on {gateway}:53")
+    } else {
+        format!("listening on {gateway}:53 ({})", found.join(", "))
+    }
+}
+
+async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
+    let inv = inventory::read(node).await?;
+    let plan = inventory::plan(&inv, None);
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({ "plan": plan, "applied": apply }))?
+        );
+    } else if plan.is_empty() {
+        println!("nothing to collect");
+    } else {
+        let verb = if apply { "removing" } else { "would remove" };
+        for p in &plan.netns {
+            println!("{verb} netns file {}", p.display());
+        }
+        for v in &plan.veths {
+            println!("{verb} veth {v}");
+        }
+        for b in &plan.bridges {
+            println!("{verb} bridge {b}");
+        }
+        if plan.delete_table {
+            println!("{verb} nft table inet {}", inv.table);
+        }
+        if !apply {
+            println!("(run with --apply to remove)");
+        }
+    }
+    if apply {
+        inventory::apply(node, &plan).await?;
+    }
+    Ok(())
+}
+
+fn exec(cfg: &NetConfig, target: &str, command: &[String]) -> Result<ExitCode> {
+    let path = cfg.netns_path(target)?;
+    if !nsfile::is_mounted(&path) {
+        let mut known: Vec<String> = std::fs::read_dir(&cfg.netns_dir)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        known.sort();
+        let known = if known.is_empty() {
+            "none".to_owned()
+        } else {
+            known.join(", ")
+        };
+        bail!(
+            "no network namespace for {target:?} at {} (known: {known}); targets by assignment id or \
+             app.env.project need the agent's admin socket, which is not available yet",
+            path.display()
+        );
+    }
+    nsfile::enter(&path)?;
+    let (program, args) = command.split_first().context("no command given after --")?;
+    let err = std::process::Command::new(program).args(args).exec();
+    Err(err).with_context(|| format!("cannot run {program:?} in {}", path.display()))
 }

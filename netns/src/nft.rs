@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use crate::error::{Error, Result};
-use crate::firewall::{FirewallState, render};
+use std::net::Ipv4Addr;
+
+use serde_json::Value;
+
+use crate::firewall::{FirewallState, Proto, PublishedPort, render};
 
 /// The agent's nftables table.
 #[derive(Debug, Clone)]
@@ -51,6 +55,24 @@ impl Nft {
         }
     }
 
+    /// The published ports our table holds now, read back from its maps
+    /// (for the operator CLI, which has no agent state to ask).
+    pub fn published(&self) -> Result<Vec<PublishedPort>> {
+        let json = match self.run("list", &["-j", "list", "table", "inet", &self.table], None) {
+            Ok(out) => out,
+            Err(Error::Nft { stderr, .. }) if stderr.contains("No such file or directory") => {
+                return Ok(Vec::new());
+            }
+            Err(e) => return Err(e),
+        };
+        let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| Error::Nft {
+            action: "parse",
+            table: self.table.clone(),
+            stderr: e.to_string(),
+        })?;
+        Ok(parse_published(&value))
+    }
+
     fn run(&self, action: &'static str, args: &[&str], stdin: Option<&str>) -> Result<String> {
         let mut child = Command::new(&self.binary)
             .args(args)
@@ -85,5 +107,85 @@ impl Nft {
                 stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
             })
         }
+    }
+}
+
+/// Reads the elements of our `pub_*` / `puball_*` maps out of `nft -j` output.
+fn parse_published(doc: &Value) -> Vec<PublishedPort> {
+    let mut out = Vec::new();
+    let items = doc
+        .get("nftables")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    for map in items.iter().filter_map(|i| i.get("map")) {
+        let name = map.get("name").and_then(Value::as_str).unwrap_or("");
+        let (proto, any) = match name {
+            "pub_tcp" => (Proto::Tcp, false),
+            "pub_udp" => (Proto::Udp, false),
+            "puball_tcp" => (Proto::Tcp, true),
+            "puball_udp" => (Proto::Udp, true),
+            _ => continue,
+        };
+        let elems = map
+            .get("elem")
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        for pair in elems.iter().filter_map(Value::as_array) {
+            let (Some(key), Some(val)) = (pair.first(), pair.get(1)) else {
+                continue;
+            };
+            let (host_ip, host_port) = if any {
+                (Some(Ipv4Addr::UNSPECIFIED), port(key))
+            } else {
+                concat(key)
+            };
+            let (container_ip, container_port) = concat(val);
+            if let (Some(host_ip), Some(host_port), Some(container_ip), Some(container_port)) =
+                (host_ip, host_port, container_ip, container_port)
+            {
+                out.push(PublishedPort {
+                    proto,
+                    host_ip,
+                    host_port,
+                    container_ip,
+                    container_port,
+                });
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn concat(v: &Value) -> (Option<Ipv4Addr>, Option<u16>) {
+    let parts = v.get("concat").and_then(Value::as_array);
+    let ip = parts
+        .and_then(|p| p.first())
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse().ok());
+    (ip, parts.and_then(|p| p.get(1)).and_then(port))
+}
+
+fn port(v: &Value) -> Option<u16> {
+    v.as_u64().and_then(|n| u16::try_from(n).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn published_ports_are_read_back_from_nft_json() {
+        let doc: serde_json::Value = serde_json::from_str(
+            r#"{"nftables": [{"metainfo": {}},
+            {"map": {"name": "pub_tcp", "elem": [[{"concat": ["127.0.0.1", 8080]}, {"concat": ["10.201.5.2", 80]}]]}},
+            {"map": {"name": "puball_udp", "elem": [[9090, {"concat": ["10.201.5.3", 53]}]]}},
+            {"map": {"name": "other", "elem": [[1, 2]]}}]}"#,
+        )
+        .unwrap();
+        let got = super::parse_published(&doc);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].host_port, 8080);
+        assert_eq!(got[0].container_ip, std::net::Ipv4Addr::new(10, 201, 5, 2));
+        assert!(got[1].host_ip.is_unspecified());
+        assert_eq!((got[1].host_port, got[1].container_port), (9090, 53));
     }
 }

@@ -590,3 +590,110 @@ async fn net_index(node: &NetNode, s: Subnet) -> u32 {
         .unwrap()
         .index
 }
+
+fn cli(w: &World, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_zattera-netns"))
+        .arg("--run-dir")
+        .arg(w.dir.path())
+        .args(["--bridge-prefix", &w.prefix, "--nft-table", &w.table])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_lists_inspects_execs_and_collects() {
+    if !ready("cli") {
+        return;
+    }
+    let w = World::new("cli");
+    let node = w.node();
+    let s = Subnet::from_slot(213);
+    node.ensure_network("zt-p-cli", s).await.unwrap();
+    let c = node.attach("clic1", s, s.host(7)).await.unwrap();
+    node.set_published(vec![PublishedPort {
+        proto: Proto::Tcp,
+        host_ip: Ipv4Addr::LOCALHOST,
+        host_port: 18_213,
+        container_ip: c.ip,
+        container_port: 80,
+    }])
+    .unwrap();
+
+    let out = cli(&w, &["ls", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let net = &doc["networks"][0];
+    assert_eq!(net["network"], "zt-p-cli");
+    assert_eq!(net["subnet"], "10.201.213.0/24");
+    assert_eq!(net["gateway"], "10.201.213.1");
+    assert_eq!(net["members"][0]["container_id"], "clic1");
+    assert_eq!(net["members"][0]["ip"], "10.201.213.7");
+    assert_eq!(net["members"][0]["veth"], c.host_veth.as_str());
+    assert_eq!(net["published"][0]["host"], "127.0.0.1:18213");
+
+    let out = cli(&w, &["inspect", "zt-p-cli"]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("clic1")
+            && t.contains("10.201.213.7")
+            && t.contains("127.0.0.1:18213 -> 10.201.213.7:80"),
+        "{t}"
+    );
+    assert!(t.contains("masquerade"), "{t}");
+    let out = cli(&w, &["inspect", "nope"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("zt-p-cli"),
+        "the error lists what exists: {}",
+        text(&out)
+    );
+
+    // exec runs a host program inside the container's namespace.
+    let out = cli(
+        &w,
+        &[
+            "exec", "clic1", "--", "ip", "-o", "-4", "addr", "show", "dev", "eth0",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("10.201.213.7/24"), "{}", text(&out));
+    let out = cli(&w, &["exec", "nosuch", "--", "true"]);
+    assert!(!out.status.success());
+    assert!(text(&out).contains("clic1"), "{}", text(&out));
+    let out = cli(&w, &["dig", "web.internal", "--from", "clic1"]);
+    assert_eq!(out.status.code(), Some(2));
+
+    // gc: nothing to do, then a crash leftover that --apply removes.
+    let out = cli(&w, &["gc"]);
+    assert!(text(&out).contains("nothing to collect"), "{}", text(&out));
+    let half = w.cfg.netns_path("half").unwrap();
+    nsfile::create(&half).await.unwrap();
+    let out = cli(&w, &["gc"]);
+    assert!(
+        text(&out).contains("would remove netns file"),
+        "{}",
+        text(&out)
+    );
+    assert!(half.exists());
+    let out = cli(&w, &["gc", "--apply"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!half.exists());
+    assert!(
+        c.netns_path.exists() && link_exists(&c.host_veth),
+        "a live attachment is kept"
+    );
+
+    node.detach("clic1", Some(c.ip)).await.unwrap();
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
