@@ -56,6 +56,15 @@ pub enum Error {
         ports: usize,
     },
 
+    #[error(
+        "bridge {bridge} still has {ports} attached port(s) ({names}); detach them before removing the network"
+    )]
+    NetworkInUse {
+        bridge: String,
+        ports: usize,
+        names: String,
+    },
+
     #[error("network for {0} does not exist (call ensure first)")]
     NoNetwork(Subnet),
 

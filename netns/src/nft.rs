@@ -58,19 +58,35 @@ impl Nft {
     /// The published ports our table holds now, read back from its maps
     /// (for the operator CLI, which has no agent state to ask).
     pub fn published(&self) -> Result<Vec<PublishedPort>> {
+        Ok(self
+            .read_json()?
+            .map_or_else(Vec::new, |doc| parse_published(&doc)))
+    }
+
+    /// What the table holds now: bridge names and published ports, or
+    /// `None` when there is no table. Lets a restarted agent change one
+    /// network's rules without first knowing all of them.
+    pub fn current(&self) -> Result<Option<(Vec<String>, Vec<PublishedPort>)>> {
+        Ok(self
+            .read_json()?
+            .map(|doc| (parse_bridges(&doc), parse_published(&doc))))
+    }
+
+    fn read_json(&self) -> Result<Option<Value>> {
         let json = match self.run("list", &["-j", "list", "table", "inet", &self.table], None) {
             Ok(out) => out,
             Err(Error::Nft { stderr, .. }) if stderr.contains("No such file or directory") => {
-                return Ok(Vec::new());
+                return Ok(None);
             }
             Err(e) => return Err(e),
         };
-        let value: serde_json::Value = serde_json::from_str(&json).map_err(|e| Error::Nft {
-            action: "parse",
-            table: self.table.clone(),
-            stderr: e.to_string(),
-        })?;
-        Ok(parse_published(&value))
+        serde_json::from_str(&json)
+            .map(Some)
+            .map_err(|e| Error::Nft {
+                action: "parse",
+                table: self.table.clone(),
+                stderr: e.to_string(),
+            })
     }
 
     fn run(&self, action: &'static str, args: &[&str], stdin: Option<&str>) -> Result<String> {
@@ -108,6 +124,24 @@ impl Nft {
             })
         }
     }
+}
+
+fn items(doc: &Value) -> &[Value] {
+    doc.get("nftables")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice)
+}
+
+/// The elements of our `bridges` set.
+fn parse_bridges(doc: &Value) -> Vec<String> {
+    items(doc)
+        .iter()
+        .filter_map(|i| i.get("set"))
+        .filter(|set| set.get("name").and_then(Value::as_str) == Some("bridges"))
+        .filter_map(|set| set.get("elem").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|e| e.as_str().map(str::to_owned))
+        .collect()
 }
 
 /// Reads the elements of our `pub_*` / `puball_*` maps out of `nft -j` output.
@@ -178,6 +212,7 @@ mod tests {
             r#"{"nftables": [{"metainfo": {}},
             {"map": {"name": "pub_tcp", "elem": [[{"concat": ["127.0.0.1", 8080]}, {"concat": ["10.201.5.2", 80]}]]}},
             {"map": {"name": "puball_udp", "elem": [[9090, {"concat": ["10.201.5.3", 53]}]]}},
+            {"set": {"name": "bridges", "elem": ["ztbr5", "ztbr6"]}},
             {"map": {"name": "other", "elem": [[1, 2]]}}]}"#,
         )
         .unwrap();
@@ -187,5 +222,6 @@ mod tests {
         assert_eq!(got[0].container_ip, std::net::Ipv4Addr::new(10, 201, 5, 2));
         assert!(got[1].host_ip.is_unspecified());
         assert_eq!((got[1].host_port, got[1].container_port), (9090, 53));
+        assert_eq!(super::parse_bridges(&doc), ["ztbr5", "ztbr6"]);
     }
 }

@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 use std::sync::Mutex;
 
 use crate::attach::{self, Attachment};
-use crate::config::NetConfig;
+use crate::config::{NetConfig, OwnedName};
 use crate::error::{Error, Result};
 use crate::firewall::{BridgeRules, FirewallState, PublishedPort};
 use crate::netlink::Netlink;
@@ -21,9 +21,10 @@ pub struct NetNode {
     cfg: NetConfig,
     nl: Netlink,
     nft: Nft,
-    /// What the table holds now (as far as this process knows: the table is
-    /// rebuilt whole from this on every change).
-    rules: Mutex<FirewallState>,
+    /// What the table holds, rebuilt whole from this on every change. `None`
+    /// until first needed, then read back from the kernel, so a restarted
+    /// agent that ensures one network keeps the others' rules and ports.
+    rules: Mutex<Option<FirewallState>>,
 }
 
 impl NetNode {
@@ -36,7 +37,7 @@ impl NetNode {
             nl: Netlink::connect()?,
             nft,
             cfg,
-            rules: Mutex::new(FirewallState::default()),
+            rules: Mutex::new(None),
         })
     }
 
@@ -79,11 +80,26 @@ impl NetNode {
     }
 
     /// runtime.md N-5: removes the network's rules (and published ports into
-    /// it), then its bridge. Idempotent. Attached containers lose their link.
+    /// it), then its bridge. Idempotent. Refused while containers are
+    /// attached (detach them, or let gc take crash leftovers).
     pub async fn remove_network(&self, subnet: Subnet) -> Result<()> {
         let name = self.cfg.bridge_name(subnet);
-        // Refuse before changing anything if the name is not ours.
+        // Refuse before changing anything if the name is not ours or in use.
         let existing = network::lookup(&self.nl, &name, subnet).await?;
+        if let Some(net) = &existing {
+            let ports = self.nl.ports_of(net.index).await?;
+            if !ports.is_empty() {
+                return Err(Error::NetworkInUse {
+                    bridge: name,
+                    ports: ports.len(),
+                    names: ports
+                        .iter()
+                        .map(|p| p.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
         self.update_rules(|s| {
             s.bridges.retain(|b| b.bridge != name);
             s.published.retain(|p| !subnet.contains(p.container_ip));
@@ -129,33 +145,49 @@ impl NetNode {
 
     /// Deletes our table: the host's ruleset is as it was before us.
     pub fn remove_rules(&self) -> Result<()> {
-        let mut guard = self
-            .rules
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut guard = self.lock_rules();
         self.nft.delete()?;
-        *guard = FirewallState::default();
+        *guard = Some(FirewallState::default());
         Ok(())
     }
 
-    /// The rules state last applied.
-    pub fn rules(&self) -> FirewallState {
+    /// The rules state the table holds.
+    pub fn rules(&self) -> Result<FirewallState> {
+        let mut guard = self.lock_rules();
+        self.load(&mut guard).cloned()
+    }
+
+    fn lock_rules(&self) -> std::sync::MutexGuard<'_, Option<FirewallState>> {
+        // A panic elsewhere never leaves the state half-written: it is only
+        // replaced whole, after nft succeeded.
         self.rules
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
+    }
+
+    fn load<'a>(&self, slot: &'a mut Option<FirewallState>) -> Result<&'a mut FirewallState> {
+        if slot.is_none() {
+            let (names, published) = self.nft.current()?.unwrap_or_default();
+            let bridges = names
+                .into_iter()
+                .filter_map(|bridge| match self.cfg.parse_ifname(&bridge) {
+                    Some(OwnedName::Bridge(subnet)) => Some(BridgeRules { bridge, subnet }),
+                    _ => None,
+                })
+                .collect();
+            *slot = Some(FirewallState { bridges, published });
+        }
+        Ok(slot.get_or_insert_with(FirewallState::default))
     }
 
     fn update_rules(&self, change: impl FnOnce(&mut FirewallState)) -> Result<()> {
-        let mut guard = self
-            .rules
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut next = guard.clone();
+        let mut guard = self.lock_rules();
+        let current = self.load(&mut guard)?;
+        let mut next = current.clone();
         change(&mut next);
         // Keep the current state on failure: the kernel still holds it.
         self.nft.apply(&next)?;
-        *guard = next;
+        *current = next;
         Ok(())
     }
 }

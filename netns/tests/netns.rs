@@ -117,6 +117,10 @@ async fn ensure_is_idempotent_checks_subnet_and_scope_and_refuses_foreign_names(
         msg.contains("10.201.206.0/24") && msg.contains("10.201.206.78/24"),
         "{msg}"
     );
+    let err = node.remove_network(s).await.unwrap_err();
+    assert!(matches!(err, Error::NetworkInUse { .. }), "{err}");
+    assert!(err.to_string().contains(&att.host_veth), "{err}");
+    assert!(link_exists(&bridge));
     node.detach(&att.container_id, Some(att.ip)).await.unwrap();
 
     // An interface with our bridge's name that is not our bridge.
@@ -695,5 +699,49 @@ async fn cli_lists_inspects_execs_and_collects() {
 
     node.detach("clic1", Some(c.ip)).await.unwrap();
     node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
+    if !ready("restart") {
+        return;
+    }
+    let w = World::new("restart");
+    let (s1, s2) = (Subnet::from_slot(214), Subnet::from_slot(215));
+    let published = PublishedPort {
+        proto: Proto::Udp,
+        host_ip: Ipv4Addr::LOCALHOST,
+        host_port: 18_214,
+        container_ip: s1.host(2),
+        container_port: 53,
+    };
+    {
+        let node = w.node();
+        node.ensure_network("zt-p-r1", s1).await.unwrap();
+        node.ensure_network("zt-p-r2", s2).await.unwrap();
+        node.set_published(vec![published]).unwrap();
+    }
+    // A new process: it ensures only the second network.
+    let node = w.node();
+    node.ensure_network("zt-p-r2", s2).await.unwrap();
+    let rules = node.rules().unwrap();
+    let mut names: Vec<_> = rules.bridges.iter().map(|b| b.bridge.clone()).collect();
+    names.sort();
+    assert_eq!(names, vec![w.cfg.bridge_name(s1), w.cfg.bridge_name(s2)]);
+    assert_eq!(rules.published, vec![published]);
+    assert_eq!(node.nft().published().unwrap(), vec![published]);
+    let table = node.nft().list().unwrap().unwrap();
+    assert!(
+        table.contains("ip saddr 10.201.214.0/24 oifname != @bridges masquerade"),
+        "{table}"
+    );
+
+    node.remove_network(s1).await.unwrap();
+    assert!(
+        node.rules().unwrap().published.is_empty(),
+        "ports into a removed network go with it"
+    );
+    node.remove_network(s2).await.unwrap();
     node.remove_rules().unwrap();
 }
