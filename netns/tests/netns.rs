@@ -745,3 +745,116 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
     node.remove_network(s2).await.unwrap();
     node.remove_rules().unwrap();
 }
+
+/// Not a test on its own: the child process of the SIGKILL test, which
+/// attaches containers in a loop until it is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by sigkill_in_the_middle_of_attach_then_gc_leaves_nothing"]
+async fn sigkill_child_attach_loop() {
+    let (Ok(prefix), Ok(table), Ok(dir)) = (
+        std::env::var("ZT_CHILD_PREFIX"),
+        std::env::var("ZT_CHILD_TABLE"),
+        std::env::var("ZT_CHILD_NETNS_DIR"),
+    ) else {
+        panic!("only run by the SIGKILL test");
+    };
+    let node = NetNode::new(NetConfig {
+        bridge_prefix: prefix,
+        nft_table: table,
+        netns_dir: dir.into(),
+        ..NetConfig::default()
+    })
+    .unwrap();
+    let s = Subnet::from_slot(216);
+    for i in 2..200u8 {
+        node.attach(&format!("k{i}"), s, s.host(i)).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_in_the_middle_of_attach_then_gc_leaves_nothing() {
+    if !ready("sigkill") {
+        return;
+    }
+    let before = foreign_ruleset();
+    let w = World::new("sigkill");
+    let node = w.node();
+    let s = Subnet::from_slot(216);
+    node.ensure_network("zt-p-kill", s).await.unwrap();
+    node.set_published(vec![PublishedPort {
+        proto: Proto::Tcp,
+        host_ip: Ipv4Addr::LOCALHOST,
+        host_port: 18_216,
+        container_ip: s.host(2),
+        container_port: 80,
+    }])
+    .unwrap();
+
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "sigkill_child_attach_loop",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("ZT_CHILD_PREFIX", &w.prefix)
+        .env("ZT_CHILD_TABLE", &w.table)
+        .env("ZT_CHILD_NETNS_DIR", &w.cfg.netns_dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Let it get going, then kill it at an arbitrary point of an attach.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_dir(&w.cfg.netns_dir).map_or(0, Iterator::count) < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child never attached"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the child exited early"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let jitter = u64::from(std::process::id() % 17);
+    std::thread::sleep(std::time::Duration::from_millis(jitter));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+
+    // "Restart": a new node. Kernel-only gc leaves only whole attachments.
+    let node = w.node();
+    let plan = inventory::plan(&inventory::read(&node).await.unwrap(), None);
+    eprintln!("kernel-only gc after SIGKILL: {plan:?}");
+    inventory::apply(&node, &plan).await.unwrap();
+    let inv = inventory::read(&node).await.unwrap();
+    for ns in &inv.netns {
+        assert!(
+            ns.mounted && ns.ip.is_some(),
+            "half-built namespace left: {ns:?}"
+        );
+    }
+    for v in &inv.veths {
+        assert!(
+            v.bridge.is_some() && v.peer_elsewhere && !v.stray_peer,
+            "half-built veth left: {v:?}"
+        );
+    }
+    // The agent owns no container (none was ever created): everything goes.
+    let plan = inventory::plan(&inv, Some(&BTreeSet::new()));
+    inventory::apply(&node, &plan).await.unwrap();
+    let inv = inventory::read(&node).await.unwrap();
+    assert!(inv.netns.is_empty(), "{:?}", inv.netns);
+    assert!(inv.veths.is_empty(), "{:?}", inv.veths);
+    assert!(inv.bridges.is_empty(), "{:?}", inv.bridges);
+    assert!(!inv.table_present);
+    assert_eq!(std::fs::read_dir(&w.cfg.netns_dir).unwrap().count(), 0);
+    assert_eq!(
+        before,
+        foreign_ruleset(),
+        "the host's ruleset outside our tables changed"
+    );
+}
