@@ -125,8 +125,40 @@ def build(out_dir, ref):
         add_file(tar, layer_dir + "/layer.tar", layer)
         add_file(tar, "manifest.json", docker_manifest)
     os.replace(docker_path + ".tmp", docker_path)
+    # Two platforms in one index: this host's, and one it is not, sharing the layer.
+    host_arch = json.loads(config)["architecture"]
+    other_arch = "s390x" if host_arch != "s390x" else "amd64"
+    other_config = canonical({**json.loads(config), "architecture": other_arch})
+    other_manifest = canonical({**json.loads(manifest), "config": {
+        "mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(other_config), "size": len(other_config)}})
+    multi_index = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": sha(other_manifest),
+             "size": len(other_manifest), "platform": {"os": "linux", "architecture": other_arch}},
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": sha(manifest),
+             "size": len(manifest), "platform": {"os": "linux", "architecture": host_arch}},
+        ],
+    })
+    outer = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{"mediaType": "application/vnd.oci.image.index.v1+json", "digest": sha(multi_index),
+                       "size": len(multi_index), "annotations": {"org.opencontainers.image.ref.name": "multi"}}],
+    })
+    multi_path = os.path.join(out_dir, "busybox-multi-oci.tar")
+    with tarfile.open(multi_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
+        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
+        add_file(tar, "index.json", outer)
+        add_dir(tar, "blobs")
+        add_dir(tar, "blobs/sha256")
+        for blob in (config, manifest, other_config, other_manifest, multi_index, gz):
+            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
+    os.replace(multi_path + ".tmp", multi_path)
     print(f"{oci_path}: {ref} manifest {sha(manifest)}")
     print(f"{docker_path}: {ref}")
+    print(f"{multi_path}: index {sha(multi_index)} ({host_arch}, {other_arch})")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 use zattera_agent::config::{Config, Settings};
+
+use zattera_agent::runtime::pull::{Credentials, Puller};
 use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
+
+mod pull_progress;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -96,6 +101,12 @@ enum ImageCommand {
     Pull {
         /// Image reference, normalised as Docker does (busybox → docker.io/library/busybox:latest).
         reference: String,
+        /// Registry user for basic auth; the password comes from ZATTERA_REGISTRY_PASSWORD.
+        #[arg(long, value_name = "USER")]
+        username: Option<String>,
+        /// A registry (`host:port`) to reach over plain HTTP; loopback ones always are.
+        #[arg(long, value_name = "HOST")]
+        insecure_registry: Vec<String>,
     },
 }
 
@@ -178,11 +189,35 @@ async fn dispatch(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Image(ImageCommand::Pull { reference }) => {
-            let _ = reference.parse::<ImageRef>()?;
-            bail!(
-                "image pull is not implemented yet; import an archive with `zattera-agent image import`"
-            )
+        Command::Image(ImageCommand::Pull {
+            reference,
+            username,
+            insecure_registry,
+        }) => {
+            let config = load_config(&cli.global, None)?;
+            let reference = reference.parse::<ImageRef>()?;
+            let credentials = match username {
+                None => Credentials::Anonymous,
+                Some(username) => Credentials::Basic {
+                    username,
+                    password: std::env::var("ZATTERA_REGISTRY_PASSWORD")
+                        .context("--username needs the password in ZATTERA_REGISTRY_PASSWORD")?,
+                },
+            };
+            let ctd = Containerd::connect(&config.containerd_address, config.namespace).await?;
+            let puller = Puller::new(ctd, insecure_registry);
+            let on_terminal = std::io::stderr().is_terminal();
+            let progress = on_terminal.then(|| pull_progress::terminal(reference.to_string()));
+            let image = puller.ensure(&reference, &credentials, progress).await;
+            if on_terminal {
+                eprintln!();
+            }
+            let image = image?;
+            println!(
+                "pulled {reference} ({}, rootfs {})",
+                image.target.digest, image.chain_id
+            );
+            Ok(())
         }
         Command::Run(args) => {
             let config = load_config(&cli.global, Some(&args))?;

@@ -17,6 +17,7 @@ pub mod exec;
 pub mod images;
 pub mod lease;
 mod names;
+pub mod pull;
 pub mod reference;
 pub mod spec;
 pub mod stats;

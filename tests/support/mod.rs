@@ -18,6 +18,8 @@ use containerd_client::services::v1::{
     ListImagesRequest, ListRequest,
 };
 use futures::{FutureExt, StreamExt};
+
+pub mod registry;
 use zattera_agent::runtime::{Containerd, Namespace};
 
 pub const DEFAULT_SOCKET: &str = "/run/zattera-rig/containerd/containerd.sock";

@@ -1,0 +1,566 @@
+//! Client-side image pull (R-2): resolve through the OCI distribution API,
+//! stream blobs into containerd's content store under a lease, then unpack.
+//! containerd 1.6 has no Transfer service, so the agent does this itself.
+//!
+//! The registry protocol (token challenges, basic auth, media-type
+//! negotiation) is `oci-client`'s; what is stored, verified, labelled and
+//! unpacked is ours. A present image is never refreshed, even `latest`.
+//! Pulls of one reference are serialised by [`Puller`], so concurrent callers
+//! share the first pull's result instead of downloading twice.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::errors::OciDistributionError;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use oci_spec::image::{ImageIndex, ImageManifest};
+use tokio::io::{AsyncRead, ReadBuf};
+use tokio::sync::Mutex;
+
+use super::connection::Containerd;
+use super::content;
+use super::descriptor::{Descriptor, media, select_manifest};
+use super::digest::Digest;
+use super::error::RuntimeError;
+use super::images::{LocalImage, get_local, put_image_record};
+use super::lease::Lease;
+use super::reference::ImageRef;
+use super::unpack::{self, LABEL_GC_SNAPSHOT};
+
+const PULL_LEASE_TTL: Duration = Duration::from_secs(3600);
+/// Layers downloaded at once.
+const PARALLEL_LAYERS: usize = 3;
+const ACCEPTED: [&str; 4] = [
+    media::OCI_INDEX,
+    media::DOCKER_MANIFEST_LIST,
+    media::OCI_MANIFEST,
+    media::DOCKER_MANIFEST,
+];
+
+/// Registry credentials.
+#[derive(Clone, Default)]
+pub enum Credentials {
+    #[default]
+    Anonymous,
+    Basic {
+        username: String,
+        password: String,
+    },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Anonymous => f.write_str("Anonymous"),
+            Self::Basic { username, .. } => write!(f, "Basic({username}, <redacted>)"),
+        }
+    }
+}
+
+/// What a pull reports while it runs (for a terminal progress line).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PullEvent {
+    Resolved {
+        manifest: Digest,
+        layers: usize,
+        bytes: u64,
+    },
+    LayerBytes {
+        digest: Digest,
+        bytes: u64,
+    },
+    LayerDone {
+        digest: Digest,
+        downloaded: bool,
+    },
+    Unpacking,
+}
+
+pub type ProgressFn = Arc<dyn Fn(PullEvent) + Send + Sync>;
+
+/// Pulls images into one namespace, one pull per reference at a time.
+#[derive(Clone)]
+pub struct Puller {
+    ctd: Containerd,
+    /// Registries (`host[:port]`) reached over plain HTTP besides loopback ones.
+    insecure: Vec<String>,
+    inflight: Arc<Mutex<HashMap<String, Arc<Mutex<()>>>>>,
+}
+
+impl std::fmt::Debug for Puller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Puller")
+            .field("insecure", &self.insecure)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Puller {
+    pub fn new(ctd: Containerd, insecure: Vec<String>) -> Self {
+        // reqwest's rustls needs a process-wide crypto provider; ring is ours.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        Self {
+            ctd,
+            insecure,
+            inflight: Arc::default(),
+        }
+    }
+
+    /// Makes sure `reference` is present and unpacked (R-2 `EnsureImage`).
+    pub async fn ensure(
+        &self,
+        reference: &ImageRef,
+        credentials: &Credentials,
+        progress: Option<ProgressFn>,
+    ) -> Result<LocalImage, RuntimeError> {
+        let key = reference.to_string();
+        let gate = {
+            let mut inflight = self.inflight.lock().await;
+            Arc::clone(inflight.entry(key.clone()).or_default())
+        };
+        let result = {
+            let _turn = gate.lock().await;
+            self.ensure_locked(reference, credentials, progress).await
+        };
+        let mut inflight = self.inflight.lock().await;
+        if Arc::strong_count(&gate) <= 2 {
+            inflight.remove(&key);
+        }
+        result
+    }
+
+    async fn ensure_locked(
+        &self,
+        reference: &ImageRef,
+        credentials: &Credentials,
+        progress: Option<ProgressFn>,
+    ) -> Result<LocalImage, RuntimeError> {
+        if let Some(image) = get_local(&self.ctd, reference).await?
+            && image.unpacked
+        {
+            return Ok(image);
+        }
+        let lease = Lease::create(&self.ctd, "pull", PULL_LEASE_TTL).await?;
+        let result = self.pull(reference, credentials, &lease, progress).await;
+        if let Err(e) = lease.release(&self.ctd).await {
+            tracing::warn!(error = %e, "could not release the pull lease; it expires by itself");
+        }
+        result?;
+        get_local(&self.ctd, reference)
+            .await?
+            .ok_or_else(|| fail(reference, "the image record vanished after the pull"))
+    }
+
+    fn client_for(&self, reference: &ImageRef) -> Client {
+        let plain_http = is_loopback_registry(reference.domain())
+            || self.insecure.iter().any(|r| r == reference.domain());
+        Client::new(ClientConfig {
+            protocol: if plain_http {
+                ClientProtocol::Http
+            } else {
+                ClientProtocol::Https
+            },
+            connect_timeout: Some(Duration::from_secs(10)),
+            read_timeout: Some(Duration::from_secs(60)),
+            ..ClientConfig::default()
+        })
+    }
+
+    async fn pull(
+        &self,
+        reference: &ImageRef,
+        credentials: &Credentials,
+        lease: &Lease,
+        progress: Option<ProgressFn>,
+    ) -> Result<(), RuntimeError> {
+        let ctd = &self.ctd;
+        let client = self.client_for(reference);
+        let auth = match credentials {
+            Credentials::Anonymous => RegistryAuth::Anonymous,
+            Credentials::Basic { username, password } => {
+                RegistryAuth::Basic(username.clone(), password.clone())
+            }
+        };
+        let oref: Reference = reference
+            .to_string()
+            .parse()
+            .map_err(|e| fail(reference, &format!("registry reference: {e}")))?;
+
+        // The top object: what the reference names (an index or a manifest).
+        let (top_bytes, top_digest) =
+            fetch_manifest(&client, &oref, &auth, reference, None).await?;
+        if let Some(pinned) = reference.digest()
+            && *pinned != top_digest
+        {
+            return Err(fail(
+                reference,
+                &format!("registry returned {top_digest}, not the pinned {pinned}"),
+            ));
+        }
+        let top_media = media_type_of(&top_bytes);
+        let mut parents: Vec<(Descriptor, Vec<u8>, HashMap<String, String>)> = Vec::new();
+        let (manifest_bytes, manifest_desc) = if media::is_index(&top_media) {
+            let index = ImageIndex::from_reader(&top_bytes[..])
+                .map_err(|e| fail(reference, &format!("index {top_digest}: {e}")))?;
+            let chosen = select_manifest(&index).ok_or_else(|| {
+                fail(
+                    reference,
+                    &format!(
+                        "no manifest for linux/{} in index {top_digest}",
+                        super::descriptor::host_architecture()
+                    ),
+                )
+            })?;
+            let chosen = Descriptor::from_oci(chosen)?;
+            let (bytes, digest) =
+                fetch_manifest(&client, &oref, &auth, reference, Some(&chosen.digest)).await?;
+            let labels = HashMap::from([(
+                "containerd.io/gc.ref.content.m.0".to_owned(),
+                chosen.digest.to_string(),
+            )]);
+            let top = Descriptor {
+                media_type: top_media,
+                digest: top_digest,
+                size: top_bytes.len() as u64,
+            };
+            parents.push((top, top_bytes.to_vec(), labels));
+            let desc = Descriptor {
+                media_type: chosen.media_type,
+                digest,
+                size: bytes.len() as u64,
+            };
+            (bytes, desc)
+        } else if media::is_manifest(&top_media) {
+            let desc = Descriptor {
+                media_type: top_media,
+                digest: top_digest,
+                size: top_bytes.len() as u64,
+            };
+            (top_bytes, desc)
+        } else {
+            return Err(fail(
+                reference,
+                &format!("unsupported manifest media type {top_media:?}"),
+            ));
+        };
+        let target = parents
+            .first()
+            .map_or_else(|| manifest_desc.clone(), |p| p.0.clone());
+
+        let manifest = ImageManifest::from_reader(&manifest_bytes[..]).map_err(|e| {
+            fail(
+                reference,
+                &format!("manifest {}: {e}", manifest_desc.digest),
+            )
+        })?;
+        let config_desc = Descriptor::from_oci(manifest.config())?;
+        let layers = manifest
+            .layers()
+            .iter()
+            .map(Descriptor::from_oci)
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(p) = &progress {
+            p(PullEvent::Resolved {
+                manifest: manifest_desc.digest.clone(),
+                layers: layers.len(),
+                bytes: layers.iter().map(|l| l.size).sum(),
+            });
+        }
+
+        // Config first (small, needed for the diff ids), then the layers in parallel.
+        let config_bytes = fetch_small_blob(&client, &oref, reference, &config_desc).await?;
+        let diff_ids = parse_diff_ids(&config_bytes)
+            .map_err(|e| fail(reference, &format!("config {}: {e}", config_desc.digest)))?;
+        futures::stream::iter(layers.iter().cloned().map(|layer| {
+            let client = &client;
+            let oref = &oref;
+            let progress = progress.clone();
+            async move { fetch_layer(ctd, lease, client, oref, reference, &layer, progress).await }
+        }))
+        .buffer_unordered(PARALLEL_LAYERS)
+        .try_collect::<Vec<()>>()
+        .await?;
+        content::ensure_blob(ctd, lease, &config_desc, std::io::Cursor::new(config_bytes)).await?;
+        let mut manifest_labels = HashMap::from([(
+            "containerd.io/gc.ref.content.config".to_owned(),
+            config_desc.digest.to_string(),
+        )]);
+        for (i, l) in layers.iter().enumerate() {
+            manifest_labels.insert(
+                format!("containerd.io/gc.ref.content.l.{i}"),
+                l.digest.to_string(),
+            );
+        }
+        content::ensure_blob(
+            ctd,
+            lease,
+            &manifest_desc,
+            std::io::Cursor::new(manifest_bytes.to_vec()),
+        )
+        .await?;
+        content::add_labels(ctd, &manifest_desc.digest, manifest_labels).await?;
+        for (desc, bytes, labels) in parents {
+            content::ensure_blob(ctd, lease, &desc, std::io::Cursor::new(bytes)).await?;
+            content::add_labels(ctd, &desc.digest, labels).await?;
+        }
+
+        if let Some(p) = &progress {
+            p(PullEvent::Unpacking);
+        }
+        let chain_id = unpack::unpack(ctd, lease, &layers, &diff_ids).await?;
+        content::add_labels(
+            ctd,
+            &config_desc.digest,
+            HashMap::from([(LABEL_GC_SNAPSHOT.to_owned(), chain_id.to_string())]),
+        )
+        .await?;
+        put_image_record(ctd, reference, &target).await
+    }
+}
+
+fn fail(reference: &ImageRef, reason: &str) -> RuntimeError {
+    RuntimeError::Invalid(format!("pull {reference}: {reason}"))
+}
+
+fn describe(e: &OciDistributionError) -> String {
+    match e {
+        OciDistributionError::AuthenticationFailure(m) => {
+            format!("registry refused the credentials: {m}")
+        }
+        OciDistributionError::UnauthorizedError { url } => format!("unauthorized at {url}"),
+        OciDistributionError::ImageManifestNotFoundError(m) => {
+            format!("not found in the registry: {m}")
+        }
+        OciDistributionError::RequestError(r) => {
+            let mut msg = r.to_string();
+            let mut source = std::error::Error::source(r);
+            while let Some(s) = source {
+                msg = format!("{msg}: {s}");
+                source = s.source();
+            }
+            msg
+        }
+        other => other.to_string(),
+    }
+}
+
+fn is_loopback_registry(domain: &str) -> bool {
+    let host = domain.rsplit_once(':').map_or(domain, |(h, _)| h);
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The media type a manifest declares (or implies by its shape).
+fn media_type_of(bytes: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(bytes).unwrap_or_default();
+    if let Some(m) = v.get("mediaType").and_then(|m| m.as_str()) {
+        return m.to_owned();
+    }
+    if v.get("manifests").is_some() {
+        media::OCI_INDEX.to_owned()
+    } else {
+        media::OCI_MANIFEST.to_owned()
+    }
+}
+
+async fn fetch_manifest(
+    client: &Client,
+    oref: &Reference,
+    auth: &RegistryAuth,
+    reference: &ImageRef,
+    digest: Option<&Digest>,
+) -> Result<(bytes::Bytes, Digest), RuntimeError> {
+    let target = match digest {
+        Some(d) => Reference::with_digest(
+            oref.registry().to_owned(),
+            oref.repository().to_owned(),
+            d.to_string(),
+        ),
+        None => oref.clone(),
+    };
+    let (bytes, _) = client
+        .pull_manifest_raw(&target, auth, &ACCEPTED)
+        .await
+        .map_err(|e| fail(reference, &describe(&e)))?;
+    // Verify ourselves: the registry's Docker-Content-Digest header is not proof.
+    let actual = Digest::of(&bytes);
+    if let Some(d) = digest
+        && *d != actual
+    {
+        return Err(fail(
+            reference,
+            &format!("manifest {d} does not match its content ({actual})"),
+        ));
+    }
+    Ok((bytes, actual))
+}
+
+async fn fetch_small_blob(
+    client: &Client,
+    oref: &Reference,
+    reference: &ImageRef,
+    desc: &Descriptor,
+) -> Result<Vec<u8>, RuntimeError> {
+    if desc.size > content::MAX_METADATA_BLOB {
+        return Err(fail(
+            reference,
+            &format!("config {} is {} bytes", desc.digest, desc.size),
+        ));
+    }
+    let mut data = Vec::new();
+    client
+        .pull_blob(oref, desc.digest.as_str(), &mut data)
+        .await
+        .map_err(|e| {
+            fail(
+                reference,
+                &format!("config {}: {}", desc.digest, describe(&e)),
+            )
+        })?;
+    if Digest::of(&data) != desc.digest {
+        return Err(fail(
+            reference,
+            &format!("config {} does not match its content", desc.digest),
+        ));
+    }
+    Ok(data)
+}
+
+async fn fetch_layer(
+    ctd: &Containerd,
+    lease: &Lease,
+    client: &Client,
+    oref: &Reference,
+    reference: &ImageRef,
+    layer: &Descriptor,
+    progress: Option<ProgressFn>,
+) -> Result<(), RuntimeError> {
+    if content::exists(ctd, &layer.digest).await? {
+        lease.hold(ctd, "content", layer.digest.as_str()).await?;
+        if let Some(p) = &progress {
+            p(PullEvent::LayerDone {
+                digest: layer.digest.clone(),
+                downloaded: false,
+            });
+        }
+        return Ok(());
+    }
+    let stream = client
+        .pull_blob_stream(oref, layer.digest.as_str())
+        .await
+        .map_err(|e| {
+            fail(
+                reference,
+                &format!("layer {}: {}", layer.digest, describe(&e)),
+            )
+        })?;
+    let reader = tokio_util::io::StreamReader::new(stream.stream);
+    let counted = Counting {
+        inner: reader,
+        digest: layer.digest.clone(),
+        progress: progress.clone(),
+        pending: 0,
+    };
+    // containerd verifies size and digest at commit; a corrupt blob is never stored.
+    content::ensure_blob(ctd, lease, layer, counted)
+        .await
+        .map_err(|e| fail(reference, &format!("layer {}: {e}", layer.digest)))?;
+    if let Some(p) = &progress {
+        p(PullEvent::LayerDone {
+            digest: layer.digest.clone(),
+            downloaded: true,
+        });
+    }
+    Ok(())
+}
+
+fn parse_diff_ids(config: &[u8]) -> Result<Vec<Digest>, String> {
+    let config =
+        oci_spec::image::ImageConfiguration::from_reader(config).map_err(|e| e.to_string())?;
+    config
+        .rootfs()
+        .diff_ids()
+        .iter()
+        .map(|d| d.parse::<Digest>().map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// Reports bytes read, in steps of 1 MiB so progress costs nothing.
+struct Counting<R> {
+    inner: R,
+    digest: Digest,
+    progress: Option<ProgressFn>,
+    pending: u64,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Counting<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let read = (buf.filled().len() - before) as u64;
+        self.pending += read;
+        if (self.pending >= 1 << 20 || (read == 0 && self.pending > 0))
+            && let Some(p) = &self.progress
+        {
+            p(PullEvent::LayerBytes {
+                digest: self.digest.clone(),
+                bytes: self.pending,
+            });
+            self.pending = 0;
+        }
+        poll
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_registries_use_plain_http() {
+        assert!(is_loopback_registry("localhost:5000"));
+        assert!(is_loopback_registry("127.0.0.1:5000"));
+        assert!(is_loopback_registry("127.8.9.1"));
+        assert!(!is_loopback_registry("registry.example:5000"));
+        assert!(!is_loopback_registry("10.0.0.1:5000"));
+    }
+
+    #[test]
+    fn media_type_from_content() {
+        assert_eq!(
+            media_type_of(
+                br#"{"mediaType":"application/vnd.docker.distribution.manifest.v2+json"}"#
+            ),
+            media::DOCKER_MANIFEST
+        );
+        assert_eq!(
+            media_type_of(br#"{"schemaVersion":2,"manifests":[]}"#),
+            media::OCI_INDEX
+        );
+        assert_eq!(
+            media_type_of(br#"{"schemaVersion":2,"layers":[]}"#),
+            media::OCI_MANIFEST
+        );
+    }
+
+    #[test]
+    fn credentials_never_print_the_password() {
+        let c = Credentials::Basic {
+            username: "u".into(),
+            password: "secret".into(),
+        };
+        assert!(!format!("{c:?}").contains("secret"));
+    }
+}

@@ -1,0 +1,272 @@
+//! Client-side pull from a real registry (Debian's docker-registry on
+//! 127.0.0.1, filled with skopeo) into the rig's containerd.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::sync::{Arc, Mutex};
+
+use containerd_client::services::v1::{GetImageRequest, ListRequest};
+use support::registry::Registry;
+use support::{list_snapshots, rig, with_namespace};
+use zattera_agent::runtime::content;
+use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
+use zattera_agent::runtime::{Containerd, ImageRef};
+
+async fn image_exists(ctd: &Containerd, name: &str) -> bool {
+    ctd.images()
+        .get(ctd.request(GetImageRequest { name: name.into() }))
+        .await
+        .is_ok()
+}
+
+async fn leases(ctd: &Containerd) -> usize {
+    ctd.leases()
+        .list(ctd.request(ListRequest { filters: vec![] }))
+        .await
+        .unwrap()
+        .into_inner()
+        .leases
+        .len()
+}
+
+#[tokio::test]
+async fn anonymous_pull_stores_unpacks_and_reports_progress() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(None);
+    let reference: ImageRef = registry
+        .push(&rig.oci_archive(), None, "zattera/busybox:test")
+        .parse()
+        .unwrap();
+    with_namespace(&rig, "pull-anon", |ctd, _rig| async move {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&events);
+        let puller = Puller::new(ctd.clone(), vec![]);
+        let image = puller
+            .ensure(
+                &reference,
+                &Credentials::Anonymous,
+                Some(Arc::new(move |e| sink.lock().unwrap().push(e))),
+            )
+            .await
+            .expect("pull");
+        assert!(image.unpacked);
+        assert!(image_exists(&ctd, &reference.to_string()).await);
+        assert!(
+            list_snapshots(&ctd)
+                .await
+                .contains(&image.chain_id.to_string())
+        );
+        assert_eq!(leases(&ctd).await, 0);
+        let events = events.lock().unwrap().clone();
+        assert!(
+            matches!(events[0], PullEvent::Resolved { layers: 1, .. }),
+            "{events:?}"
+        );
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, PullEvent::LayerBytes { bytes, .. } if *bytes > 0))
+        );
+        assert!(events.contains(&PullEvent::Unpacking));
+
+        // Present images are never refreshed: a second ensure needs no registry.
+        drop(registry);
+        let again = puller
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .expect("present");
+        assert_eq!(again.chain_id, image.chain_id);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn basic_auth_is_required_and_used() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(Some(("zuser", "zpass")));
+    let reference: ImageRef = registry
+        .push(&rig.oci_archive(), None, "private/busybox:1")
+        .parse()
+        .unwrap();
+    with_namespace(&rig, "pull-auth", |ctd, _rig| async move {
+        let puller = Puller::new(ctd.clone(), vec![]);
+        let anon = puller
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            anon.contains(&reference.to_string()),
+            "names the reference: {anon}"
+        );
+        let wrong = Credentials::Basic {
+            username: "zuser".into(),
+            password: "nope".into(),
+        };
+        let err = puller
+            .ensure(&reference, &wrong, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&reference.to_string()), "{err}");
+        assert!(!image_exists(&ctd, &reference.to_string()).await);
+
+        let right = Credentials::Basic {
+            username: "zuser".into(),
+            password: "zpass".into(),
+        };
+        let image = puller
+            .ensure(&reference, &right, None)
+            .await
+            .expect("pull with credentials");
+        assert!(image.unpacked);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_index_with_two_platforms_resolves_to_this_one() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(None);
+    let multi = rig.images.join("busybox-multi-oci.tar");
+    let reference: ImageRef = registry
+        .push(&multi, Some("multi"), "zattera/multi:v1")
+        .parse()
+        .unwrap();
+    with_namespace(&rig, "pull-multi", |ctd, _rig| async move {
+        let image = Puller::new(ctd.clone(), vec![])
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .expect("pull");
+        assert!(zattera_agent::runtime::descriptor::media::is_index(
+            &image.target.media_type
+        ));
+        let arch = image.config.architecture().to_string();
+        assert_eq!(
+            arch,
+            zattera_agent::runtime::descriptor::host_architecture()
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(None);
+    let reference: ImageRef = registry
+        .push(&rig.oci_archive(), None, "zattera/corrupt:1")
+        .parse()
+        .unwrap();
+    // The layer is the largest blob; flip a byte in the registry's copy.
+    let layer_digest = registry.largest_blob();
+    let file = registry.blob_file(&layer_digest);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&file)
+        .unwrap();
+    let mut b = [0u8];
+    f.seek(SeekFrom::Start(1000)).unwrap();
+    f.read_exact(&mut b).unwrap();
+    f.seek(SeekFrom::Start(1000)).unwrap();
+    f.write_all(&[b[0] ^ 0xff]).unwrap();
+    drop(f);
+
+    with_namespace(&rig, "pull-corrupt", |ctd, _rig| async move {
+        let err = Puller::new(ctd.clone(), vec![])
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&reference.to_string()) && err.contains(&layer_digest),
+            "{err}"
+        );
+        assert!(
+            !image_exists(&ctd, &reference.to_string()).await,
+            "no image record"
+        );
+        assert!(
+            !content::exists(&ctd, &layer_digest.parse().unwrap())
+                .await
+                .unwrap(),
+            "no bad blob"
+        );
+        assert!(list_snapshots(&ctd).await.is_empty());
+        assert_eq!(leases(&ctd).await, 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn concurrent_pulls_of_one_reference_share_the_work() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(None);
+    let reference: ImageRef = registry
+        .push(&rig.oci_archive(), None, "zattera/busybox:shared")
+        .parse()
+        .unwrap();
+    with_namespace(&rig, "pull-shared", |ctd, _rig| async move {
+        let downloads = Arc::new(Mutex::new(0));
+        let puller = Puller::new(ctd.clone(), vec![]);
+        let pull = |puller: Puller, reference: ImageRef, downloads: Arc<Mutex<i32>>| async move {
+            let progress = Arc::new(move |e| {
+                if let PullEvent::LayerDone {
+                    downloaded: true, ..
+                } = e
+                {
+                    *downloads.lock().unwrap() += 1;
+                }
+            });
+            puller
+                .ensure(&reference, &Credentials::Anonymous, Some(progress))
+                .await
+        };
+        let (a, b, c) = Box::pin(async {
+            tokio::join!(
+                pull(puller.clone(), reference.clone(), Arc::clone(&downloads)),
+                pull(puller.clone(), reference.clone(), Arc::clone(&downloads)),
+                pull(puller.clone(), reference.clone(), Arc::clone(&downloads)),
+            )
+        })
+        .await;
+        assert_eq!(a.unwrap().chain_id, b.unwrap().chain_id);
+        assert!(c.is_ok());
+        assert_eq!(
+            *downloads.lock().unwrap(),
+            1,
+            "the layer is downloaded once"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn missing_images_and_dead_registries_name_the_reference() {
+    let Some(rig) = rig() else { return };
+    let registry = Registry::start(None);
+    let missing: ImageRef = format!("{}/zattera/nope:1", registry.addr).parse().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dead: ImageRef = format!("127.0.0.1:{port}/zattera/nope:1").parse().unwrap();
+    with_namespace(&rig, "pull-missing", |ctd, _rig| async move {
+        let puller = Puller::new(ctd.clone(), vec![]);
+        for reference in [missing, dead] {
+            let err = puller
+                .ensure(&reference, &Credentials::Anonymous, None)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&reference.to_string()), "{err}");
+        }
+        assert_eq!(leases(&ctd).await, 0);
+    })
+    .await;
+}
