@@ -4,6 +4,10 @@
 //! Connections are bounded per listener in number (extra ones are closed
 //! at once) and in idle time (also while a message is half sent), so slow or
 //! silent clients cannot pin memory or tasks.
+//!
+//! hickory-server is not used here either: TCP goes through the same
+//! [`respond`] as UDP, so both transports answer identically, and forwarded
+//! queries are relayed as raw bytes (D-4), which its handler API cannot do.
 
 use std::io;
 use std::sync::Arc;
