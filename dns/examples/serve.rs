@@ -3,6 +3,7 @@
 //! ```text
 //! serve --listen 127.77.50.1 [--port 10053] [--names 10000]
 //!       [--upstream 127.77.50.2:10053] [--project bench] [--env production]
+//!       [--udp-sockets N]
 //! ```
 //!
 //! The table holds `web` plus `app<i>` for i below `--names`, all in the
@@ -23,6 +24,7 @@ struct Args {
     upstream: Vec<SocketAddr>,
     project: String,
     env: String,
+    udp_sockets: Option<usize>,
 }
 
 fn parse() -> Result<Args, String> {
@@ -33,6 +35,7 @@ fn parse() -> Result<Args, String> {
         upstream: Vec::new(),
         project: "bench".into(),
         env: "production".into(),
+        udp_sockets: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -45,6 +48,7 @@ fn parse() -> Result<Args, String> {
             "--upstream" => args.upstream.push(value.parse().map_err(|e| bad(&e))?),
             "--project" => args.project = value,
             "--env" => args.env = value,
+            "--udp-sockets" => args.udp_sockets = Some(value.parse().map_err(|e| bad(&e))?),
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -85,6 +89,10 @@ async fn main() -> ExitCode {
         port: args.port,
         upstreams: UpstreamSource::Fixed(args.upstream.clone()),
         ..Config::default()
+    };
+    let config = Config {
+        udp_sockets: args.udp_sockets.unwrap_or(config.udp_sockets),
+        ..config
     };
     let server = match DnsServer::new(config) {
         Ok(s) => s,
