@@ -55,7 +55,7 @@ pub(crate) async fn attach(
         host_veth: cfg.host_veth_name(ip),
         mtu: net.mtu,
     };
-    let result = build(cfg, nl, net, &att).await;
+    let result = build(nl, net, &att).await;
     if let Err(e) = &result {
         tracing::warn!(container = container_id, %ip, error = %e, "attach failed; undoing");
         let _ = detach(cfg, nl, container_id, Some(ip)).await;
@@ -63,41 +63,28 @@ pub(crate) async fn attach(
     result.map(|()| att)
 }
 
-async fn build(cfg: &NetConfig, nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
-    let peer = cfg.peer_veth_name(att.ip);
-    // IPAM says the address is free, so same-named veths are crash leftovers.
+async fn build(nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
+    // IPAM says the address is free, so a same-named veth is a crash leftover.
     nl.delete_by_name(&att.host_veth).await?;
-    nl.delete_by_name(&peer).await?;
     nsfile::create(&att.netns_path).await?;
-
-    nl.create_veth(&att.host_veth, &peer, net.mtu).await?;
-    let peer_link = nl
-        .link(&peer)
-        .await?
-        .ok_or_else(|| Error::Config(format!("veth end {peer} vanished right after creation")))?;
     let ns = nsfile::open(&att.netns_path)?;
-    nl.move_to_netns(&peer_link, &ns).await?;
+    nl.create_veth_into(&att.host_veth, net.index, CONTAINER_IFNAME, &ns, net.mtu)
+        .await?;
     drop(ns);
-    let host_link = nl.link(&att.host_veth).await?.ok_or_else(|| {
-        Error::Config(format!(
-            "veth end {} vanished right after creation",
-            att.host_veth
-        ))
-    })?;
-    nl.attach_to_bridge(&host_link, net.index).await?;
 
     let (ip, gateway) = (att.ip, att.gateway);
     in_netns(&att.netns_path, move |inner| async move {
         if let Some(lo) = inner.link("lo").await? {
             inner.set_up(lo.index, "lo").await?;
         }
-        let eth = inner.link(&peer).await?.ok_or_else(|| {
-            Error::Config(format!("veth end {peer} not found inside the namespace"))
-        })?;
-        inner.rename_up(&eth, CONTAINER_IFNAME).await?;
+        let eth = inner
+            .link(CONTAINER_IFNAME)
+            .await?
+            .ok_or_else(|| Error::Vanished(format!("{CONTAINER_IFNAME} inside the namespace")))?;
         inner
             .add_address(eth.index, CONTAINER_IFNAME, ip, 24)
             .await?;
+        inner.set_up(eth.index, CONTAINER_IFNAME).await?;
         inner.add_default_route(gateway).await
     })
     .await
@@ -117,7 +104,6 @@ pub(crate) async fn detach(
         // Deleting one end deletes the pair, even if a process still sits in
         // the namespace.
         nl.delete_by_name(&cfg.host_veth_name(ip)).await?;
-        nl.delete_by_name(&cfg.peer_veth_name(ip)).await?;
     }
     nsfile::remove(&path)
 }

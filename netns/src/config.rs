@@ -97,13 +97,6 @@ impl NetConfig {
         format!("{}{}v{}", self.bridge_prefix, o[2], o[3])
     }
 
-    /// The container end while it is still in the host namespace (it is
-    /// renamed `eth0` inside the container's namespace).
-    pub fn peer_veth_name(&self, ip: Ipv4Addr) -> String {
-        let o = ip.octets();
-        format!("{}{}p{}", self.bridge_prefix, o[2], o[3])
-    }
-
     /// Which of our names `ifname` is, if any.
     pub fn parse_ifname(&self, ifname: &str) -> Option<OwnedName> {
         let rest = ifname.strip_prefix(&self.bridge_prefix)?;
@@ -118,18 +111,12 @@ impl NetConfig {
         if tail.is_empty() {
             return Some(OwnedName::Bridge(Subnet::from_slot(slot)));
         }
-        let kind = tail.chars().next()?;
-        let digits = &tail[kind.len_utf8()..];
+        let digits = tail.strip_prefix('v')?;
         let host: u8 = digits.parse().ok()?;
         if host.to_string() != digits {
             return None;
         }
-        let ip = Subnet::from_slot(slot).host(host);
-        match kind {
-            'v' => Some(OwnedName::HostVeth(ip)),
-            'p' => Some(OwnedName::PeerVeth(ip)),
-            _ => None,
-        }
+        Some(OwnedName::HostVeth(Subnet::from_slot(slot).host(host)))
     }
 
     /// Path of one container's network namespace file.
@@ -143,8 +130,8 @@ impl NetConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OwnedName {
     Bridge(Subnet),
+    /// The host end of a container's veth, named after the container's address.
     HostVeth(Ipv4Addr),
-    PeerVeth(Ipv4Addr),
 }
 
 /// Container ids become file names: no separators, no dot names, bounded.
@@ -183,7 +170,6 @@ mod tests {
         let ip = Ipv4Addr::new(10, 201, 255, 254);
         assert!(c.bridge_name(Subnet::from_slot(255)).len() <= IFNAMSIZ_MAX);
         assert!(c.host_veth_name(ip).len() <= IFNAMSIZ_MAX);
-        assert!(c.peer_veth_name(ip).len() <= IFNAMSIZ_MAX);
     }
 
     #[test]
@@ -198,10 +184,6 @@ mod tests {
             c.parse_ifname(&c.host_veth_name(ip)),
             Some(OwnedName::HostVeth(ip))
         );
-        assert_eq!(
-            c.parse_ifname(&c.peer_veth_name(ip)),
-            Some(OwnedName::PeerVeth(ip))
-        );
         for foreign in [
             "eth0",
             "ztbr",
@@ -209,7 +191,7 @@ mod tests {
             "ztbr256",
             "ztbrx1",
             "ztbr1v",
-            "ztbr1q2",
+            "ztbr1p2",
             "ztbr1v300",
         ] {
             assert_eq!(c.parse_ifname(foreign), None, "{foreign}");

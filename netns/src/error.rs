@@ -125,6 +125,9 @@ pub enum Error {
         hi: u16,
     },
 
+    #[error("{0} vanished right after it was created (someone else is changing the same names?)")]
+    Vanished(String),
+
     #[error("worker thread for {0} panicked or could not start")]
     Thread(String),
 }

@@ -2,11 +2,12 @@
 //! needed), and the garbage-collection plan built from it.
 //!
 //! Without the agent's records, gc removes only what is provably broken:
-//! namespace files that are not mounted or hold no `eth0` (a crash in the
-//! middle of attach), veth ends left in the host namespace or off any
-//! bridge, bridges with no port, and our table once no bridge is left. A
-//! caller that knows the live containers (the agent) passes them as `keep`,
-//! and every other container's namespace and veth goes too.
+//! namespace files that are not mounted or whose `eth0` has no address (a
+//! crash in the middle of attach), veths of ours that are off any bridge or
+//! whose other end is in no namespace file we keep, bridges with no port
+//! left, and our table once no bridge is left. A caller that knows the live
+//! containers (the agent) passes them as `keep`, and every other container's
+//! namespace and veth goes too.
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
@@ -35,14 +36,13 @@ pub struct BridgeInfo {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct VethInfo {
     pub name: String,
+    pub index: u32,
     /// The container address the name was derived from.
     pub ip: Ipv4Addr,
     /// The bridge it is a port of.
     pub bridge: Option<String>,
-    /// Whether the other end is in another namespace (a complete attachment).
+    /// Whether the other end is in another namespace.
     pub peer_elsewhere: bool,
-    /// A container end still in the host namespace.
-    pub stray_peer: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -52,6 +52,8 @@ pub struct NetnsInfo {
     pub mounted: bool,
     /// `eth0`'s address inside, when present.
     pub ip: Option<Ipv4Addr>,
+    /// Index, in the host namespace, of the veth end paired with `eth0`.
+    pub host_ifindex: Option<u32>,
 }
 
 /// Everything of ours the kernel holds.
@@ -100,18 +102,13 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
                     mtu: link.mtu,
                 });
             }
-            Some(OwnedName::HostVeth(ip) | OwnedName::PeerVeth(ip))
-                if link.kind.as_deref() == Some("veth") =>
-            {
+            Some(OwnedName::HostVeth(ip)) if link.kind.as_deref() == Some("veth") => {
                 veths.push(VethInfo {
                     name: link.name.clone(),
+                    index: link.index,
                     ip,
                     bridge: link.controller.and_then(name_of),
                     peer_elsewhere: link.peer_netns_id.is_some_and(|id| id >= 0),
-                    stray_peer: matches!(
-                        cfg.parse_ifname(&link.name),
-                        Some(OwnedName::PeerVeth(_))
-                    ),
                 });
             }
             _ => {}
@@ -130,16 +127,17 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
                 continue;
             }
             let mounted = nsfile::is_mounted(&path);
-            let ip = if mounted {
-                eth0_address(path.clone()).await
+            let (ip, host_ifindex) = if mounted {
+                eth0_of(path.clone()).await
             } else {
-                None
+                (None, None)
             };
             netns.push(NetnsInfo {
                 container_id: id,
                 path,
                 mounted,
                 ip,
+                host_ifindex,
             });
         }
     }
@@ -154,20 +152,22 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
     })
 }
 
-async fn eth0_address(path: PathBuf) -> Option<Ipv4Addr> {
-    in_netns(&path, |nl| async move {
-        let Some(eth) = nl.link(crate::attach::CONTAINER_IFNAME).await? else {
-            return Ok(None);
+/// `eth0`'s address and its peer's host ifindex, read from inside.
+async fn eth0_of(path: PathBuf) -> (Option<Ipv4Addr>, Option<u32>) {
+    let name = crate::attach::CONTAINER_IFNAME;
+    in_netns(&path, move |nl| async move {
+        let Some(eth) = nl.link(name).await? else {
+            return Ok((None, None));
         };
-        Ok(nl
-            .ipv4_addresses(eth.index, crate::attach::CONTAINER_IFNAME)
+        let ip = nl
+            .ipv4_addresses(eth.index, name)
             .await?
             .first()
-            .map(|(a, _)| *a))
+            .map(|(a, _)| *a);
+        Ok((ip, eth.peer_index))
     })
     .await
-    .ok()
-    .flatten()
+    .unwrap_or((None, None))
 }
 
 /// What gc would remove.
@@ -191,18 +191,17 @@ impl GcPlan {
 /// Builds the plan; see the module docs for what counts as garbage.
 pub fn plan(inv: &Inventory, keep: Option<&BTreeSet<String>>) -> GcPlan {
     let mut plan = GcPlan::default();
-    let mut dead_ips = BTreeSet::new();
+    let mut live_ifindexes = BTreeSet::new();
     for ns in &inv.netns {
         let unwanted = keep.is_some_and(|k| !k.contains(&ns.container_id));
         if !ns.mounted || ns.ip.is_none() || unwanted {
             plan.netns.push(ns.path.clone());
-            if let Some(ip) = ns.ip {
-                dead_ips.insert(ip);
-            }
+        } else if let Some(index) = ns.host_ifindex {
+            live_ifindexes.insert(index);
         }
     }
     for v in &inv.veths {
-        if v.stray_peer || v.bridge.is_none() || !v.peer_elsewhere || dead_ips.contains(&v.ip) {
+        if v.bridge.is_none() || !v.peer_elsewhere || !live_ifindexes.contains(&v.index) {
             plan.veths.push(v.name.clone());
         }
     }

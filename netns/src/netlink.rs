@@ -13,9 +13,12 @@ use std::path::Path;
 use futures::TryStreamExt;
 use netlink_packet_route::address::AddressAttribute;
 use netlink_packet_route::link::{
-    InfoBridgePort, InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    InfoBridgePort, InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
-use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, LinkVeth, RouteMessageBuilder};
+use rtnetlink::{
+    Handle, LinkBridge, LinkBridgePort, LinkMessageBuilder, LinkUnspec, LinkVeth,
+    RouteMessageBuilder,
+};
 
 use crate::error::{Error, Result};
 
@@ -37,6 +40,8 @@ pub struct Link {
     pub up: bool,
     /// Set on a veth whose peer lives in another namespace.
     pub peer_netns_id: Option<i32>,
+    /// A veth's peer interface index (in the peer's namespace).
+    pub peer_index: Option<u32>,
 }
 
 impl Link {
@@ -50,6 +55,7 @@ impl Link {
             mtu: 0,
             up: msg.header.flags.contains(LinkFlags::Up),
             peer_netns_id: None,
+            peer_index: None,
         };
         for attr in &msg.attributes {
             match attr {
@@ -58,6 +64,7 @@ impl Link {
                 LinkAttribute::Controller(c) => link.controller = Some(*c),
                 LinkAttribute::Mtu(m) => link.mtu = *m,
                 LinkAttribute::LinkNetNsId(id) => link.peer_netns_id = Some(*id),
+                LinkAttribute::Link(index) => link.peer_index = Some(*index),
                 LinkAttribute::LinkInfo(infos) => {
                     for info in infos {
                         if let LinkInfo::Kind(kind) = info {
@@ -232,30 +239,41 @@ impl Netlink {
             .collect())
     }
 
-    /// Creates a veth pair in this namespace with both ends at `mtu`.
-    pub async fn create_veth(&self, host: &str, peer: &str, mtu: u32) -> Result<()> {
-        let msg = LinkVeth::new(host, peer).mtu(mtu).build();
+    /// Creates a veth pair in one request: `host` in this namespace, up, as
+    /// a port of bridge `bridge`; `peer` directly inside the namespace behind
+    /// `netns` (so it can be called `eth0` at once and never needs a move or
+    /// a rename); both ends at `mtu`. Then turns hairpin on for the port, so
+    /// a container can reach its own published port.
+    pub async fn create_veth_into(
+        &self,
+        host: &str,
+        bridge: u32,
+        peer: &str,
+        netns: &impl AsFd,
+        mtu: u32,
+    ) -> Result<Link> {
+        let peer_msg = LinkUnspec::new_with_name(peer)
+            .mtu(mtu)
+            .setns_by_fd(netns.as_fd().as_raw_fd())
+            .build();
+        let msg = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
+            .name(host.to_owned())
+            .mtu(mtu)
+            .controller(bridge)
+            .up()
+            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer_msg)))
+            .build();
         self.handle
             .link()
             .add(msg)
             .execute()
             .await
-            .map_err(|e| Error::netlink("create veth", format!("{host} <-> {peer}"), e))
-    }
-
-    /// Puts a link on a bridge, with hairpin so a container can reach its own
-    /// published port, and brings it up.
-    pub async fn attach_to_bridge(&self, port: &Link, bridge: u32) -> Result<()> {
-        let msg = LinkUnspec::new_with_index(port.index)
-            .controller(bridge)
-            .build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("attach to bridge", &port.name, e))?;
-        let msg = LinkBridgePort::new(port.index)
+            .map_err(|e| Error::netlink("create veth", format!("{host} <-> {peer}"), e))?;
+        let link = self
+            .link(host)
+            .await?
+            .ok_or_else(|| Error::Vanished(format!("veth {host}")))?;
+        let msg = LinkBridgePort::new(link.index)
             .append_info_data(InfoBridgePort::HairpinMode(true))
             .build();
         self.handle
@@ -263,36 +281,8 @@ impl Netlink {
             .set_port(msg)
             .execute()
             .await
-            .map_err(|e| Error::netlink("set hairpin on", &port.name, e))?;
-        self.set_up(port.index, &port.name).await
-    }
-
-    /// Moves a link into the namespace behind `netns`.
-    pub async fn move_to_netns(&self, link: &Link, netns: &impl AsFd) -> Result<()> {
-        let msg = LinkUnspec::new_with_index(link.index)
-            .setns_by_fd(netns.as_fd().as_raw_fd())
-            .build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("move into container namespace", &link.name, e))
-    }
-
-    /// Renames a (down) link and sets it up.
-    pub async fn rename_up(&self, link: &Link, new_name: &str) -> Result<()> {
-        let msg = LinkUnspec::new_with_index(link.index)
-            .name(new_name.to_owned())
-            .up()
-            .build();
-        self.handle.link().set(msg).execute().await.map_err(|e| {
-            Error::netlink(
-                "rename and bring up",
-                format!("{} -> {new_name}", link.name),
-                e,
-            )
-        })
+            .map_err(|e| Error::netlink("set hairpin on", host, e))?;
+        Ok(link)
     }
 
     pub async fn add_default_route(&self, gateway: Ipv4Addr) -> Result<()> {

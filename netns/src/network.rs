@@ -129,7 +129,7 @@ pub(crate) async fn ensure_bridge(
         let link = nl
             .link(name)
             .await?
-            .ok_or_else(|| Error::Config(format!("bridge {name} vanished right after creation")))?;
+            .ok_or_else(|| Error::Vanished(format!("bridge {name}")))?;
         // The kernel ignores an alias given at creation: set it right after.
         // (A crash in between leaves a bridge that is not recognised as ours
         // and must be removed by hand; the window is one netlink round trip.)

@@ -479,15 +479,18 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
     let dead = node.attach("dead", s, s.host(3)).await.unwrap();
 
     // Crash leftovers: a namespace file with no eth0 (killed before the veth
-    // moved in), a veth pair still all in the host namespace, a plain file.
+    // was made), a veth of ours off any bridge, a file that is no mount.
     let half = w.cfg.netns_path("half").unwrap();
     nsfile::create(&half).await.unwrap();
-    let (hv, pv) = (
-        w.cfg.host_veth_name(s.host(9)),
-        w.cfg.peer_veth_name(s.host(9)),
-    );
+    let (hv, pv) = (w.cfg.host_veth_name(s.host(9)), w.extra_ifname("p"));
     ip(&["link", "add", &hv, "type", "veth", "peer", "name", &pv]);
     std::fs::write(w.cfg.netns_path("stale").unwrap(), b"").unwrap();
+    // A whole attachment whose namespace file is gone while something still
+    // holds the namespace open: its veth lives on, tied to no file.
+    let ghost = node.attach("ghost", s, s.host(5)).await.unwrap();
+    let holder = std::fs::File::open(&ghost.netns_path).unwrap();
+    nsfile::remove(&ghost.netns_path).unwrap();
+    assert!(link_exists(&ghost.host_veth));
 
     let inv = inventory::read(&node).await.unwrap();
     assert!(inv.table_present);
@@ -504,7 +507,7 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
     );
     assert_eq!(
         BTreeSet::from_iter(plan.veths.clone()),
-        BTreeSet::from([hv.clone(), pv.clone()])
+        BTreeSet::from([hv.clone(), ghost.host_veth.clone()])
     );
     assert_eq!(plan.bridges, vec![w.cfg.bridge_name(empty)]);
     assert!(!plan.delete_table);
@@ -517,6 +520,8 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
 
     assert!(!half.exists() && !dead.netns_path.exists());
     assert!(!link_exists(&hv) && !link_exists(&pv) && !link_exists(&dead.host_veth));
+    assert!(!link_exists(&ghost.host_veth));
+    drop(holder);
     assert!(!link_exists(&w.cfg.bridge_name(empty)));
     assert!(live.netns_path.exists() && link_exists(&live.host_veth));
     let after = inventory::read(&node).await.unwrap();
@@ -839,7 +844,7 @@ async fn sigkill_in_the_middle_of_attach_then_gc_leaves_nothing() {
     }
     for v in &inv.veths {
         assert!(
-            v.bridge.is_some() && v.peer_elsewhere && !v.stray_peer,
+            v.bridge.is_some() && v.peer_elsewhere,
             "half-built veth left: {v:?}"
         );
     }
