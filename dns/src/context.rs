@@ -1,6 +1,7 @@
 //! State shared by the receive loops: the name table, the upstreams and
 //! the limits, plus each listener's scope.
 
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -19,6 +20,9 @@ pub(crate) struct Shared {
     /// Swapped whole; readers take a snapshot without locking.
     pub(crate) table: ArcSwap<NameTable>,
     pub(crate) upstreams: Arc<Upstreams>,
+    /// Our own listening addresses, never used as upstreams: a resolv.conf
+    /// naming a gateway would otherwise make every query chase its tail.
+    pub(crate) own: ArcSwap<Vec<IpAddr>>,
     forwards: Arc<Semaphore>,
     pub(crate) config: Config,
 }
@@ -28,9 +32,22 @@ impl Shared {
         Self {
             table: ArcSwap::from_pointee(NameTable::empty()),
             upstreams,
+            own: ArcSwap::from_pointee(Vec::new()),
             forwards: Arc::new(Semaphore::new(config.max_forwards)),
             config,
         }
+    }
+
+    /// The upstream list less our own listeners.
+    fn usable_upstreams(&self) -> Vec<SocketAddr> {
+        let own = self.own.load();
+        let port = self.config.port;
+        self.upstreams
+            .get()
+            .iter()
+            .filter(|u| !(u.port() == port && own.contains(&u.ip())))
+            .copied()
+            .collect()
     }
 
     /// Relays a query upstream over the client's transport and returns the
@@ -45,7 +62,7 @@ impl Shared {
         let Ok(_slot) = Arc::clone(&self.forwards).try_acquire_owned() else {
             return request.servfail();
         };
-        let upstreams = self.upstreams.get();
+        let upstreams = self.usable_upstreams();
         let timeout = self.config.upstream_timeout;
         let answer = match transport {
             Transport::Udp => forward::over_udp(query, &upstreams, timeout).await,
@@ -61,4 +78,29 @@ impl Shared {
 pub(crate) struct ListenerCtx {
     pub(crate) scope: ArcSwap<Scope>,
     pub(crate) shared: Arc<Shared>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::UpstreamSource;
+
+    #[test]
+    fn own_listeners_are_never_upstreams() {
+        let a: SocketAddr = "127.77.15.1:53".parse().unwrap();
+        let b: SocketAddr = "127.77.15.2:53".parse().unwrap();
+        let other_port: SocketAddr = "127.77.15.1:5353".parse().unwrap();
+        let config = Config {
+            port: 53,
+            upstreams: UpstreamSource::Fixed(vec![a, b, other_port]),
+            ..Config::default()
+        };
+        let shared = Shared::new(
+            config.clone(),
+            Arc::new(Upstreams::new(config.upstreams.clone())),
+        );
+        assert_eq!(shared.usable_upstreams(), vec![a, b, other_port]);
+        shared.own.store(Arc::new(vec![a.ip()]));
+        assert_eq!(shared.usable_upstreams(), vec![b, other_port]);
+    }
 }

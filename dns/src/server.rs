@@ -126,6 +126,9 @@ impl DnsServer {
                 state,
             });
         }
+        self.shared
+            .own
+            .store(Arc::new(listeners.keys().copied().collect()));
         statuses
     }
 
