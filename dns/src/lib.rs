@@ -29,6 +29,23 @@
 //! | `udp`, `tcp` | receive loops (why not hickory-server: see `udp`) |
 //! | `listener` | binding one gateway's sockets |
 //! | `server` | [`DnsServer`] and reconcile |
+//!
+//! Where this departs from the reference resolver (runtime.md §8), on
+//! purpose:
+//!
+//! * Scope is (project id, environment **name**), the recommended D-7
+//!   reading; the environment name of a route comes from its FQDN.
+//! * Failed binds are retried at every reconcile, sockets bind with
+//!   `IP_FREEBIND` by default, and a gateway whose scope changes is moved to
+//!   the new scope in place.
+//! * Upstreams follow resolv.conf changes, and systemd-resolved's real list
+//!   replaces a stub-only file (D-5); host-local upstreams are kept, our own
+//!   listeners never used. TCP queries are relayed over TCP (D-4 uses UDP),
+//!   so big answers arrive whole.
+//! * A SERVFAIL we make for a forwarded name carries RA and not AA: we are
+//!   not the authority for it. Internal answers are AA without RA (D-2).
+//! * Over UDP, answers are capped at 1232 bytes (or 512 without EDNS) and
+//!   sent truncated beyond that; EDNS versions above 0 get BADVERS.
 
 mod config;
 mod context;
