@@ -2,9 +2,14 @@
 //! end on the bridge and `eth0` inside, its address, `lo` up and a default
 //! route via the gateway.
 //!
+//! The veth is made in one netlink request: the host end up and on the
+//! bridge, the other end created directly inside the container's namespace
+//! as `eth0` (no move, no rename, no temporary name in the host namespace).
+//!
 //! Names are derived from the container id (namespace file) and its address
-//! (veths), so detach needs nothing but the durable record, and works after
-//! a crash whatever is left: file or not, veth or not.
+//! (host veth), so detach needs nothing but the durable record, and works
+//! after a crash whatever is left: file or not, veth or not. Attach replaces
+//! whatever a previous attach of the same container id left behind.
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

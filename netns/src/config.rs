@@ -111,6 +111,9 @@ impl NetConfig {
         if tail.is_empty() {
             return Some(OwnedName::Bridge(Subnet::from_slot(slot)));
         }
+        if tail == "t" {
+            return Some(OwnedName::BridgeInProgress(Subnet::from_slot(slot)));
+        }
         let digits = tail.strip_prefix('v')?;
         let host: u8 = digits.parse().ok()?;
         if host.to_string() != digits {
@@ -130,6 +133,8 @@ impl NetConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OwnedName {
     Bridge(Subnet),
+    /// A bridge still being built (`<bridge>t`): renamed into place when done.
+    BridgeInProgress(Subnet),
     /// The host end of a container's veth, named after the container's address.
     HostVeth(Ipv4Addr),
 }
@@ -183,6 +188,10 @@ mod tests {
         assert_eq!(
             c.parse_ifname(&c.host_veth_name(ip)),
             Some(OwnedName::HostVeth(ip))
+        );
+        assert_eq!(
+            c.parse_ifname("ztbr7t"),
+            Some(OwnedName::BridgeInProgress(Subnet::from_slot(7)))
         );
         for foreign in [
             "eth0",

@@ -60,6 +60,8 @@ pub struct NetnsInfo {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Inventory {
     pub bridges: Vec<BridgeInfo>,
+    /// Bridges left half-built by a crash during ensure (`<bridge>t`).
+    pub unfinished_bridges: Vec<String>,
     pub veths: Vec<VethInfo>,
     pub netns: Vec<NetnsInfo>,
     pub table: String,
@@ -77,6 +79,7 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
             .map(|l| l.name.clone())
     };
     let mut bridges = Vec::new();
+    let mut unfinished_bridges = Vec::new();
     let mut veths = Vec::new();
     for link in &links {
         match cfg.parse_ifname(&link.name) {
@@ -101,6 +104,9 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
                     up: link.up,
                     mtu: link.mtu,
                 });
+            }
+            Some(OwnedName::BridgeInProgress(_)) if link.is_bridge() => {
+                unfinished_bridges.push(link.name.clone());
             }
             Some(OwnedName::HostVeth(ip)) if link.kind.as_deref() == Some("veth") => {
                 veths.push(VethInfo {
@@ -145,6 +151,7 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
     let table_present = node.nft().list()?.is_some();
     Ok(Inventory {
         bridges,
+        unfinished_bridges,
         veths,
         netns,
         table: cfg.nft_table.clone(),
@@ -205,6 +212,7 @@ pub fn plan(inv: &Inventory, keep: Option<&BTreeSet<String>>) -> GcPlan {
             plan.veths.push(v.name.clone());
         }
     }
+    plan.bridges.extend(inv.unfinished_bridges.iter().cloned());
     let mut bridges_left = 0;
     for b in inv.bridges.iter().filter(|b| b.scope.is_some()) {
         if b.ports.iter().all(|p| plan.veths.contains(p)) {
@@ -228,9 +236,14 @@ pub async fn apply(node: &NetNode, plan: &GcPlan) -> Result<()> {
         nsfile::remove(path)?;
     }
     for b in &plan.bridges {
-        // Re-checked by name at delete time: only bridges that still carry our alias.
+        // Re-checked at delete time: only bridges that still carry our
+        // alias, or half-built ones under our temporary name.
+        let unfinished = matches!(
+            node.config().parse_ifname(b),
+            Some(OwnedName::BridgeInProgress(_))
+        );
         if let Some(link) = nl.link(b).await?
-            && owned_scope(&link).is_some()
+            && (owned_scope(&link).is_some() || (unfinished && link.is_bridge()))
         {
             nl.delete(link.index, b).await?;
         }

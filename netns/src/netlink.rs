@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 const ENODEV: i32 = 19;
 const ENOENT: i32 = 2;
 const EADDRNOTAVAIL: i32 = 99;
+const EEXIST: i32 = 17;
 
 /// What we read back about one interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +99,11 @@ pub(crate) fn is_not_found(err: &rtnetlink::Error) -> bool {
         if [ENODEV, ENOENT, EADDRNOTAVAIL].contains(&-m.raw_code()))
 }
 
+/// Whether a netlink error means "already exists".
+pub(crate) fn is_exists(err: &rtnetlink::Error) -> bool {
+    matches!(err, rtnetlink::Error::NetlinkError(m) if -m.raw_code() == EEXIST)
+}
+
 /// A connection to rtnetlink in one network namespace.
 #[derive(Debug, Clone)]
 pub struct Netlink {
@@ -161,6 +167,19 @@ impl Netlink {
             .execute()
             .await
             .map_err(|e| Error::netlink("set alias of", &link.name, e))
+    }
+
+    /// Renames a link (it must be down).
+    pub async fn rename(&self, link: &Link, new_name: &str) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(link.index)
+            .name(new_name.to_owned())
+            .build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("rename", format!("{} -> {new_name}", link.name), e))
     }
 
     pub async fn set_up(&self, index: u32, name: &str) -> Result<()> {

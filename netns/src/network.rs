@@ -10,7 +10,7 @@
 use std::net::Ipv4Addr;
 
 use crate::error::{Error, Result};
-use crate::netlink::{Link, Netlink};
+use crate::netlink::{Link, Netlink, is_exists};
 use crate::subnet::Subnet;
 
 /// Marks the alias of every bridge we create.
@@ -93,6 +93,18 @@ pub(crate) async fn ensure_bridge(
     subnet: Subnet,
 ) -> Result<Network> {
     validate_scope(scope)?;
+    match ensure_once(nl, name, scope, subnet).await {
+        // Someone created it between our look-up and our create: look again.
+        Err(Error::Netlink {
+            op: "create bridge" | "rename",
+            source,
+            ..
+        }) if is_exists(&source) => ensure_once(nl, name, scope, subnet).await,
+        other => other,
+    }
+}
+
+async fn ensure_once(nl: &Netlink, name: &str, scope: &str, subnet: Subnet) -> Result<Network> {
     let alias = format!("{ALIAS_PREFIX}{scope}");
     let want = (subnet.gateway(), 24u8);
     if let Some(existing) = lookup(nl, name, subnet).await? {
@@ -124,17 +136,37 @@ pub(crate) async fn ensure_bridge(
         tracing::info!(bridge = name, old_scope = %existing.scope, old = %describe(&addrs), new_scope = scope, %subnet, "re-creating stale empty bridge");
         nl.delete(existing.index, name).await?;
     }
-    nl.create_bridge(name).await?;
+    build(nl, name, &alias, subnet, scope).await
+}
+
+/// Builds the bridge under a temporary name (`<name>t`) and renames it into
+/// place only once it carries our alias and the gateway address: the kernel
+/// ignores an alias given at creation, and this way a crash never leaves a
+/// half-built bridge under the real name (gc removes temporary ones).
+async fn build(
+    nl: &Netlink,
+    name: &str,
+    alias: &str,
+    subnet: Subnet,
+    scope: &str,
+) -> Result<Network> {
+    let tmp = format!("{name}t");
+    if let Some(stale) = nl.link(&tmp).await? {
+        if !stale.is_bridge() {
+            return Err(not_ours(&stale));
+        }
+        nl.delete(stale.index, &tmp).await?;
+    }
+    nl.create_bridge(&tmp).await?;
     let built = async {
         let link = nl
-            .link(name)
+            .link(&tmp)
             .await?
-            .ok_or_else(|| Error::Vanished(format!("bridge {name}")))?;
-        // The kernel ignores an alias given at creation: set it right after.
-        // (A crash in between leaves a bridge that is not recognised as ours
-        // and must be removed by hand; the window is one netlink round trip.)
-        nl.set_alias(&link, &alias).await?;
-        nl.add_address(link.index, name, want.0, want.1).await?;
+            .ok_or_else(|| Error::Vanished(format!("bridge {tmp}")))?;
+        nl.set_alias(&link, alias).await?;
+        nl.add_address(link.index, &tmp, subnet.gateway(), 24)
+            .await?;
+        nl.rename(&link, name).await?;
         nl.set_up(link.index, name).await?;
         Ok::<_, Error>(Network {
             scope: scope.to_owned(),
@@ -147,8 +179,8 @@ pub(crate) async fn ensure_bridge(
     }
     .await;
     if built.is_err() {
-        // No half-built bridge left behind.
-        let _ = nl.delete_by_name(name).await;
+        // No half-built bridge left behind, under either name.
+        let _ = nl.delete_by_name(&tmp).await;
     }
     built
 }

@@ -25,6 +25,8 @@ pub struct NetNode {
     /// until first needed, then read back from the kernel, so a restarted
     /// agent that ensures one network keeps the others' rules and ports.
     rules: Mutex<Option<FirewallState>>,
+    /// Serialises ensure and remove, which look, then create or delete.
+    networks: tokio::sync::Mutex<()>,
 }
 
 impl NetNode {
@@ -38,6 +40,7 @@ impl NetNode {
             nft,
             cfg,
             rules: Mutex::new(None),
+            networks: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -59,6 +62,7 @@ impl NetNode {
     /// An existing bridge with another subnet or scope is re-created when
     /// nothing is attached to it, and is an error naming both otherwise.
     pub async fn ensure_network(&self, scope: &str, subnet: Subnet) -> Result<Network> {
+        let _one_at_a_time = self.networks.lock().await;
         let name = self.cfg.bridge_name(subnet);
         let net = network::ensure_bridge(&self.nl, &name, scope, subnet).await?;
         sysctl::enable_forwarding()?;
@@ -83,6 +87,7 @@ impl NetNode {
     /// it), then its bridge. Idempotent. Refused while containers are
     /// attached (detach them, or let gc take crash leftovers).
     pub async fn remove_network(&self, subnet: Subnet) -> Result<()> {
+        let _one_at_a_time = self.networks.lock().await;
         let name = self.cfg.bridge_name(subnet);
         // Refuse before changing anything if the name is not ours or in use.
         let existing = network::lookup(&self.nl, &name, subnet).await?;

@@ -485,6 +485,9 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
     let (hv, pv) = (w.cfg.host_veth_name(s.host(9)), w.extra_ifname("p"));
     ip(&["link", "add", &hv, "type", "veth", "peer", "name", &pv]);
     std::fs::write(w.cfg.netns_path("stale").unwrap(), b"").unwrap();
+    // A bridge whose ensure was killed before it was renamed into place.
+    let unfinished = format!("{}t", w.cfg.bridge_name(Subnet::from_slot(218)));
+    ip(&["link", "add", &unfinished, "type", "bridge"]);
     // A whole attachment whose namespace file is gone while something still
     // holds the namespace open: its veth lives on, tied to no file.
     let ghost = node.attach("ghost", s, s.host(5)).await.unwrap();
@@ -509,7 +512,10 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
         BTreeSet::from_iter(plan.veths.clone()),
         BTreeSet::from([hv.clone(), ghost.host_veth.clone()])
     );
-    assert_eq!(plan.bridges, vec![w.cfg.bridge_name(empty)]);
+    assert_eq!(
+        BTreeSet::from_iter(plan.bridges.clone()),
+        BTreeSet::from([w.cfg.bridge_name(empty), unfinished.clone()])
+    );
     assert!(!plan.delete_table);
     // With the live set known, the dead container goes too.
     let keep = BTreeSet::from(["live".to_owned()]);
@@ -522,7 +528,7 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
     assert!(!link_exists(&hv) && !link_exists(&pv) && !link_exists(&dead.host_veth));
     assert!(!link_exists(&ghost.host_veth));
     drop(holder);
-    assert!(!link_exists(&w.cfg.bridge_name(empty)));
+    assert!(!link_exists(&w.cfg.bridge_name(empty)) && !link_exists(&unfinished));
     assert!(live.netns_path.exists() && link_exists(&live.host_veth));
     let after = inventory::read(&node).await.unwrap();
     assert!(
@@ -862,4 +868,24 @@ async fn sigkill_in_the_middle_of_attach_then_gc_leaves_nothing() {
         foreign_ruleset(),
         "the host's ruleset outside our tables changed"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_ensures_of_one_network_both_succeed() {
+    if !ready("race") {
+        return;
+    }
+    let w = World::new("race");
+    let n1 = w.node();
+    let s = Subnet::from_slot(217);
+    for _ in 0..5 {
+        let (a, b) = tokio::join!(
+            n1.ensure_network("zt-p-race", s),
+            n1.ensure_network("zt-p-race", s)
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a, b);
+        n1.remove_network(s).await.unwrap();
+    }
+    n1.remove_rules().unwrap();
 }

@@ -24,7 +24,7 @@ pub fn ready(test: &str) -> bool {
     if !nix::unistd::Uid::effective().is_root() {
         missing.push("root".to_owned());
     }
-    for tool in ["nft", "ip"] {
+    for tool in ["nft", "ip", "nsenter"] {
         if Command::new(tool).arg("--version").output().is_err() {
             missing.push(format!("the {tool} binary"));
         }
