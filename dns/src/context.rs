@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::Config;
 use crate::forward;
@@ -50,18 +50,23 @@ impl Shared {
             .collect()
     }
 
+    /// A slot for one forwarded query, or `None` when `max_forwards` are in
+    /// flight: the caller then answers SERVFAIL at once instead of queueing
+    /// without bound. Taken in arrival order, before any task is spawned.
+    pub(crate) fn forward_slot(&self) -> Option<OwnedSemaphorePermit> {
+        Arc::clone(&self.forwards).try_acquire_owned().ok()
+    }
+
     /// Relays a query upstream over the client's transport and returns the
-    /// bytes to send back: the upstream's answer, or SERVFAIL.
+    /// bytes to send back: the upstream's answer, or SERVFAIL. The slot is
+    /// held until then.
     pub(crate) async fn relay(
         &self,
+        _slot: OwnedSemaphorePermit,
         query: &[u8],
         request: &Request,
         transport: Transport,
     ) -> Option<Vec<u8>> {
-        // Over the limit: fail fast rather than pile up sockets.
-        let Ok(_slot) = Arc::clone(&self.forwards).try_acquire_owned() else {
-            return request.servfail();
-        };
         let upstreams = self.usable_upstreams();
         let timeout = self.config.upstream_timeout;
         let answer = match transport {

@@ -75,7 +75,15 @@ async fn connection(mut stream: TcpStream, ctx: &ListenerCtx) -> io::Result<()> 
         let answer = match outcome {
             Outcome::Reply(answer) => answer,
             Outcome::Forward(request) => {
-                match ctx.shared.relay(&query, &request, Transport::Tcp).await {
+                let answer = match ctx.shared.forward_slot() {
+                    Some(slot) => {
+                        ctx.shared
+                            .relay(slot, &query, &request, Transport::Tcp)
+                            .await
+                    }
+                    None => request.servfail(),
+                };
+                match answer {
                     Some(answer) => answer,
                     None => return Ok(()),
                 }

@@ -49,11 +49,18 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, ctx: Arc<ListenerCtx>) {
             Outcome::Reply(answer) => send(&socket, &answer, peer).await,
             Outcome::Drop => debug!(%peer, len, "udp packet dropped"),
             Outcome::Forward(request) => {
+                let Some(slot) = ctx.shared.forward_slot() else {
+                    if let Some(answer) = request.servfail() {
+                        send(&socket, &answer, peer).await;
+                    }
+                    continue;
+                };
                 let query = packet.to_vec();
                 let socket = Arc::clone(&socket);
                 let shared = Arc::clone(&ctx.shared);
                 forwards.spawn(async move {
-                    if let Some(answer) = shared.relay(&query, &request, Transport::Udp).await {
+                    let answer = shared.relay(slot, &query, &request, Transport::Udp);
+                    if let Some(answer) = answer.await {
                         send(&socket, &answer, peer).await;
                     }
                 });

@@ -209,3 +209,51 @@ async fn tcp_connections_are_bounded_in_number_and_idle_time() {
     assert_eq!(d.addrs(), vec!["10.97.0.5"], "{}", d.raw);
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_in_flight_are_bounded() {
+    if !require("forwards_in_flight_are_bounded", false, &[]) {
+        return;
+    }
+    // A silent upstream holds every forward for the full 2 s.
+    let silent = UdpSocket::bind("127.77.32.2:10053").await.unwrap();
+    let ip = IpAddr::V4(Ipv4Addr::new(127, 77, 32, 1));
+    let server = DnsServer::new(Config {
+        max_forwards: 2,
+        ..test_config(vec![silent.local_addr().unwrap()])
+    })
+    .unwrap();
+    serve_on(&server, ip, Scope::new("proj-1", "production")).await;
+    let at = SocketAddr::new(ip, PORT);
+    let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    for id in 1..=3u16 {
+        sock.send_to(&query(id, &format!("q{id}.example.test.")), at)
+            .await
+            .unwrap();
+    }
+    // Past the limit: SERVFAIL at once, while the two in flight still wait.
+    let mut buf = [0u8; 512];
+    let started = Instant::now();
+    let len = tokio::time::timeout(Duration::from_secs(1), sock.recv(&mut buf))
+        .await
+        .expect("the third query is refused at once")
+        .unwrap();
+    let m = Message::from_vec(&buf[..len]).unwrap();
+    assert_eq!(m.metadata.id, 3);
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+    // Then the two held ones time out to SERVFAIL after about 2 s.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let len = tokio::time::timeout(Duration::from_secs(4), sock.recv(&mut buf))
+            .await
+            .expect("held queries answered after the upstream timeout")
+            .unwrap();
+        let m = Message::from_vec(&buf[..len]).unwrap();
+        assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+        ids.push(m.metadata.id);
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2]);
+    assert!(started.elapsed() >= Duration::from_millis(1800));
+    server.shutdown().await;
+}
