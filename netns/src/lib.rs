@@ -2,27 +2,48 @@
 //!
 //! One Linux bridge per (project, environment) on `10.201.X.0/24` with the
 //! gateway on `.1`, one network namespace and veth per container, and the
-//! agent's own nftables table for NAT, isolation and published ports. It only
-//! creates and removes what it owns: interfaces named with the configured
-//! prefix (bridges carry an alias `zattera:<network name>` as proof of
-//! ownership), namespace files under the configured directory, and the
-//! `inet <table>` table. Every name comes from one [`NetConfig`], so tests and
-//! several agents run side by side.
+//! agent's own nftables table for NAT, isolation and published ports
+//! (runtime.md §7, C-7, C-9; DESIGN decisions 2, 3, 5).
 //!
-//! The executor's use, in order:
+//! # What it owns, and nothing else
+//!
+//! Every name comes from one [`NetConfig`], so tests and several agents run
+//! side by side:
+//! - bridges `<prefix><slot>` (default `ztbr7` for `10.201.7.0/24`), which
+//!   carry the alias `zattera:<network name>` as proof of ownership; a
+//!   bridge is built as `<prefix><slot>t` and renamed into place when done;
+//! - host veth ends `<prefix><slot>v<host octet>`, named after the address;
+//! - namespace files `<netns_dir>/<container id>`;
+//! - the nftables table `inet <nft_table>`, always replaced whole in one
+//!   transaction and never anything else (no flush of the ruleset).
+//!
+//! Host-wide, [`NetNode::ensure_network`] sets `net.ipv4.ip_forward=1`, as any
+//! container host must.
+//!
+//! # State
+//!
+//! The crate keeps no state file. IP and port records live with the caller
+//! (the agent keeps them in container labels) and rebuild [`Ipam`] and
+//! [`HostPorts`] at start; the bridges, veths and namespace files are read
+//! back from the kernel ([`inventory`]), and the rules from our table.
+//!
+//! # Use, in the executor's order
 //!
 //! ```text
-//! let node  = NetNode::new(cfg)?;                       // netlink + nft, touches nothing
+//! let node  = NetNode::new(cfg)?;                       // netlink connection; touches nothing
 //! let mut ipam  = Ipam::from_records(&records)?;          // from container labels
 //! let mut ports = HostPorts::from_records(published);     // idem
 //! node.apply_rules(state)?;                               // at start: whole table, one transaction
 //! let net = node.ensure_network("zt-proj-env", subnet).await?;  // bridge, gateway, sysctls, rules
 //! let ip  = ipam.allocate(subnet, container_id)?;
 //! let att = node.attach(container_id, subnet, ip).await?;       // netns file, veth, eth0, route
+//! // the OCI spec's network namespace path is att.netns_path; DNS is att.gateway
 //! let hp  = ports.allocate(Proto::Tcp, host_ip, None)?;         // bind-tested ephemeral port
 //! node.set_published(all_published_ports)?;                     // DNAT maps rebuilt
 //! node.detach(container_id, Some(ip)).await?;                   // idempotent, crash-safe
 //! node.remove_network(subnet).await?;                           // rules, then bridge
+//! let plan = inventory::plan(&inventory::read(&node).await?, Some(&live_ids));
+//! inventory::apply(&node, &plan).await?;                        // orphans after a crash (N-5)
 //! ```
 //!
 //! Modules, one job each: [`config`] (names), [`subnet`] (the /24 pool),
@@ -30,7 +51,7 @@
 //! surface), [`nsfile`] (namespace files), [`network`] (bridges), [`attach`]
 //! (veths), [`firewall`] (desired rules → nft script), [`nft`] (running
 //! `nft` on our table), [`sysctl`], [`inventory`] (what exists, for `ls` and
-//! `gc`), [`node`] (the facade).
+//! `gc`), [`node`] (the facade), [`error`].
 
 pub mod attach;
 pub mod config;
