@@ -109,6 +109,13 @@ pub enum Error {
         stderr: String,
     },
 
+    #[error("conntrack: cannot {op}: {source}")]
+    Conntrack {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
     #[error("host port {proto}/{ip}:{port}: {cause}")]
     Port {
         proto: &'static str,

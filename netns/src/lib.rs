@@ -50,11 +50,13 @@
 //! [`ipam`] (addresses), [`ports`] (host ports), [`netlink`] (the rtnetlink
 //! surface), [`nsfile`] (namespace files), [`network`] (bridges), [`attach`]
 //! (veths), [`firewall`] (desired rules → nft script), [`nft`] (running
-//! `nft` on our table), [`sysctl`], [`inventory`] (what exists, for `ls` and
+//! `nft` on our table), [`conntrack`] (forgetting
+//! unpublished flows), [`sysctl`], [`inventory`] (what exists, for `ls` and
 //! `gc`), [`node`] (the facade), [`error`].
 
 pub mod attach;
 pub mod config;
+pub mod conntrack;
 pub mod error;
 pub mod firewall;
 pub mod inventory;

@@ -8,8 +8,9 @@ use std::sync::Mutex;
 
 use crate::attach::{self, Attachment};
 use crate::config::{NetConfig, OwnedName};
+use crate::conntrack;
 use crate::error::{Error, Result};
-use crate::firewall::{BridgeRules, FirewallState, PublishedPort};
+use crate::firewall::{BridgeRules, FirewallState, Proto, PublishedPort};
 use crate::netlink::Netlink;
 use crate::network::{self, Network};
 use crate::nft::Nft;
@@ -192,7 +193,20 @@ impl NetNode {
         change(&mut next);
         // Keep the current state on failure: the kernel still holds it.
         self.nft.apply(&next)?;
+        // UDP flows of ports that went away would otherwise keep their old
+        // DNAT for as long as the client sends (C-7). TCP flows end by
+        // themselves and are left alone.
+        let gone: Vec<PublishedPort> = current
+            .published
+            .iter()
+            .filter(|p| p.proto == Proto::Udp && !next.published.contains(p))
+            .copied()
+            .collect();
         *current = next;
+        if let Err(e) = conntrack::forget(&gone) {
+            // The rules are right; stale flows expire on their own.
+            tracing::warn!(error = %e, ports = gone.len(), "could not forget conntrack entries of unpublished UDP ports");
+        }
         Ok(())
     }
 }

@@ -889,3 +889,57 @@ async fn concurrent_ensures_of_one_network_both_succeed() {
     }
     n1.remove_rules().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moving_a_udp_port_forgets_the_old_flow() {
+    if !ready("udpmove") {
+        return;
+    }
+    let w = World::new("udpmove");
+    let node = w.node();
+    let s = Subnet::from_slot(219);
+    node.ensure_network("zt-p-udp", s).await.unwrap();
+    let c1 = node.attach("u1", s, s.host(2)).await.unwrap();
+    let c2 = node.attach("u2", s, s.host(3)).await.unwrap();
+    let _s1 = udp_server(Some(&c1.netns_path), sa(Ipv4Addr::UNSPECIFIED, 53), "c1");
+    let _s2 = udp_server(Some(&c2.netns_path), sa(Ipv4Addr::UNSPECIFIED, 53), "c2");
+    let port = HostPorts::default()
+        .allocate(Proto::Udp, Ipv4Addr::LOCALHOST, None)
+        .unwrap();
+    let to = |c: &zattera_netns::Attachment| PublishedPort {
+        proto: Proto::Udp,
+        host_ip: Ipv4Addr::LOCALHOST,
+        host_port: port,
+        container_ip: c.ip,
+        container_port: 53,
+    };
+    // One client socket, so both sends belong to the same conntrack flow.
+    let client = std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    client
+        .set_read_timeout(Some(std::time::Duration::from_millis(700)))
+        .unwrap();
+    let ask = || {
+        let mut buf = [0u8; 16];
+        for _ in 0..3 {
+            client.send_to(b"q", (Ipv4Addr::LOCALHOST, port)).unwrap();
+            if let Ok(n) = client.recv(&mut buf) {
+                return String::from_utf8_lossy(&buf[..n]).into_owned();
+            }
+        }
+        panic!("no UDP answer on 127.0.0.1:{port}");
+    };
+    node.set_published(vec![to(&c1)]).unwrap();
+    assert_eq!(ask(), "c1");
+    node.set_published(vec![to(&c2)]).unwrap();
+    assert_eq!(
+        ask(),
+        "c2",
+        "the old flow kept its DNAT to the first container"
+    );
+
+    for c in [&c1, &c2] {
+        node.detach(&c.container_id, Some(c.ip)).await.unwrap();
+    }
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().unwrap();
+}
