@@ -8,7 +8,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::context::{ListenerCtx, Shared};
@@ -53,8 +53,16 @@ impl ListenerStatus {
 #[derive(Debug)]
 pub struct DnsServer {
     shared: Arc<Shared>,
-    listeners: Mutex<HashMap<IpAddr, Listener>>,
+    listeners: Mutex<Listeners>,
     watcher: JoinHandle<()>,
+}
+
+/// Open listeners, and the last bind error of each gateway that failed, so
+/// a failure repeating every reconcile is logged once, not every 3 s.
+#[derive(Debug, Default)]
+struct Listeners {
+    open: HashMap<IpAddr, Listener>,
+    failing: HashMap<IpAddr, String>,
 }
 
 impl DnsServer {
@@ -66,7 +74,7 @@ impl DnsServer {
         let watcher = runtime.spawn(Arc::clone(&upstreams).watch(config.upstream_poll));
         Ok(Self {
             shared: Arc::new(Shared::new(config, upstreams)),
-            listeners: Mutex::new(HashMap::new()),
+            listeners: Mutex::new(Listeners::default()),
             watcher,
         })
     }
@@ -84,7 +92,12 @@ impl DnsServer {
                 None => wanted.push(spec),
             }
         }
-        let mut listeners = self.listeners.lock().await;
+        let mut guard = self.listeners.lock().await;
+        let Listeners {
+            open: listeners,
+            failing,
+        } = &mut *guard;
+        failing.retain(|addr, _| wanted.iter().any(|w| w.addr == *addr));
         let gone: Vec<IpAddr> = listeners
             .keys()
             .filter(|addr| !wanted.iter().any(|w| w.addr == **addr))
@@ -109,13 +122,20 @@ impl DnsServer {
             } else {
                 match self.open(spec.addr, scope) {
                     Ok(listener) => {
+                        failing.remove(&spec.addr);
                         info!(gateway = %spec.addr, project = %spec.scope.project,
                               environment = %spec.scope.environment, "dns listener open");
                         listeners.insert(spec.addr, listener);
                         ListenerState::Serving
                     }
                     Err(e) => {
-                        warn!(gateway = %spec.addr, error = %e, "dns listener not open; retried at the next reconcile");
+                        let message = e.to_string();
+                        if failing.get(&spec.addr) == Some(&message) {
+                            debug!(gateway = %spec.addr, error = %e, "dns listener still not open");
+                        } else {
+                            warn!(gateway = %spec.addr, error = %e, "dns listener not open; retried at every reconcile");
+                            failing.insert(spec.addr, message);
+                        }
                         ListenerState::Failed(e)
                     }
                 }
@@ -164,7 +184,7 @@ impl DnsServer {
 
     /// The gateways with an open listener.
     pub async fn serving(&self) -> Vec<IpAddr> {
-        self.listeners.lock().await.keys().copied().collect()
+        self.listeners.lock().await.open.keys().copied().collect()
     }
 
     /// Closes every listener and stops watching the upstream list.
@@ -174,6 +194,7 @@ impl DnsServer {
             .listeners
             .lock()
             .await
+            .open
             .drain()
             .map(|(_, l)| l)
             .collect();
