@@ -211,3 +211,40 @@ impl Drop for DnsServer {
         self.watcher.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::UpstreamSource;
+
+    fn config() -> Config {
+        Config {
+            upstreams: UpstreamSource::Fixed(vec![]),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn the_server_can_be_shared_and_driven_from_spawned_tasks() {
+        fn send_sync<T: Send + Sync>() {}
+        fn send<T: Send>(_: &T) {}
+        send_sync::<DnsServer>();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let server = DnsServer::new(config()).unwrap();
+            let reconcile = server.reconcile(vec![]);
+            send(&reconcile);
+            assert!(reconcile.await.is_empty());
+            assert!(server.table().is_empty());
+            server.shutdown().await;
+        });
+    }
+
+    #[test]
+    fn creating_a_server_outside_a_runtime_is_an_error() {
+        assert!(matches!(DnsServer::new(config()), Err(Error::NoRuntime)));
+    }
+}
