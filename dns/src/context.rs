@@ -33,7 +33,10 @@ impl Shared {
             table: ArcSwap::from_pointee(NameTable::empty()),
             upstreams,
             own: ArcSwap::from_pointee(Vec::new()),
-            forwards: Arc::new(Semaphore::new(config.max_forwards)),
+            // Semaphore::new panics past MAX_PERMITS; no config may do that.
+            forwards: Arc::new(Semaphore::new(
+                config.max_forwards.min(Semaphore::MAX_PERMITS),
+            )),
             config,
         }
     }

@@ -29,6 +29,8 @@
 //! | `udp`, `tcp` | receive loops (why not hickory-server: see `udp`) |
 //! | `listener` | binding one gateway's sockets |
 //! | `server` | [`DnsServer`] and reconcile |
+//! | `context` | state the receive loops share; the forward slots |
+//! | `config`, `error` | [`Config`] (defaults: the spec's numbers); typed errors |
 //!
 //! Where this departs from the reference resolver (runtime.md §8), on
 //! purpose:
