@@ -59,7 +59,7 @@ async fn run() {
             "CNI plugins not found in {CNI_DIR} (apt-get install containernetworking-plugins): comparison skipped"
         );
     }
-    bench_rules(dir.path());
+    bench_rules(dir.path()).await;
 }
 
 async fn bench_ours(dir: &Path) -> Vec<Duration> {
@@ -85,13 +85,14 @@ async fn bench_ours(dir: &Path) -> Vec<Duration> {
             container_ip: ip,
             container_port: 80,
         }])
+        .await
         .unwrap();
-        node.set_published(Vec::new()).unwrap();
+        node.set_published(Vec::new()).await.unwrap();
         node.detach(&id, Some(ip)).await.unwrap();
         times.push(t.elapsed());
     }
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
     times
 }
 
@@ -157,7 +158,7 @@ async fn bench_cni(dir: &Path) -> Vec<Duration> {
     times
 }
 
-fn bench_rules(dir: &Path) {
+async fn bench_rules(dir: &Path) {
     let node = NetNode::new(NetConfig {
         bridge_prefix: "ztbenchr".into(),
         nft_table: "ztbench_rules".into(),
@@ -189,13 +190,13 @@ fn bench_rules(dir: &Path) {
     let mut times = Vec::new();
     for _ in 0..20 {
         let t = Instant::now();
-        node.apply_rules(state.clone()).unwrap();
+        node.apply_rules(state.clone()).await.unwrap();
         times.push(t.elapsed());
     }
-    assert_eq!(node.nft().published().unwrap().len(), 500);
+    assert_eq!(node.nft().published().await.unwrap().len(), 500);
     report("rules rebuild, 500 published ports, 10 bridges", &times);
     println!("goal: p50 <= 50 ms");
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 fn pct(times: &[Duration], p: usize) -> Duration {

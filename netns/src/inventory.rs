@@ -148,7 +148,7 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
         }
     }
     netns.sort_by(|a, b| a.container_id.cmp(&b.container_id));
-    let table_present = node.nft().list()?.is_some();
+    let table_present = node.nft().list().await?.is_some();
     Ok(Inventory {
         bridges,
         unfinished_bridges,
@@ -249,7 +249,7 @@ pub async fn apply(node: &NetNode, plan: &GcPlan) -> Result<()> {
         }
     }
     if plan.delete_table {
-        node.remove_rules()?;
+        node.remove_rules().await?;
     }
     Ok(())
 }

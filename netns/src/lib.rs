@@ -33,13 +33,13 @@
 //! let node  = NetNode::new(cfg)?;                       // netlink connection; touches nothing
 //! let mut ipam  = Ipam::from_records(&records)?;          // from container labels
 //! let mut ports = HostPorts::from_records(published);     // idem
-//! node.apply_rules(state)?;                               // at start: whole table, one transaction
+//! node.apply_rules(state).await?;                         // at start: whole table, one transaction
 //! let net = node.ensure_network("zt-proj-env", subnet).await?;  // bridge, gateway, sysctls, rules
 //! let ip  = ipam.allocate(subnet, container_id)?;
 //! let att = node.attach(container_id, subnet, ip).await?;       // netns file, veth, eth0, route
 //! // the OCI spec's network namespace path is att.netns_path; DNS is att.gateway
 //! let hp  = ports.allocate(Proto::Tcp, host_ip, None)?;         // bind-tested ephemeral port
-//! node.set_published(all_published_ports)?;                     // DNAT maps rebuilt
+//! node.set_published(all_published_ports).await?;               // DNAT maps rebuilt; UDP flows forgotten
 //! node.detach(container_id, Some(ip)).await?;                   // idempotent, crash-safe
 //! node.remove_network(subnet).await?;                           // rules, then bridge
 //! let plan = inventory::plan(&inventory::read(&node).await?, Some(&live_ids));

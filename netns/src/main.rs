@@ -243,7 +243,7 @@ fn views(cfg: &NetConfig, inv: &Inventory, published: &[PublishedPort]) -> Vec<N
 
 async fn ls(node: &NetNode, json: bool) -> Result<()> {
     let inv = inventory::read(node).await?;
-    let published = node.nft().published()?;
+    let published = node.nft().published().await?;
     let views = views(node.config(), &inv, &published);
     if json {
         let doc = serde_json::json!({
@@ -298,7 +298,7 @@ async fn ls(node: &NetNode, json: bool) -> Result<()> {
 
 async fn inspect(node: &NetNode, wanted: &str) -> Result<()> {
     let inv = inventory::read(node).await?;
-    let published = node.nft().published()?;
+    let published = node.nft().published().await?;
     let views = views(node.config(), &inv, &published);
     let found = views.iter().find(|v| {
         v.network.as_deref() == Some(wanted) || v.bridge == wanted || v.subnet.to_string() == wanted
@@ -353,7 +353,7 @@ async fn inspect(node: &NetNode, wanted: &str) -> Result<()> {
     }
     println!("dns       {}", dns_listener(v.gateway));
     let table = inv.table.clone();
-    match node.nft().list()? {
+    match node.nft().list().await? {
         None => println!("rules     table inet {table} is absent"),
         Some(text) => {
             let subnet = v.subnet.to_string();

@@ -1,15 +1,16 @@
 //! Runs `nft` on our table, and nothing else: the only commands sent are a
-//! rebuild, a delete and a list of `inet <table>`.
+//! rebuild, a delete and a list of `inet <table>`. `nft` runs as a child
+//! process of the async runtime, so a rebuild never blocks a worker thread.
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
-
-use crate::error::{Error, Result};
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Stdio;
 
 use serde_json::Value;
+use tokio::io::AsyncWriteExt;
+use tokio::process::Command;
 
+use crate::error::{Error, Result};
 use crate::firewall::{FirewallState, Proto, PublishedPort, render};
 
 /// The agent's nftables table.
@@ -32,21 +33,27 @@ impl Nft {
     }
 
     /// Replaces the table with `state`, atomically.
-    pub fn apply(&self, state: &FirewallState) -> Result<()> {
+    pub async fn apply(&self, state: &FirewallState) -> Result<()> {
         self.run("rebuild", &["-f", "-"], Some(&render(&self.table, state)))
+            .await
             .map(drop)
     }
 
     /// Deletes the table; an absent table is fine.
-    pub fn delete(&self) -> Result<()> {
+    pub async fn delete(&self) -> Result<()> {
         let t = &self.table;
         let script = format!("table inet {t}\ndelete table inet {t}\n");
-        self.run("delete", &["-f", "-"], Some(&script)).map(drop)
+        self.run("delete", &["-f", "-"], Some(&script))
+            .await
+            .map(drop)
     }
 
     /// The table as `nft list` prints it, or `None` when it does not exist.
-    pub fn list(&self) -> Result<Option<String>> {
-        match self.run("list", &["list", "table", "inet", &self.table], None) {
+    pub async fn list(&self) -> Result<Option<String>> {
+        match self
+            .run("list", &["list", "table", "inet", &self.table], None)
+            .await
+        {
             Ok(out) => Ok(Some(out)),
             Err(Error::Nft { stderr, .. }) if stderr.contains("No such file or directory") => {
                 Ok(None)
@@ -57,23 +64,28 @@ impl Nft {
 
     /// The published ports our table holds now, read back from its maps
     /// (for the operator CLI, which has no agent state to ask).
-    pub fn published(&self) -> Result<Vec<PublishedPort>> {
+    pub async fn published(&self) -> Result<Vec<PublishedPort>> {
         Ok(self
-            .read_json()?
+            .read_json()
+            .await?
             .map_or_else(Vec::new, |doc| parse_published(&doc)))
     }
 
     /// What the table holds now: bridge names and published ports, or
     /// `None` when there is no table. Lets a restarted agent change one
     /// network's rules without first knowing all of them.
-    pub fn current(&self) -> Result<Option<(Vec<String>, Vec<PublishedPort>)>> {
+    pub async fn current(&self) -> Result<Option<(Vec<String>, Vec<PublishedPort>)>> {
         Ok(self
-            .read_json()?
+            .read_json()
+            .await?
             .map(|doc| (parse_bridges(&doc), parse_published(&doc))))
     }
 
-    fn read_json(&self) -> Result<Option<Value>> {
-        let json = match self.run("list", &["-j", "list", "table", "inet", &self.table], None) {
+    async fn read_json(&self) -> Result<Option<Value>> {
+        let json = match self
+            .run("list", &["-j", "list", "table", "inet", &self.table], None)
+            .await
+        {
             Ok(out) => out,
             Err(Error::Nft { stderr, .. }) if stderr.contains("No such file or directory") => {
                 return Ok(None);
@@ -89,7 +101,17 @@ impl Nft {
             })
     }
 
-    fn run(&self, action: &'static str, args: &[&str], stdin: Option<&str>) -> Result<String> {
+    async fn run(
+        &self,
+        action: &'static str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<String> {
+        let failed = |stderr: String| Error::Nft {
+            action,
+            table: self.table.clone(),
+            stderr,
+        };
         let mut child = Command::new(&self.binary)
             .args(args)
             .stdin(if stdin.is_some() {
@@ -99,6 +121,7 @@ impl Nft {
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            .kill_on_drop(true)
             .spawn()
             .map_err(|source| Error::NftMissing {
                 binary: self.binary.clone(),
@@ -106,22 +129,18 @@ impl Nft {
             })?;
         if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
             // A write error shows up as nft's own failure below.
-            let _ = pipe.write_all(text.as_bytes());
+            let _ = pipe.write_all(text.as_bytes()).await;
         }
         let out = child
             .wait_with_output()
-            .map_err(|source| Error::NftMissing {
-                binary: self.binary.clone(),
-                source,
-            })?;
+            .await
+            .map_err(|e| failed(format!("waiting for nft: {e}")))?;
         if out.status.success() {
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
         } else {
-            Err(Error::Nft {
-                action,
-                table: self.table.clone(),
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            })
+            Err(failed(
+                String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            ))
         }
     }
 }

@@ -4,7 +4,6 @@
 //! updates that network's rules too.
 
 use std::net::Ipv4Addr;
-use std::sync::Mutex;
 
 use crate::attach::{self, Attachment};
 use crate::config::{NetConfig, OwnedName};
@@ -25,7 +24,7 @@ pub struct NetNode {
     /// What the table holds, rebuilt whole from this on every change. `None`
     /// until first needed, then read back from the kernel, so a restarted
     /// agent that ensures one network keeps the others' rules and ports.
-    rules: Mutex<Option<FirewallState>>,
+    rules: tokio::sync::Mutex<Option<FirewallState>>,
     /// Serialises ensure and remove, which look, then create or delete.
     networks: tokio::sync::Mutex<()>,
 }
@@ -40,7 +39,7 @@ impl NetNode {
             nl: Netlink::connect()?,
             nft,
             cfg,
-            rules: Mutex::new(None),
+            rules: tokio::sync::Mutex::new(None),
             networks: tokio::sync::Mutex::new(()),
         })
     }
@@ -75,7 +74,8 @@ impl NetNode {
                     subnet,
                 });
             }
-        })?;
+        })
+        .await?;
         Ok(net)
     }
 
@@ -109,7 +109,8 @@ impl NetNode {
         self.update_rules(|s| {
             s.bridges.retain(|b| b.bridge != name);
             s.published.retain(|p| !subnet.contains(p.container_ip));
-        })?;
+        })
+        .await?;
         if let Some(net) = existing {
             self.nl.delete(net.index, &name).await?;
         }
@@ -139,41 +140,33 @@ impl NetNode {
     }
 
     /// Replaces the published ports and rebuilds the table.
-    pub fn set_published(&self, ports: Vec<PublishedPort>) -> Result<()> {
-        self.update_rules(|s| s.published = ports)
+    pub async fn set_published(&self, ports: Vec<PublishedPort>) -> Result<()> {
+        self.update_rules(|s| s.published = ports).await
     }
 
     /// Rebuilds the whole table from `state` (at start, from the agent's
     /// records), in one transaction.
-    pub fn apply_rules(&self, state: FirewallState) -> Result<()> {
-        self.update_rules(|s| *s = state)
+    pub async fn apply_rules(&self, state: FirewallState) -> Result<()> {
+        self.update_rules(|s| *s = state).await
     }
 
     /// Deletes our table: the host's ruleset is as it was before us.
-    pub fn remove_rules(&self) -> Result<()> {
-        let mut guard = self.lock_rules();
-        self.nft.delete()?;
+    pub async fn remove_rules(&self) -> Result<()> {
+        let mut guard = self.rules.lock().await;
+        self.nft.delete().await?;
         *guard = Some(FirewallState::default());
         Ok(())
     }
 
     /// The rules state the table holds.
-    pub fn rules(&self) -> Result<FirewallState> {
-        let mut guard = self.lock_rules();
-        self.load(&mut guard).cloned()
+    pub async fn rules(&self) -> Result<FirewallState> {
+        let mut guard = self.rules.lock().await;
+        self.load(&mut guard).await.cloned()
     }
 
-    fn lock_rules(&self) -> std::sync::MutexGuard<'_, Option<FirewallState>> {
-        // A panic elsewhere never leaves the state half-written: it is only
-        // replaced whole, after nft succeeded.
-        self.rules
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn load<'a>(&self, slot: &'a mut Option<FirewallState>) -> Result<&'a mut FirewallState> {
+    async fn load<'a>(&self, slot: &'a mut Option<FirewallState>) -> Result<&'a mut FirewallState> {
         if slot.is_none() {
-            let (names, published) = self.nft.current()?.unwrap_or_default();
+            let (names, published) = self.nft.current().await?.unwrap_or_default();
             let bridges = names
                 .into_iter()
                 .filter_map(|bridge| match self.cfg.parse_ifname(&bridge) {
@@ -186,13 +179,13 @@ impl NetNode {
         Ok(slot.get_or_insert_with(FirewallState::default))
     }
 
-    fn update_rules(&self, change: impl FnOnce(&mut FirewallState)) -> Result<()> {
-        let mut guard = self.lock_rules();
-        let current = self.load(&mut guard)?;
+    async fn update_rules(&self, change: impl FnOnce(&mut FirewallState)) -> Result<()> {
+        let mut guard = self.rules.lock().await;
+        let current = self.load(&mut guard).await?;
         let mut next = current.clone();
         change(&mut next);
         // Keep the current state on failure: the kernel still holds it.
-        self.nft.apply(&next)?;
+        self.nft.apply(&next).await?;
         // UDP flows of ports that went away would otherwise keep their old
         // DNAT for as long as the client sends (C-7). TCP flows end by
         // themselves and are left alone.
@@ -203,9 +196,16 @@ impl NetNode {
             .copied()
             .collect();
         *current = next;
-        if let Err(e) = conntrack::forget(&gone) {
-            // The rules are right; stale flows expire on their own.
-            tracing::warn!(error = %e, ports = gone.len(), "could not forget conntrack entries of unpublished UDP ports");
+        if !gone.is_empty() {
+            let forgot = tokio::task::spawn_blocking(move || conntrack::forget(&gone)).await;
+            match forgot {
+                Ok(Ok(_)) => {}
+                // The rules are right; stale flows expire on their own.
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "could not forget conntrack entries of unpublished UDP ports");
+                }
+                Err(e) => tracing::warn!(error = %e, "conntrack clean-up task failed"),
+            }
         }
         Ok(())
     }

@@ -78,7 +78,7 @@ async fn ensure_is_idempotent_checks_subnet_and_scope_and_refuses_foreign_names(
             .trim(),
         "1"
     );
-    let table = node.nft().list().unwrap().expect("our table exists");
+    let table = node.nft().list().await.unwrap().expect("our table exists");
     assert!(table.contains(&bridge), "{table}");
 
     // Another scope on an empty bridge: re-created for the new owner.
@@ -149,11 +149,11 @@ async fn ensure_is_idempotent_checks_subnet_and_scope_and_refuses_foreign_names(
     // Removal takes the bridge and its rules; a second removal is a no-op.
     node.remove_network(s).await.unwrap();
     assert!(!link_exists(&bridge));
-    let table = node.nft().list().unwrap().unwrap();
+    let table = node.nft().list().await.unwrap().unwrap();
     assert!(!table.contains(&format!("\"{bridge}\"")), "{table}");
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
-    assert!(node.nft().list().unwrap().is_none());
+    node.remove_rules().await.unwrap();
+    assert!(node.nft().list().await.unwrap().is_none());
     assert_eq!(
         before,
         foreign_ruleset(),
@@ -219,7 +219,7 @@ async fn environments_reach_inside_and_never_across() {
     }
     node.remove_network(sa_).await.unwrap();
     node.remove_network(sb).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -277,7 +277,7 @@ async fn published_ports_answer_on_loopback_and_a_second_address_from_host_and_c
             container_port: 5353,
         },
     ];
-    node.set_published(pubs).unwrap();
+    node.set_published(pubs).await.unwrap();
 
     // From the host: loopback (output DNAT + route_localnet + masquerade)...
     let got = tcp_get(None, sa(Ipv4Addr::LOCALHOST, lo_port)).unwrap();
@@ -315,7 +315,7 @@ async fn published_ports_answer_on_loopback_and_a_second_address_from_host_and_c
     assert!(tcp_get(None, sa(host2, 8080)).is_err());
 
     // Unpublishing takes the DNAT away.
-    node.set_published(Vec::new()).unwrap();
+    node.set_published(Vec::new()).await.unwrap();
     assert!(tcp_get(None, sa(host2, h2_port)).is_err());
 
     for att in [&p1, &p2, &o1] {
@@ -323,7 +323,7 @@ async fn published_ports_answer_on_loopback_and_a_second_address_from_host_and_c
     }
     node.remove_network(s).await.unwrap();
     node.remove_network(other).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
     assert_eq!(
         before,
         foreign_ruleset(),
@@ -397,6 +397,7 @@ async fn egress_is_masqueraded_and_published_ports_answer_from_outside() {
         container_ip: c.ip,
         container_port: 80,
     }])
+    .await
     .unwrap();
     let got = tcp_get(Some(&world), sa(host_ip, port)).unwrap();
     assert_eq!(
@@ -409,7 +410,7 @@ async fn egress_is_masqueraded_and_published_ports_answer_from_outside() {
 
     node.detach("eg1", Some(c.ip)).await.unwrap();
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,7 +462,7 @@ async fn detach_is_idempotent_and_survives_half_gone_attachments() {
     assert!(!w.cfg.netns_path("k5").unwrap().exists());
 
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -543,7 +544,7 @@ async fn gc_removes_crash_leftovers_and_keeps_live_attachments() {
     assert!(plan.delete_table);
     inventory::apply(&node, &plan).await.unwrap();
     assert!(!link_exists(&w.cfg.bridge_name(s)));
-    assert!(node.nft().list().unwrap().is_none());
+    assert!(node.nft().list().await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -594,7 +595,7 @@ async fn two_hundred_containers_on_one_bridge() {
     );
     assert_eq!(std::fs::read_dir(&w.cfg.netns_dir).unwrap().count(), 0);
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 async fn net_index(node: &NetNode, s: Subnet) -> u32 {
@@ -641,6 +642,7 @@ async fn cli_lists_inspects_execs_and_collects() {
         container_ip: c.ip,
         container_port: 80,
     }])
+    .await
     .unwrap();
 
     let out = cli(&w, &["ls", "--json"]);
@@ -710,7 +712,7 @@ async fn cli_lists_inspects_execs_and_collects() {
 
     node.detach("clic1", Some(c.ip)).await.unwrap();
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -731,18 +733,18 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
         let node = w.node();
         node.ensure_network("zt-p-r1", s1).await.unwrap();
         node.ensure_network("zt-p-r2", s2).await.unwrap();
-        node.set_published(vec![published]).unwrap();
+        node.set_published(vec![published]).await.unwrap();
     }
     // A new process: it ensures only the second network.
     let node = w.node();
     node.ensure_network("zt-p-r2", s2).await.unwrap();
-    let rules = node.rules().unwrap();
+    let rules = node.rules().await.unwrap();
     let mut names: Vec<_> = rules.bridges.iter().map(|b| b.bridge.clone()).collect();
     names.sort();
     assert_eq!(names, vec![w.cfg.bridge_name(s1), w.cfg.bridge_name(s2)]);
     assert_eq!(rules.published, vec![published]);
-    assert_eq!(node.nft().published().unwrap(), vec![published]);
-    let table = node.nft().list().unwrap().unwrap();
+    assert_eq!(node.nft().published().await.unwrap(), vec![published]);
+    let table = node.nft().list().await.unwrap().unwrap();
     assert!(
         table.contains("ip saddr 10.201.214.0/24 oifname != @bridges masquerade"),
         "{table}"
@@ -750,11 +752,11 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
 
     node.remove_network(s1).await.unwrap();
     assert!(
-        node.rules().unwrap().published.is_empty(),
+        node.rules().await.unwrap().published.is_empty(),
         "ports into a removed network go with it"
     );
     node.remove_network(s2).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
 
 /// Not a test on its own: the child process of the SIGKILL test, which
@@ -799,6 +801,7 @@ async fn sigkill_in_the_middle_of_attach_then_gc_leaves_nothing() {
         container_ip: s.host(2),
         container_port: 80,
     }])
+    .await
     .unwrap();
 
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
@@ -887,7 +890,7 @@ async fn concurrent_ensures_of_one_network_both_succeed() {
         assert_eq!(a, b);
         n1.remove_network(s).await.unwrap();
     }
-    n1.remove_rules().unwrap();
+    n1.remove_rules().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -928,9 +931,9 @@ async fn moving_a_udp_port_forgets_the_old_flow() {
         }
         panic!("no UDP answer on 127.0.0.1:{port}");
     };
-    node.set_published(vec![to(&c1)]).unwrap();
+    node.set_published(vec![to(&c1)]).await.unwrap();
     assert_eq!(ask(), "c1");
-    node.set_published(vec![to(&c2)]).unwrap();
+    node.set_published(vec![to(&c2)]).await.unwrap();
     assert_eq!(
         ask(),
         "c2",
@@ -941,5 +944,5 @@ async fn moving_a_udp_port_forgets_the_old_flow() {
         node.detach(&c.container_id, Some(c.ip)).await.unwrap();
     }
     node.remove_network(s).await.unwrap();
-    node.remove_rules().unwrap();
+    node.remove_rules().await.unwrap();
 }
