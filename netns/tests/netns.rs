@@ -214,6 +214,16 @@ async fn environments_reach_inside_and_never_across() {
     assert!(err.contains("connect"), "{err}");
     assert!(tcp_get(Some(&b1.netns_path), sa(a1.ip, 7000)).is_err());
 
+    // DNS on the gateway (where the agent's resolver listens) answers.
+    let gw = sa_.gateway();
+    let _dns = udp_server(None, sa(gw, 53), "dns-a");
+    assert_eq!(udp_get(Some(&a2.netns_path), sa(gw, 53)).unwrap(), "dns-a");
+    let rules = node.nft().list().await.unwrap().unwrap();
+    assert!(
+        rules.contains(&format!("ip daddr {gw} udp dport 53 accept")),
+        "{rules}"
+    );
+
     for att in [&a1, &a2, &b1] {
         node.detach(&att.container_id, Some(att.ip)).await.unwrap();
     }
