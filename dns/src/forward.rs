@@ -143,11 +143,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_upstream_fails_fast_and_the_next_one_is_tried() {
-        // Bind then drop: the port is (very likely) closed.
-        let closed = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-        let closed_addr = closed.local_addr().unwrap();
-        drop(closed);
-        let live = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        // Nothing listens on this address of the tests' own loopback range,
+        // so the port is closed (an ephemeral port, bound then dropped,
+        // could be reused by another test in the meantime).
+        let closed_addr: SocketAddr = "127.77.40.3:10053".parse().unwrap();
+        let live = UdpSocket::bind("127.77.40.2:0").await.unwrap();
         let live_addr = live.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let mut buf = [0u8; 512];
@@ -171,7 +171,7 @@ mod tests {
 
     #[tokio::test]
     async fn no_upstream_answering_gives_none_after_the_timeout() {
-        let silent = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let silent = UdpSocket::bind("127.77.40.4:0").await.unwrap();
         let addr = silent.local_addr().unwrap();
         let started = std::time::Instant::now();
         let got = over_udp(&query(), &[addr], Duration::from_millis(300)).await;

@@ -160,7 +160,7 @@ async fn upstream_down_gives_servfail_within_the_timeout() {
     let started = Instant::now();
     let d = dig_async(at, &["+tries=1", "+time=6", "db.internal"]).await;
     assert_eq!(d.status, "NXDOMAIN", "{}", d.raw);
-    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(started.elapsed() < Duration::from_millis(1500));
     drop(silent);
     server.shutdown().await;
 
@@ -175,7 +175,7 @@ async fn upstream_down_gives_servfail_within_the_timeout() {
     )
     .await;
     assert_eq!(d.status, "SERVFAIL", "{}", d.raw);
-    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(started.elapsed() < Duration::from_millis(1500));
     server.shutdown().await;
 }
 
@@ -201,7 +201,7 @@ async fn a_dead_first_upstream_falls_through_to_the_next() {
     )
     .await;
     assert_eq!(d.addrs(), vec!["192.0.2.1"], "{}", d.raw);
-    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(started.elapsed() < Duration::from_millis(1500));
     server.shutdown().await;
 }
 

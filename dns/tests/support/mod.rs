@@ -74,6 +74,7 @@ pub struct Dnsmasq {
 
 impl Dnsmasq {
     pub fn start(ip: Ipv4Addr, port: u16, extra: &[&str]) -> Self {
+        let log = tempfile::NamedTempFile::new().expect("dnsmasq log file");
         let child = Command::new(DNSMASQ)
             .args([
                 "-k",
@@ -90,22 +91,28 @@ impl Dnsmasq {
             .arg(format!("--port={port}"))
             .args(extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log.reopen().expect("dnsmasq log file"))
             .spawn()
             .expect("start dnsmasq");
-        let me = Self {
+        let mut me = Self {
             child,
             addr: SocketAddr::new(IpAddr::V4(ip), port),
         };
-        let deadline = Instant::now() + Duration::from_secs(5);
+        // Generous: a loaded CI machine can be slow to start processes.
+        let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
+            if let Ok(Some(status)) = me.child.try_wait() {
+                let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+                panic!("dnsmasq on {} exited ({status}): {text}", me.addr);
+            }
             let out = dig(me.addr, &["+tries=1", "+time=1", "probe.example.test"]);
             if out.status == "NOERROR" {
                 return me;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("dnsmasq on {} did not come up", me.addr);
+        let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+        panic!("dnsmasq on {} did not come up: {text}", me.addr);
     }
 }
 
