@@ -64,18 +64,32 @@ impl NetNode {
     pub async fn ensure_network(&self, scope: &str, subnet: Subnet) -> Result<Network> {
         let _one_at_a_time = self.networks.lock().await;
         let name = self.cfg.bridge_name(subnet);
+        // Reading the table first fails early (no nft, no nf_tables) before
+        // anything is created.
+        self.rules().await?;
+        let existed = self.nl.link(&name).await?.is_some();
         let net = network::ensure_bridge(&self.nl, &name, scope, subnet).await?;
-        sysctl::enable_forwarding()?;
-        sysctl::enable_route_localnet(&name)?;
-        self.update_rules(|s| {
-            if !s.bridges.iter().any(|b| b.bridge == name) {
-                s.bridges.push(BridgeRules {
-                    bridge: name.clone(),
-                    subnet,
-                });
+        let finished = async {
+            sysctl::enable_forwarding()?;
+            sysctl::enable_route_localnet(&name)?;
+            self.update_rules(|s| {
+                if !s.bridges.iter().any(|b| b.bridge == name) {
+                    s.bridges.push(BridgeRules {
+                        bridge: name.clone(),
+                        subnet,
+                    });
+                }
+            })
+            .await
+        }
+        .await;
+        if let Err(e) = finished {
+            if !existed {
+                // No half-built network: the bridge goes with the failure.
+                let _ = self.nl.delete(net.index, &name).await;
             }
-        })
-        .await?;
+            return Err(e);
+        }
         Ok(net)
     }
 

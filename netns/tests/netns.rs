@@ -178,6 +178,10 @@ async fn missing_nft_binary_is_a_clear_error() {
         .unwrap_err();
     assert!(matches!(err, Error::NftMissing { .. }), "{err}");
     assert!(err.to_string().contains("/nonexistent/nft"), "{err}");
+    assert!(
+        !link_exists(&w.cfg.bridge_name(Subnet::from_slot(208))),
+        "a failed ensure leaves no bridge"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
