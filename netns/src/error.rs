@@ -24,9 +24,8 @@ pub enum Error {
         source: rtnetlink::Error,
     },
 
-    #[error("cannot open a netlink socket{context}: {source}")]
+    #[error("cannot open a netlink socket: {source}")]
     NetlinkSocket {
-        context: String,
         #[source]
         source: std::io::Error,
     },

@@ -114,12 +114,12 @@ impl Netlink {
     /// Opens a connection in the calling thread's namespace and drives it on
     /// the current tokio runtime.
     pub fn connect() -> Result<Self> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| Error::NetlinkSocket {
+            source: std::io::Error::other(format!("no tokio runtime to drive it: {e}")),
+        })?;
         let (conn, handle, _) =
-            rtnetlink::new_connection().map_err(|source| Error::NetlinkSocket {
-                context: String::new(),
-                source,
-            })?;
-        tokio::spawn(conn);
+            rtnetlink::new_connection().map_err(|source| Error::NetlinkSocket { source })?;
+        runtime.spawn(conn);
         Ok(Self { handle })
     }
 
