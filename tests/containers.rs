@@ -10,13 +10,14 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
 use zattera_agent::logshim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
-use zattera_agent::runtime::stats;
 use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
+use zattera_agent::runtime::{events, stats};
 
 fn agent_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent"))
@@ -350,6 +351,40 @@ async fn stats_see_cpu_and_memory_of_a_busy_container() {
         );
         assert!(second.memory_bytes > 0);
         containers::remove(&ctd, "stats-1", 9, Duration::from_secs(1))
+            .await
+            .unwrap();
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn exit_events_carry_the_exit_code() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "events", |ctd, rig| async move {
+        let mut events = Box::pin(events::subscribe(&ctd));
+        // The subscription is sent at once; the container's sleep covers its flight time.
+        start_busybox(&ctd, &rig, "events-1", "sleep 1; exit 7", &logs_path).await;
+        let event = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let e = events.next().await.expect("stream open").expect("event");
+                if e.is_init_exit() {
+                    return e;
+                }
+            }
+        })
+        .await
+        .expect("an exit event within 20 s");
+        assert_eq!(
+            event,
+            events::TaskEvent::Exited {
+                container_id: "events-1".into(),
+                exec_id: "events-1".into(),
+                exit_code: 7
+            }
+        );
+        containers::remove(&ctd, "events-1", 9, Duration::from_secs(1))
             .await
             .unwrap();
     })

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use containerd_client::services::v1::{
     containers_client::ContainersClient, content_client::ContentClient, diff_client::DiffClient,
-    images_client::ImagesClient, leases_client::LeasesClient, namespaces_client::NamespacesClient,
-    snapshots::snapshots_client::SnapshotsClient, tasks_client::TasksClient,
-    version_client::VersionClient,
+    events_client::EventsClient, images_client::ImagesClient, leases_client::LeasesClient,
+    namespaces_client::NamespacesClient, snapshots::snapshots_client::SnapshotsClient,
+    tasks_client::TasksClient, version_client::VersionClient,
 };
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
@@ -136,6 +136,10 @@ impl Containerd {
 
     pub fn tasks(&self) -> TasksClient<Channel> {
         TasksClient::new(self.channel.clone())
+    }
+
+    pub fn events(&self) -> EventsClient<Channel> {
+        EventsClient::new(self.channel.clone())
     }
 
     pub fn namespaces(&self) -> NamespacesClient<Channel> {

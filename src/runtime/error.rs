@@ -40,6 +40,16 @@ impl RuntimeError {
 }
 
 fn describe_status(status: &tonic::Status) -> String {
+    // A failed connection surfaces as a status with the transport error as source.
+    if let Some(source) = std::error::Error::source(status) {
+        let mut innermost = source.to_string();
+        let mut next = source.source();
+        while let Some(s) = next {
+            innermost = s.to_string();
+            next = s.source();
+        }
+        return format!("containerd unavailable ({innermost})");
+    }
     match status.code() {
         Code::Unavailable => format!("containerd unavailable ({})", status.message()),
         Code::Unknown | Code::Internal => status.message().to_owned(),

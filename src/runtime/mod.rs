@@ -13,6 +13,7 @@ pub mod content;
 pub mod descriptor;
 pub mod digest;
 mod error;
+pub mod events;
 pub mod exec;
 pub mod images;
 pub mod lease;
