@@ -90,6 +90,15 @@ impl NetConfig {
         format!("{}{}", self.bridge_prefix, subnet.slot())
     }
 
+    /// The rules entry of one network, for building a [`crate::FirewallState`]
+    /// from the agent's records at start.
+    pub fn bridge_rules(&self, subnet: Subnet) -> crate::firewall::BridgeRules {
+        crate::firewall::BridgeRules {
+            bridge: self.bridge_name(subnet),
+            subnet,
+        }
+    }
+
     /// The host end of a container's veth: derived from its address, which
     /// IPAM never hands out twice, so two live attachments never share one.
     pub fn host_veth_name(&self, ip: Ipv4Addr) -> String {

@@ -61,6 +61,50 @@ pub struct PublishedPort {
     pub container_port: u16,
 }
 
+/// The label form, `tcp/127.0.0.1:8080->10.201.5.2:80`: what the agent
+/// records on a container so the rules can be rebuilt after a restart.
+impl std::fmt::Display for PublishedPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{}:{}->{}:{}",
+            self.proto.name(),
+            self.host_ip,
+            self.host_port,
+            self.container_ip,
+            self.container_port
+        )
+    }
+}
+
+impl std::str::FromStr for PublishedPort {
+    type Err = crate::error::Error;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || {
+            crate::error::Error::Config(format!(
+                "published port {s:?} is not proto/host_ip:host_port->container_ip:container_port"
+            ))
+        };
+        let (proto, rest) = s.split_once('/').ok_or_else(bad)?;
+        let proto = match proto {
+            "tcp" => Proto::Tcp,
+            "udp" => Proto::Udp,
+            _ => return Err(bad()),
+        };
+        let (host, container) = rest.split_once("->").ok_or_else(bad)?;
+        let host: std::net::SocketAddrV4 = host.parse().map_err(|_| bad())?;
+        let container: std::net::SocketAddrV4 = container.parse().map_err(|_| bad())?;
+        Ok(Self {
+            proto,
+            host_ip: *host.ip(),
+            host_port: host.port(),
+            container_ip: *container.ip(),
+            container_port: container.port(),
+        })
+    }
+}
+
 /// Everything the table must hold. Build it from the agent's state and hand
 /// it to [`crate::nft::Nft::apply`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -195,6 +239,23 @@ fn push_elements(s: &mut String, elements: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn published_ports_round_trip_through_their_label_form() {
+        let p: PublishedPort = "udp/0.0.0.0:5353->10.201.5.3:53".parse().unwrap();
+        assert_eq!(p.proto, Proto::Udp);
+        assert!(p.host_ip.is_unspecified());
+        assert_eq!((p.host_port, p.container_port), (5353, 53));
+        assert_eq!(p.to_string(), "udp/0.0.0.0:5353->10.201.5.3:53");
+        for bad in [
+            "",
+            "sctp/1.2.3.4:1->1.2.3.4:2",
+            "tcp/1.2.3.4:1",
+            "tcp/1.2.3.4:99999->1.2.3.4:2",
+        ] {
+            assert!(bad.parse::<PublishedPort>().is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn renders_one_atomic_replacement_of_our_table_only() {

@@ -33,7 +33,9 @@
 //! let node  = NetNode::new(cfg)?;                       // netlink connection; touches nothing
 //! let mut ipam  = Ipam::from_records(&records)?;          // from container labels
 //! let mut ports = HostPorts::from_records(published);     // idem
-//! node.apply_rules(state).await?;                         // at start: whole table, one transaction
+//! // at start, from records: cfg.bridge_rules(subnet) per network and
+//! // "tcp/127.0.0.1:8080->10.201.5.2:80".parse::<PublishedPort>() per port label
+//! node.apply_rules(state).await?;                         // whole table, one transaction
 //! let net = node.ensure_network("zt-proj-env", subnet).await?;  // bridge, gateway, sysctls, rules
 //! let ip  = ipam.allocate(subnet, container_id)?;
 //! let att = node.attach(container_id, subnet, ip).await?;       // netns file, veth, eth0, route
