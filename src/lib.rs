@@ -9,3 +9,4 @@ pub mod config;
 pub mod logshim;
 pub mod proto;
 pub mod runtime;
+pub mod source;
