@@ -134,6 +134,13 @@ pub enum Error {
     #[error("{0} vanished right after it was created (someone else is changing the same names?)")]
     Vanished(String),
 
+    #[error("dns query for {name:?} to {server}: {cause}")]
+    Dns {
+        server: std::net::SocketAddrV4,
+        name: String,
+        cause: String,
+    },
+
     #[error("worker thread for {0} panicked or could not start")]
     Thread(String),
 }

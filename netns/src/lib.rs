@@ -54,11 +54,13 @@
 //! (veths), [`firewall`] (desired rules → nft script), [`nft`] (running
 //! `nft` on our table), [`conntrack`] (forgetting
 //! unpublished flows), [`sysctl`], [`inventory`] (what exists, for `ls` and
-//! `gc`), [`node`] (the facade), [`error`].
+//! `gc`), [`dig`] (a DNS query from inside a container's namespace),
+//! [`node`] (the facade), [`error`].
 
 pub mod attach;
 pub mod config;
 pub mod conntrack;
+pub mod dig;
 pub mod error;
 pub mod firewall;
 pub mod inventory;

@@ -2,8 +2,8 @@
 //!
 //! It reads the kernel directly (links, addresses, namespace files, our
 //! nftables table). Asking a running agent through its admin socket, and so
-//! knowing which containers are live, is not built yet: every command says
-//! what it could not know without the agent.
+//! knowing which containers are live and resolving assignment ids, is not
+//! built yet.
 
 use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
@@ -24,13 +24,20 @@ NAMES
     zattera_<namespace> for another containerd namespace).
 
 EXIT STATUS
-    0 on success, 1 on an error (printed with its cause), 2 for a command that
-    is not available yet.
+    0 on success (dig: on any DNS answer, NXDOMAIN included), 1 on an error,
+    printed with its cause.
+
+WITHOUT THE AGENT
+    Every command reads the kernel directly. Asking the agent's admin socket
+    (live containers, assignment ids and app.env.project as TARGET) is not
+    available yet, so TARGET is a container id and gc keeps every complete
+    attachment.
 
 EXAMPLES
     zattera-netns ls
     zattera-netns inspect zt-shop-01hxenvid000
     zattera-netns exec 3f2a9c -- ss -tlnp
+    zattera-netns dig web.internal --from 3f2a9c
     zattera-netns gc            # list what nobody owns
     zattera-netns gc --apply    # and remove it";
 
@@ -96,11 +103,18 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// Resolve a name the way an instance would, against its gateway (not available yet).
+    /// Resolve a name the way an instance would: an A query from inside its
+    /// network namespace to its gateway's resolver.
+    ///
+    /// TARGET (after --from) is a container id. Prints the response code and
+    /// the addresses with their TTLs.
     Dig {
         name: String,
-        #[arg(long)]
+        #[arg(long, value_name = "TARGET")]
         from: String,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// List, and with --apply remove, bridges, namespace files, veths and rules nobody owns.
     ///
@@ -144,15 +158,6 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.command {
         // exec replaces this process: no runtime, no threads to leave behind.
         Command::Exec { target, command } => exec(&cfg, &target, &command),
-        Command::Dig { name, from } => {
-            eprintln!(
-                "zattera-netns dig {name} --from {from}: not available yet: it needs the agent's \
-                 admin socket (under {}) and its DNS resolver; meanwhile run \
-                 `zattera-netns exec {from} -- dig @<gateway> {name}`",
-                cli.run_dir.display()
-            );
-            Ok(ExitCode::from(2))
-        }
         command => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -164,7 +169,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     Command::Ls { json } => ls(&node, json).await,
                     Command::Inspect { network } => inspect(&node, &network).await,
                     Command::Gc { apply, json } => gc(&node, apply, json).await,
-                    Command::Exec { .. } | Command::Dig { .. } => unreachable!("handled above"),
+                    Command::Dig { name, from, json } => dig(&node, &name, &from, json).await,
+                    Command::Exec { .. } => unreachable!("handled above"),
                 }
             })
             .map(|()| ExitCode::SUCCESS)
@@ -422,6 +428,46 @@ async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
     }
     if apply {
         inventory::apply(node, &plan).await?;
+    }
+    Ok(())
+}
+
+async fn dig(node: &NetNode, name: &str, from: &str, json: bool) -> Result<()> {
+    let inv = inventory::read(node).await?;
+    let Some(target) = inv.netns.iter().find(|n| n.container_id == from) else {
+        let known: Vec<&str> = inv.netns.iter().map(|n| n.container_id.as_str()).collect();
+        bail!(
+            "no network namespace for {from:?} under {} (known: {})",
+            node.config().netns_dir.display(),
+            if known.is_empty() {
+                "none".to_owned()
+            } else {
+                known.join(", ")
+            }
+        );
+    };
+    let Some(gateway) = target.ip.and_then(Subnet::of).map(Subnet::gateway) else {
+        bail!("{from:?} has no eth0 address in a 10.201.X.0/24 network, so no gateway to ask");
+    };
+    let server = std::net::SocketAddrV4::new(gateway, 53);
+    let (path, name_owned) = (target.path.clone(), name.to_owned());
+    let answer = tokio::task::spawn_blocking(move || {
+        zattera_netns::dig::query_from(
+            &path,
+            server,
+            &name_owned,
+            std::time::Duration::from_secs(1),
+        )
+    })
+    .await
+    .context("the query task failed")??;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+    } else {
+        println!(";; {} from {from} via {server}: {}", name, answer.rcode);
+        for (a, ttl) in answer.addresses.iter().zip(&answer.ttls) {
+            println!("{name}\t{ttl}\tIN\tA\t{a}");
+        }
     }
     Ok(())
 }

@@ -621,6 +621,62 @@ async fn net_index(node: &NetNode, s: Subnet) -> u32 {
         .index
 }
 
+/// A one-name DNS server on `ip:53` (host side): `name` gets one A record
+/// `answer`, every other name NXDOMAIN. Stops when dropped.
+fn fake_dns(ip: Ipv4Addr, name: &'static str, answer: Ipv4Addr) -> FakeDns {
+    let sock = std::net::UdpSocket::bind((ip, 53)).unwrap();
+    sock.set_read_timeout(Some(std::time::Duration::from_millis(20)))
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::spawn(move || {
+        let mut wire_name = Vec::new();
+        for label in name.split('.') {
+            wire_name.push(u8::try_from(label.len()).unwrap());
+            wire_name.extend_from_slice(label.as_bytes());
+        }
+        wire_name.push(0);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut buf = [0u8; 512];
+        while !flag.load(std::sync::atomic::Ordering::SeqCst)
+            && std::time::Instant::now() < deadline
+        {
+            let Ok((n, peer)) = sock.recv_from(&mut buf) else {
+                continue;
+            };
+            let mut r = buf[..n].to_vec();
+            r[2] = 0x81;
+            if r.get(12..12 + wire_name.len()) == Some(&wire_name[..]) {
+                r[3] = 0x80;
+                r[7] = 1;
+                r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 5, 0, 4]);
+                r.extend_from_slice(&answer.octets());
+            } else {
+                r[3] = 0x83;
+            }
+            let _ = sock.send_to(&r, peer);
+        }
+    });
+    FakeDns {
+        stop,
+        thread: Some(thread),
+    }
+}
+
+struct FakeDns {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for FakeDns {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 fn cli(w: &World, args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_zattera-netns"))
         .arg("--run-dir")
@@ -701,8 +757,22 @@ async fn cli_lists_inspects_execs_and_collects() {
     let out = cli(&w, &["exec", "nosuch", "--", "true"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("clic1"), "{}", text(&out));
-    let out = cli(&w, &["dig", "web.internal", "--from", "clic1"]);
-    assert_eq!(out.status.code(), Some(2));
+    // dig asks the gateway from inside the container's namespace.
+    let _dns = fake_dns(s.gateway(), "web.internal", Ipv4Addr::new(10, 201, 213, 99));
+    let out = cli(&w, &["dig", "web.internal", "--from", "clic1", "--json"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["rcode"], "NOERROR", "{answer}");
+    assert_eq!(answer["addresses"][0], "10.201.213.99", "{answer}");
+    assert_eq!(answer["server"], "10.201.213.1:53");
+    let out = cli(&w, &["dig", "nope.internal", "--from", "clic1"]);
+    assert!(text(&out).contains("NXDOMAIN"), "{}", text(&out));
+    let out = cli(&w, &["dig", "web.internal", "--from", "nosuch"]);
+    assert!(
+        !out.status.success() && text(&out).contains("clic1"),
+        "{}",
+        text(&out)
+    );
 
     // gc: nothing to do, then a crash leftover that --apply removes.
     let out = cli(&w, &["gc"]);
