@@ -89,15 +89,17 @@ enum Command {
         json: bool,
     },
     /// Show one network: members, published ports, its nft rules, its DNS listener.
-    ///
-    /// NETWORK is a network name (zt-…), a bridge name or a subnet (10.201.X.0/24).
-    Inspect { network: String },
+    Inspect {
+        /// A network name (zt-…), a bridge name or a subnet (10.201.X.0/24).
+        network: String,
+    },
     /// Run a host program inside a container's network namespace.
     ///
     /// TARGET is a container id (the name of its namespace file). The program
     /// comes from the host (ss, tcpdump, curl, ip) and sees only the
     /// container's interfaces, routes and sockets.
     Exec {
+        /// A container id: the name of its namespace file under <run-dir>/netns.
         target: String,
         /// The program and its arguments, after `--`.
         #[arg(last = true, required = true)]
@@ -109,6 +111,7 @@ enum Command {
     /// TARGET (after --from) is a container id. Prints the response code and
     /// the addresses with their TTLs.
     Dig {
+        /// The name to resolve, e.g. web.internal.
         name: String,
         #[arg(long, value_name = "TARGET")]
         from: String,
@@ -119,9 +122,12 @@ enum Command {
     /// List, and with --apply remove, bridges, namespace files, veths and rules nobody owns.
     ///
     /// Without the agent, only what is provably broken counts: namespace files
-    /// that are not mounted or hold no eth0 (a crash in the middle of an
-    /// attach), veth ends left in the host namespace or off any bridge,
-    /// bridges with no port, and the nft table once no bridge is left.
+    /// that are not mounted or whose eth0 has no address (a crash in the
+    /// middle of an attach), veths of ours off any bridge or whose other end
+    /// is in no namespace file, half-built bridges (<bridge>t), bridges with
+    /// no port left, and the nft table once no bridge is left. Complete
+    /// attachments are kept: only the agent knows whether their container
+    /// still exists.
     Gc {
         /// Remove what is listed.
         #[arg(long)]
