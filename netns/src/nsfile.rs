@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 pub async fn create(path: &Path) -> Result<()> {
     remove(path)?;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| Error::netns(dir, "create directory for", e))?;
+        prepare_dir(dir)?;
     }
     File::create(path).map_err(|e| Error::netns(path, "create", e))?;
     let owned = path.to_owned();
@@ -39,6 +39,31 @@ pub async fn create(path: &Path) -> Result<()> {
         let _ = remove(path);
     }
     result
+}
+
+/// Makes `dir` a mount point with shared propagation, as iproute2 does for
+/// /run/netns: a mount namespace created later (a service with a private
+/// /tmp, say) then sees our unmounts too, instead of keeping a copy of the
+/// namespace mount alive after detach. Cheap when already done.
+pub fn prepare_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::netns(dir, "create directory", e))?;
+    let shared = MsFlags::MS_SHARED | MsFlags::MS_REC;
+    match nix::mount::mount(None::<&str>, dir, None::<&str>, shared, None::<&str>) {
+        Ok(()) => return Ok(()),
+        // Not a mount point yet.
+        Err(Errno::EINVAL) => {}
+        Err(e) => return Err(Error::netns(dir, "make shared", e)),
+    }
+    nix::mount::mount(
+        Some(dir),
+        dir,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(|e| Error::netns(dir, "bind-mount onto itself", e))?;
+    nix::mount::mount(None::<&str>, dir, None::<&str>, shared, None::<&str>)
+        .map_err(|e| Error::netns(dir, "make shared", e))
 }
 
 fn unshare_and_pin(path: &Path) -> Result<()> {

@@ -357,7 +357,7 @@ async fn egress_is_masqueraded_and_published_ports_answer_from_outside() {
     let c = node.attach("eg1", s, s.host(2)).await.unwrap();
 
     // The outside world: a namespace of our own behind a veth.
-    let world = w.dir.path().join("world");
+    let world = w.dir.path().join("outside").join("world");
     w.extra_netns.push(world.clone());
     nsfile::create(&world).await.unwrap();
     let (host_end, world_end) = (w.extra_ifname("h"), w.extra_ifname("w"));

@@ -123,10 +123,33 @@ impl Drop for World {
             let _ = nix::mount::umount2(&f, nix::mount::MntFlags::MNT_DETACH);
             let _ = std::fs::remove_file(&f);
         }
+        // The library makes namespace dirs shared mounts of themselves:
+        // unmount everything under our temp dir, deepest and newest first,
+        // until nothing is left (bounded).
+        for _ in 0..10 {
+            let mounts = mounts_under(self.dir.path());
+            if mounts.is_empty() {
+                break;
+            }
+            for m in mounts.iter().rev() {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
         let _ = Command::new("nft")
             .args(["delete", "table", "inet", &self.table])
             .output();
     }
+}
+
+/// Mount points at or under `dir`, in mount order.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect()
 }
 
 /// Runs `f` on a fresh thread that has entered the namespace at `path`.
