@@ -13,7 +13,8 @@
 //!   carry the alias `zattera:<network name>` as proof of ownership; a
 //!   bridge is built as `<prefix><slot>t` and renamed into place when done;
 //! - host veth ends `<prefix><slot>v<host octet>`, named after the address;
-//! - namespace files `<netns_dir>/<container id>`;
+//! - namespace files `<netns_dir>/<container id>`, the directory made a
+//!   shared bind mount of itself the way iproute2 treats /run/netns;
 //! - the nftables table `inet <nft_table>`, always replaced whole in one
 //!   transaction and never anything else (no flush of the ruleset).
 //!
