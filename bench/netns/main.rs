@@ -186,7 +186,11 @@ async fn bench_rules(dir: &Path) {
             container_port: 8080,
         })
         .collect();
-    let state = FirewallState { bridges, published };
+    let state = FirewallState {
+        bridges,
+        published,
+        vips: Vec::new(),
+    };
     let mut times = Vec::new();
     for _ in 0..20 {
         let t = Instant::now();

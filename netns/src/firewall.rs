@@ -111,6 +111,9 @@ impl std::str::FromStr for PublishedPort {
 pub struct FirewallState {
     pub bridges: Vec<BridgeRules>,
     pub published: Vec<PublishedPort>,
+    /// Service VIPs on this host (runtime.md §9): input from our bridges to
+    /// them is accepted explicitly, like DNS to the gateways (N-4).
+    pub vips: Vec<Ipv4Addr>,
 }
 
 /// The `nft -f` script that replaces table `inet <table>` with `state`.
@@ -135,6 +138,13 @@ pub fn render(table: &str, state: &FirewallState) -> String {
         .collect();
     s.push_str("  set bridges {\n    type ifname\n");
     push_elements(&mut s, &names);
+    s.push_str("  }\n");
+    let mut vips: Vec<Ipv4Addr> = state.vips.clone();
+    vips.sort();
+    vips.dedup();
+    let vips: Vec<String> = vips.iter().map(Ipv4Addr::to_string).collect();
+    s.push_str("  set vips {\n    type ipv4_addr\n");
+    push_elements(&mut s, &vips);
     s.push_str("  }\n");
 
     for proto in [Proto::Tcp, Proto::Udp] {
@@ -216,6 +226,7 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
 
     s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
+    s.push_str("    iifname @bridges ip daddr @vips accept\n");
     for b in &bridges {
         for p in ["udp", "tcp"] {
             let _ = writeln!(
@@ -280,8 +291,13 @@ mod tests {
                     container_port: 53,
                 },
             ],
+            vips: Vec::new(),
         };
+        let mut state = state;
+        state.vips = vec![Ipv4Addr::new(10, 97, 0, 5)];
         let script = render("zattera_t", &state);
+        assert!(script.contains("elements = { 10.97.0.5 }"));
+        assert!(script.contains("iifname @bridges ip daddr @vips accept"));
         assert!(script.starts_with("table inet zattera_t\ndelete table inet zattera_t\n"));
         assert!(!script.contains("flush ruleset"));
         assert!(script.contains("127.0.0.1 . 8080 : 10.201.5.2 . 80"));

@@ -13,6 +13,14 @@ use tokio::process::Command;
 use crate::error::{Error, Result};
 use crate::firewall::{FirewallState, Proto, PublishedPort, render};
 
+/// The contents of our table, as read back by [`Nft::current`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Current {
+    pub bridges: Vec<String>,
+    pub published: Vec<PublishedPort>,
+    pub vips: Vec<Ipv4Addr>,
+}
+
 /// The agent's nftables table.
 #[derive(Debug, Clone)]
 pub struct Nft {
@@ -71,14 +79,18 @@ impl Nft {
             .map_or_else(Vec::new, |doc| parse_published(&doc)))
     }
 
-    /// What the table holds now: bridge names and published ports, or
-    /// `None` when there is no table. Lets a restarted agent change one
+    /// What the table holds now: bridge names, published ports and VIPs,
+    /// or `None` when there is no table. Lets a restarted agent change one
     /// network's rules without first knowing all of them.
-    pub async fn current(&self) -> Result<Option<(Vec<String>, Vec<PublishedPort>)>> {
-        Ok(self
-            .read_json()
-            .await?
-            .map(|doc| (parse_bridges(&doc), parse_published(&doc))))
+    pub async fn current(&self) -> Result<Option<Current>> {
+        Ok(self.read_json().await?.map(|doc| Current {
+            bridges: set_elements(&doc, "bridges"),
+            published: parse_published(&doc),
+            vips: set_elements(&doc, "vips")
+                .iter()
+                .filter_map(|v| v.parse().ok())
+                .collect(),
+        }))
     }
 
     async fn read_json(&self) -> Result<Option<Value>> {
@@ -151,12 +163,12 @@ fn items(doc: &Value) -> &[Value] {
         .map_or(&[][..], Vec::as_slice)
 }
 
-/// The elements of our `bridges` set.
-fn parse_bridges(doc: &Value) -> Vec<String> {
+/// The (string) elements of one of our sets.
+fn set_elements(doc: &Value, name: &str) -> Vec<String> {
     items(doc)
         .iter()
         .filter_map(|i| i.get("set"))
-        .filter(|set| set.get("name").and_then(Value::as_str) == Some("bridges"))
+        .filter(|set| set.get("name").and_then(Value::as_str) == Some(name))
         .filter_map(|set| set.get("elem").and_then(Value::as_array))
         .flatten()
         .filter_map(|e| e.as_str().map(str::to_owned))
@@ -241,6 +253,6 @@ mod tests {
         assert_eq!(got[0].container_ip, std::net::Ipv4Addr::new(10, 201, 5, 2));
         assert!(got[1].host_ip.is_unspecified());
         assert_eq!((got[1].host_port, got[1].container_port), (9090, 53));
-        assert_eq!(super::parse_bridges(&doc), ["ztbr5", "ztbr6"]);
+        assert_eq!(super::set_elements(&doc, "bridges"), ["ztbr5", "ztbr6"]);
     }
 }

@@ -153,6 +153,11 @@ impl NetNode {
         attach::detach(&self.cfg, &self.nl, container_id, ip).await
     }
 
+    /// Replaces the service VIPs that bridges may reach and rebuilds the table.
+    pub async fn set_vips(&self, vips: Vec<Ipv4Addr>) -> Result<()> {
+        self.update_rules(|s| s.vips = vips).await
+    }
+
     /// Replaces the published ports and rebuilds the table.
     pub async fn set_published(&self, ports: Vec<PublishedPort>) -> Result<()> {
         self.update_rules(|s| s.published = ports).await
@@ -180,15 +185,20 @@ impl NetNode {
 
     async fn load<'a>(&self, slot: &'a mut Option<FirewallState>) -> Result<&'a mut FirewallState> {
         if slot.is_none() {
-            let (names, published) = self.nft.current().await?.unwrap_or_default();
-            let bridges = names
+            let current = self.nft.current().await?.unwrap_or_default();
+            let bridges = current
+                .bridges
                 .into_iter()
                 .filter_map(|bridge| match self.cfg.parse_ifname(&bridge) {
                     Some(OwnedName::Bridge(subnet)) => Some(BridgeRules { bridge, subnet }),
                     _ => None,
                 })
                 .collect();
-            *slot = Some(FirewallState { bridges, published });
+            *slot = Some(FirewallState {
+                bridges,
+                published: current.published,
+                vips: current.vips,
+            });
         }
         Ok(slot.get_or_insert_with(FirewallState::default))
     }

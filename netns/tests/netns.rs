@@ -818,6 +818,10 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
         node.ensure_network("zt-p-r1", s1).await.unwrap();
         node.ensure_network("zt-p-r2", s2).await.unwrap();
         node.set_published(vec![published]).await.unwrap();
+        // Data only: no traffic is sent to this address.
+        node.set_vips(vec![Ipv4Addr::new(10, 97, 0, 5)])
+            .await
+            .unwrap();
     }
     // A new process: it ensures only the second network.
     let node = w.node();
@@ -827,6 +831,7 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
     names.sort();
     assert_eq!(names, vec![w.cfg.bridge_name(s1), w.cfg.bridge_name(s2)]);
     assert_eq!(rules.published, vec![published]);
+    assert_eq!(rules.vips, vec![Ipv4Addr::new(10, 97, 0, 5)]);
     assert_eq!(node.nft().published().await.unwrap(), vec![published]);
     let table = node.nft().list().await.unwrap().unwrap();
     assert!(
