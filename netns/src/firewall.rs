@@ -18,7 +18,8 @@
 //! - `forward` (filter): established/related and DNATed flows accepted;
 //!   inside one bridge accepted; between two of our bridges dropped; out of a
 //!   bridge accepted; unsolicited traffic into a bridge dropped.
-//! - `input` (filter): DNS from each bridge to its own gateway accepted.
+//! - `input` (filter): DNS from each bridge to its own gateway, and traffic
+//!   from any bridge to the service VIPs, accepted.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
