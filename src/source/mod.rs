@@ -13,6 +13,8 @@ pub mod manifest;
 pub mod name;
 pub mod standalone;
 pub mod subnets;
+pub mod watch;
 
 pub use standalone::{FileError, Loaded, StandaloneSource};
 pub use subnets::SubnetBook;
+pub use watch::{ManifestWatcher, watch};
