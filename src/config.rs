@@ -40,6 +40,12 @@ pub struct Settings {
     pub host_ip: Option<IpAddr>,
     #[serde(alias = "node_id")]
     pub node_id: Option<String>,
+    /// Prefix of the bridges and veths this agent creates (2 to 8 letters).
+    #[serde(alias = "bridge_prefix")]
+    pub bridge_prefix: Option<String>,
+    /// Standalone subnet slots, `FIRST-LAST` of 10.201.X.0/24 (default 0-255).
+    #[serde(alias = "subnet_pool")]
+    pub subnet_pool: Option<String>,
 }
 
 impl Settings {
@@ -79,6 +85,8 @@ impl Settings {
             run_dir: top.run_dir.or(self.run_dir),
             host_ip: top.host_ip.or(self.host_ip),
             node_id: top.node_id.or(self.node_id),
+            bridge_prefix: top.bridge_prefix.or(self.bridge_prefix),
+            subnet_pool: top.subnet_pool.or(self.subnet_pool),
         }
     }
 
@@ -93,7 +101,16 @@ impl Settings {
                 key: "namespace",
                 message: e.to_string(),
             })?;
+        let subnet_pool = match self.subnet_pool.as_deref() {
+            None => (0, 255),
+            Some(text) => parse_pool(text).ok_or_else(|| ConfigError::Invalid {
+                key: "subnet-pool",
+                message: format!("{text:?} is not FIRST-LAST with 0 <= FIRST <= LAST <= 255"),
+            })?,
+        };
         Ok(Config {
+            bridge_prefix: self.bridge_prefix,
+            subnet_pool,
             manifests: self.manifests,
             control: self.control.filter(|c| !c.is_empty()),
             containerd_address: self
@@ -119,6 +136,15 @@ pub struct Config {
     pub run_dir: PathBuf,
     pub host_ip: IpAddr,
     pub node_id: Option<String>,
+    pub bridge_prefix: Option<String>,
+    /// Inclusive range of subnet slots standalone networks are taken from.
+    pub subnet_pool: (u8, u8),
+}
+
+fn parse_pool(text: &str) -> Option<(u8, u8)> {
+    let (a, b) = text.split_once('-')?;
+    let (a, b) = (a.trim().parse::<u8>().ok()?, b.trim().parse::<u8>().ok()?);
+    (a <= b).then_some((a, b))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +192,23 @@ mod tests {
         assert_eq!(c.run_dir, Path::new("/r"));
         assert_eq!(c.host_ip.to_string(), "192.0.2.7");
         assert_eq!(c.node_id.as_deref(), Some("n1"));
+    }
+
+    #[test]
+    fn subnet_pool_parses_and_rejects() {
+        let s = parse("subnet-pool = \"200-209\"").unwrap();
+        assert_eq!(s.resolve().unwrap().subnet_pool, (200, 209));
+        assert_eq!(Settings::default().resolve().unwrap().subnet_pool, (0, 255));
+        for bad in ["9-1", "x", "1-300"] {
+            let s = Settings {
+                subnet_pool: Some(bad.into()),
+                ..Settings::default()
+            };
+            assert!(
+                s.resolve().unwrap_err().to_string().contains("subnet-pool"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

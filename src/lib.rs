@@ -5,7 +5,11 @@
 //! networks from [`zattera_netns`] and internal DNS from [`zattera_dns`].
 //! See the README for the architecture.
 
+pub mod admin;
+pub mod agent;
 pub mod config;
+pub mod executor;
+pub mod health;
 pub mod logshim;
 pub mod proto;
 pub mod runtime;

@@ -9,6 +9,7 @@ use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 use zattera_agent::config::{Config, Settings};
 
+use zattera_agent::executor::status::StatusSnapshot;
 use zattera_agent::runtime::pull::{Credentials, Puller};
 use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
 
@@ -85,6 +86,12 @@ struct RunArgs {
     /// This node's id.
     #[arg(long, value_name = "ID")]
     node_id: Option<String>,
+    /// Prefix of the bridges and veths this agent creates [default: ztbr]
+    #[arg(long, value_name = "PREFIX")]
+    bridge_prefix: Option<String>,
+    /// Subnet slots for standalone networks, FIRST-LAST of 10.201.X.0/24 [default: 0-255]
+    #[arg(long, value_name = "FIRST-LAST")]
+    subnet_pool: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -159,6 +166,8 @@ fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
         control: run.and_then(|r| r.control.clone()),
         host_ip: run.and_then(|r| r.host_ip),
         node_id: run.and_then(|r| r.node_id.clone()),
+        bridge_prefix: run.and_then(|r| r.bridge_prefix.clone()),
+        subnet_pool: run.and_then(|r| r.subnet_pool.clone()),
     };
     Ok(file.overlay(flags).resolve()?)
 }
@@ -221,18 +230,19 @@ async fn dispatch(cli: Cli) -> Result<()> {
         }
         Command::Run(args) => {
             let config = load_config(&cli.global, Some(&args))?;
-            let _ctd =
-                Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
-            bail!(
-                "the executor is not implemented yet: `run` only checks its configuration and containerd for now"
-            )
+            let me = std::env::current_exe().context("locating this binary for the log shim")?;
+            zattera_agent::agent::run(config, me).await
         }
-        Command::Status { .. } => {
+        Command::Status { json } => {
             let config = load_config(&cli.global, None)?;
-            bail!(
-                "no agent admin socket at {}: `status` needs the executor, which is not implemented yet",
-                config.run_dir.join("agent.sock").display()
-            )
+            let value = zattera_agent::admin::request(&config.run_dir, "status").await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&value)?);
+            } else {
+                let snapshot: StatusSnapshot = serde_json::from_value(value)?;
+                print!("{}", snapshot.render_table());
+            }
+            Ok(())
         }
         Command::Join { .. } => bail!("join is not implemented yet"),
     }

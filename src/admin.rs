@@ -1,0 +1,84 @@
+//! The local admin socket (`<run dir>/agent.sock`, root only): how
+//! `zattera-agent status` and `zattera-netns` read the running agent's live
+//! state. One request line in, one JSON document out, then the connection
+//! closes, so `socat` or `nc -U` work as clients too.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+
+use crate::executor::status::StatusSnapshot;
+
+pub const SOCKET_NAME: &str = "agent.sock";
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub fn socket_path(run_dir: &Path) -> PathBuf {
+    run_dir.join(SOCKET_NAME)
+}
+
+/// Binds the socket (replacing a stale one) with mode 0600.
+pub fn bind(run_dir: &Path) -> std::io::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(run_dir)?;
+    let path = socket_path(run_dir);
+    // A socket file left by a killed agent refuses connections: replace it.
+    if std::os::unix::net::UnixStream::connect(&path).is_err() {
+        let _ = std::fs::remove_file(&path);
+    }
+    let listener = UnixListener::bind(&path)?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serves requests until the task is dropped.
+pub async fn serve(listener: UnixListener, status: watch::Receiver<Arc<StatusSnapshot>>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let status = status.clone();
+        tokio::spawn(async move {
+            if let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, status)).await {
+                tracing::debug!(error = %e, "admin request timed out");
+            }
+        });
+    }
+}
+
+async fn answer(
+    stream: UnixStream,
+    status: watch::Receiver<Arc<StatusSnapshot>>,
+) -> std::io::Result<()> {
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    BufReader::new(read).read_line(&mut line).await?;
+    let body = match line.trim() {
+        "status" => serde_json::to_vec(&*status.borrow().clone()).map_err(std::io::Error::other)?,
+        other => serde_json::to_vec(
+            &serde_json::json!({ "error": format!("unknown request {other:?}; try \"status\"") }),
+        )
+        .map_err(std::io::Error::other)?,
+    };
+    write.write_all(&body).await?;
+    write.write_all(b"\n").await?;
+    write.shutdown().await
+}
+
+/// Client side: one request, the JSON answer.
+pub async fn request(run_dir: &Path, what: &str) -> std::io::Result<serde_json::Value> {
+    let path = socket_path(run_dir);
+    let mut stream = UnixStream::connect(&path).await.map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("no agent answers at {}: {e}", path.display()),
+        )
+    })?;
+    stream.write_all(format!("{what}\n").as_bytes()).await?;
+    let mut body = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut stream, &mut body).await?;
+    serde_json::from_slice(&body).map_err(std::io::Error::other)
+}

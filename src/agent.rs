@@ -1,0 +1,135 @@
+//! `zattera-agent run`: wires the parts together and runs until SIGTERM.
+//!
+//! containerd connection → networking (`zattera-netns`) → DNS
+//! (`zattera-dns`) → executor → admin socket → the assignment source. The
+//! executor adopts and restarts what exists before any source speaks.
+//! Stopping the agent leaves every container running: they belong to
+//! containerd's shims, and their logs to the log shims.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use zattera_netns::{NetConfig, NetNode};
+
+use crate::admin;
+use crate::config::Config;
+use crate::executor::status::SourceError;
+use crate::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use crate::runtime::Containerd;
+
+/// Runs the agent with `config`. `logger_binary` is the executable the runc
+/// shims start as container loggers (normally this very binary).
+pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
+    for dir in [&config.data_dir, &config.run_dir] {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let ctd = Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
+    let host_ip = match config.host_ip {
+        std::net::IpAddr::V4(ip) => ip,
+        std::net::IpAddr::V6(ip) => {
+            anyhow::bail!("host-ip {ip}: only IPv4 host addresses are supported")
+        }
+    };
+
+    let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
+    if let Some(prefix) = &config.bridge_prefix {
+        prefix.clone_into(&mut net_cfg.bridge_prefix);
+        net_cfg.validate()?;
+    }
+    let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
+    let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?;
+
+    let standalone = config.control.is_none();
+    let source = match (&config.control, &config.manifests) {
+        (Some(addr), _) => format!("control {addr}"),
+        (None, Some(dir)) => format!("manifests {}", dir.display()),
+        (None, None) => "none (no --manifests and no --control)".to_owned(),
+    };
+    let exec_cfg = ExecutorConfig {
+        node_id: config.node_id.clone().unwrap_or_default(),
+        host_ip,
+        data_dir: config.data_dir.clone(),
+        run_dir: config.run_dir.clone(),
+        logger_binary,
+        cgroup_parent: format!("/zattera/{}", config.namespace),
+        parallelism: 4,
+        standalone,
+        source,
+    };
+    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), None);
+    let executor_task = tokio::spawn(executor.run());
+
+    let listener = admin::bind(&config.run_dir).with_context(|| {
+        format!(
+            "admin socket {}",
+            admin::socket_path(&config.run_dir).display()
+        )
+    })?;
+    let admin_task = tokio::spawn(admin::serve(listener, handle.status.clone()));
+    tracing::info!(
+        namespace = %config.namespace,
+        run_dir = %config.run_dir.display(),
+        data_dir = %config.data_dir.display(),
+        "agent running"
+    );
+
+    let source_task = match (&config.control, &config.manifests) {
+        (Some(addr), _) => anyhow::bail!(
+            "--control {addr}: the control-plane client is not implemented yet; run standalone with --manifests"
+        ),
+        (None, Some(dir)) => tokio::spawn(feed_from_manifests(
+            dir.clone(),
+            config.data_dir.join("standalone"),
+            config.subnet_pool,
+            handle,
+        )),
+        (None, None) => {
+            tracing::warn!(
+                "no --manifests and no --control: nothing to run; existing containers are kept as they are"
+            );
+            tokio::spawn(async move {
+                let _keep = handle;
+                std::future::pending::<()>().await;
+            })
+        }
+    };
+
+    shutdown_signal().await;
+    tracing::info!("stopping; containers keep running");
+    source_task.abort();
+    admin_task.abort();
+    executor_task.abort();
+    let _ = std::fs::remove_file(admin::socket_path(&config.run_dir));
+    Ok(())
+}
+
+/// Feeds the executor from the manifest directory, reloading on changes.
+async fn feed_from_manifests(
+    dir: PathBuf,
+    _state_dir: PathBuf,
+    _pool: (u8, u8),
+    handle: ExecutorHandle,
+) {
+    // WIP: wired to source::standalone once it lands.
+    let _ = handle.source_errors.send(vec![SourceError {
+        file: dir.display().to_string(),
+        message: "manifest source not wired yet".into(),
+    }]);
+    std::future::pending::<()>().await;
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

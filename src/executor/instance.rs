@@ -1,0 +1,346 @@
+//! Bring-up and teardown of one instance (runtime.md E-6, E-8, §5): the
+//! steps between an assignment and a running, networked, logged container.
+//! Everything here is a free function over shared handles, so the executor
+//! can run several bring-ups at once while it alone owns the bookkeeping.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use zattera_netns::{NetNode, Subnet, network_name};
+
+use super::labels::{self, NamedPort, OwnedContainer};
+use super::status::{Observation, State};
+use super::{ExecutorConfig, files};
+use crate::logshim;
+use crate::proto::cluster::AssignmentRuntime;
+use crate::proto::v1::Assignment;
+use crate::runtime::containers::{self, NewContainer};
+use crate::runtime::pull::{Credentials, Puller};
+use crate::runtime::spec::{self, BindMount, ContainerSpec};
+use crate::runtime::{Containerd, ImageRef};
+
+/// Shared handles a bring-up or teardown needs.
+#[derive(Debug, Clone)]
+pub struct Handles {
+    pub ctd: Containerd,
+    pub puller: Puller,
+    pub net: Option<Arc<NetNode>>,
+    pub cfg: Arc<ExecutorConfig>,
+    /// Intermediate reports (PULLING, STARTING), sent as they happen (E-8).
+    pub reports: mpsc::UnboundedSender<Observation>,
+}
+
+/// Everything decided before a bring-up starts: addresses and ports are
+/// allocated by the executor, which owns IPAM.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub assignment: Assignment,
+    pub runtime: AssignmentRuntime,
+    pub container_id: String,
+    pub subnet: Option<Subnet>,
+    pub ip: Option<Ipv4Addr>,
+    pub ports: Vec<NamedPort>,
+}
+
+impl Plan {
+    pub fn assignment_id(&self) -> &str {
+        self.assignment.meta.as_ref().map_or("", |m| m.id.as_str())
+    }
+
+    fn is_job(&self) -> bool {
+        !self.assignment.job_id.is_empty()
+    }
+}
+
+/// Why a bring-up failed, as the FAILED message says it (E-8).
+#[derive(Debug, Clone)]
+pub struct Failure(pub String);
+
+/// Brings one instance up. On failure nothing it made is left behind.
+pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failure> {
+    let id = plan.assignment_id().to_owned();
+    let _ = h.reports.send(Observation::new(&id, State::Pulling));
+    let reference: ImageRef = plan
+        .runtime
+        .image_ref
+        .parse()
+        .map_err(|e| Failure(format!("pull {}: {e}", plan.runtime.image_ref)))?;
+    let image = h
+        .puller
+        .ensure(&reference, &Credentials::Anonymous, None)
+        .await
+        .map_err(|e| Failure(format!("pull {reference}: {e}")))?;
+
+    let spec_input = plan.runtime.spec.clone().unwrap_or_default();
+    let cid = plan.container_id.clone();
+    let hostname: String = cid.chars().take(12).collect();
+
+    let mut mounts = Vec::new();
+    for v in &spec_input.volumes {
+        let name = format!(
+            "zt-{}-{}",
+            plan.assignment
+                .environment_id
+                .chars()
+                .take(8)
+                .collect::<String>(),
+            v.volume_name
+        );
+        let dir = h.cfg.data_dir.join("volumes").join(&name).join("_data");
+        std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
+        mounts.push(BindMount {
+            source: dir,
+            destination: v.mount_path.clone(),
+            readonly: false,
+        });
+    }
+
+    // Network: bridge, then this container's namespace and veth.
+    let mut attachment = None;
+    if let (Some(net), Some(subnet), Some(ip)) = (&h.net, plan.subnet, plan.ip) {
+        let name = network_name(&plan.assignment.project_id, &plan.assignment.environment_id);
+        net.ensure_network(&name, subnet)
+            .await
+            .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
+        let att = net
+            .attach(&cid, subnet, ip)
+            .await
+            .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
+        attachment = Some(att);
+    }
+    let detach = || async {
+        if let (Some(net), Some(_)) = (&h.net, &attachment) {
+            let _ = net.detach(&cid, plan.ip).await;
+        }
+    };
+
+    let result = async {
+        let gateway = attachment.as_ref().map(|a| a.gateway);
+        let host_resolv = read_host_resolv();
+        let dir = h.cfg.run_dir.join("containers").join(&cid);
+        let written = files::write(&dir, &hostname, plan.ip, gateway, &host_resolv)
+            .map_err(|e| Failure(format!("create: writing {}: {e}", dir.display())))?;
+        for (source, destination) in written {
+            mounts.push(BindMount {
+                source,
+                destination: destination.to_owned(),
+                readonly: false,
+            });
+        }
+
+        let cfg = image.config.config().clone().unwrap_or_default();
+        let entrypoint = cfg.entrypoint().clone().unwrap_or_default();
+        let cmd = cfg.cmd().clone().unwrap_or_default();
+        let args = spec::process_args(&entrypoint, &cmd, &spec_input.command, plan.is_job());
+        if args.is_empty() {
+            return Err(Failure(
+                "create: the image has no command and none was given".into(),
+            ));
+        }
+        let mut env_pairs: Vec<(&str, &str)> = plan
+            .runtime
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        env_pairs.sort_unstable();
+        let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs);
+        let (uid, gid) =
+            parse_numeric_user(cfg.user().as_deref().unwrap_or_default()).ok_or_else(|| {
+                Failure(format!(
+                    "create: user {:?} is not numeric (names are not resolved yet)",
+                    cfg.user()
+                ))
+            })?;
+        let stop_signal = spec::stop_signal(cfg.stop_signal().as_deref())
+            .map_err(|e| Failure(format!("create: {e}")))?;
+        let stop_grace = spec_input
+            .stop_grace
+            .and_then(|d| Duration::try_from(d).ok())
+            .filter(|d| !d.is_zero())
+            .unwrap_or(Duration::from_secs(10));
+        let resources = spec_input.resources.unwrap_or_default();
+        let container_spec = ContainerSpec {
+            hostname: hostname.clone(),
+            args,
+            env,
+            cwd: cfg.working_dir().clone().unwrap_or_default(),
+            user: spec::ProcessUser {
+                uid,
+                gid,
+                additional_gids: vec![],
+            },
+            mounts: mounts.clone(),
+            cpu_millis: resources.cpu_millis,
+            memory_mb: resources.memory_mb,
+            pids_limit: 0,
+            netns: attachment.as_ref().map(|a| a.netns_path.clone()),
+            cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
+        };
+        let oci =
+            spec::build(&container_spec).map_err(|e| Failure(format!("create: spec: {e}")))?;
+
+        let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
+        let mut labels = labels::ownership(&plan.assignment);
+        labels.insert(labels::NAME.into(), labels::display_name(&plan.assignment));
+        if let (Some(ip), Some(subnet)) = (plan.ip, plan.subnet) {
+            labels.insert(labels::IP.into(), ip.to_string());
+            labels.insert(labels::SUBNET.into(), subnet.to_string());
+        }
+        if !plan.ports.is_empty() {
+            labels.insert(labels::PORTS.into(), labels::encode_ports(&plan.ports));
+        }
+        labels.insert(labels::STOP_SIGNAL.into(), stop_signal.to_string());
+        labels.insert(
+            labels::STOP_GRACE_MS.into(),
+            stop_grace.as_millis().to_string(),
+        );
+        labels.insert(labels::LOG_PATH.into(), log_path.display().to_string());
+        labels.insert(
+            labels::RESTART.into(),
+            if plan.is_job() {
+                "no"
+            } else {
+                "unless-stopped"
+            }
+            .into(),
+        );
+
+        containers::create(
+            &h.ctd,
+            &NewContainer {
+                id: cid.clone(),
+                image: reference.to_string(),
+                chain_id: image.chain_id.clone(),
+                labels: labels.clone(),
+                spec: oci,
+            },
+        )
+        .await
+        .map_err(|e| Failure(format!("create: {e}")))?;
+
+        let _ = h
+            .reports
+            .send(Observation::new(&id, State::Starting).container(&cid));
+        let uri = logshim::log_uri(&h.cfg.logger_binary, &log_path);
+        if let Err(e) = containers::start(&h.ctd, &cid, &uri).await {
+            // Never leave a dead container to be adopted.
+            let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
+            return Err(Failure(format!("start: {e}")));
+        }
+        let container = containerd_client::services::v1::Container {
+            id: cid.clone(),
+            labels,
+            ..Default::default()
+        };
+        OwnedContainer::from_container(&container)
+            .ok_or_else(|| Failure("create: labels do not round-trip".into()))
+    }
+    .await;
+    if result.is_err() {
+        detach().await;
+        let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&cid));
+    }
+    result
+}
+
+/// Restarts the task of an existing container (crash or reboot), reusing its
+/// container, snapshot, IP, ports and log file (C-13). A network namespace
+/// lost in a reboot is made again with the same address.
+pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
+    containers::delete_task(&h.ctd, &owned.container_id)
+        .await
+        .map_err(|e| Failure(format!("restart: {e}")))?;
+    if let (Some(net), Some(subnet), Some(ip)) = (&h.net, owned.subnet, owned.ip) {
+        let name = network_name(&owned.project_id, &owned.environment_id);
+        net.ensure_network(&name, subnet)
+            .await
+            .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
+        let netns = net
+            .config()
+            .netns_path(&owned.container_id)
+            .map_err(|e| Failure(format!("restart: {e}")))?;
+        if !netns.exists() {
+            let _ = net.detach(&owned.container_id, Some(ip)).await;
+            net.attach(&owned.container_id, subnet, ip)
+                .await
+                .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
+        }
+    }
+    let log_path = owned.log_path.clone().map_or_else(
+        || {
+            h.cfg
+                .data_dir
+                .join("logs")
+                .join(format!("{}.log", owned.container_id))
+        },
+        PathBuf::from,
+    );
+    let uri = logshim::log_uri(&h.cfg.logger_binary, &log_path);
+    containers::start(&h.ctd, &owned.container_id, &uri)
+        .await
+        .map(|_| ())
+        .map_err(|e| Failure(format!("start: {e}")))
+}
+
+/// Stops and removes an instance, then its network attachment (E-6).
+pub async fn tear_down(h: &Handles, owned: &OwnedContainer) -> Result<(), String> {
+    containers::remove(
+        &h.ctd,
+        &owned.container_id,
+        owned.stop_signal,
+        owned.stop_grace,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    if let Some(net) = &h.net {
+        net.detach(&owned.container_id, owned.ip)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&owned.container_id));
+    Ok(())
+}
+
+fn read_host_resolv() -> String {
+    let text = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    let only_stub = text
+        .lines()
+        .filter(|l| l.starts_with("nameserver"))
+        .all(|l| l.split_whitespace().nth(1) == Some("127.0.0.53"));
+    if only_stub && text.contains("127.0.0.53") {
+        std::fs::read_to_string("/run/systemd/resolve/resolv.conf").unwrap_or(text)
+    } else {
+        text
+    }
+}
+
+/// `uid[:gid]` in numbers; empty is root. Names need the image's passwd
+/// file, which is not read yet.
+fn parse_numeric_user(user: &str) -> Option<(u32, u32)> {
+    let user = user.trim();
+    if user.is_empty() || user == "root" {
+        return Some((0, 0));
+    }
+    let (u, g) = user.split_once(':').unwrap_or((user, ""));
+    let uid = u.parse().ok()?;
+    let gid = if g.is_empty() { uid } else { g.parse().ok()? };
+    Some((uid, gid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_numeric_user;
+
+    #[test]
+    fn numeric_users() {
+        assert_eq!(parse_numeric_user(""), Some((0, 0)));
+        assert_eq!(parse_numeric_user("root"), Some((0, 0)));
+        assert_eq!(parse_numeric_user("1000"), Some((1000, 1000)));
+        assert_eq!(parse_numeric_user("1000:50"), Some((1000, 50)));
+        assert_eq!(parse_numeric_user("nginx"), None);
+    }
+}

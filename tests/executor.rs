@@ -1,0 +1,500 @@
+//! The executor end to end against real containerd, runc, netlink, nftables
+//! and the gateway resolver: assignment sets in, healthy networked
+//! containers out. Each test has its own containerd namespace, bridge
+//! prefix, subnets, nft table and directories.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::{Rig, TEST_IMAGE, rig, with_namespace};
+use zattera_agent::executor::status::{State, StatusSnapshot};
+use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet};
+use zattera_agent::proto::v1::{
+    Assignment, AssignmentDesired, HealthCheck, HealthCheckType, Meta, PortSpec, Protocol,
+    ServiceSpec,
+};
+use zattera_agent::runtime::{Containerd, import_archive};
+use zattera_netns::{NetConfig, NetNode};
+
+/// One test's agent: its executor task, handle and directories.
+struct Agent {
+    handle: ExecutorHandle,
+    task: tokio::task::JoinHandle<()>,
+    net: Arc<NetNode>,
+    _cleanup: NetCleanup,
+    dirs: tempfile::TempDir,
+}
+
+/// Removes this test's kernel objects even when the test fails: bridges and
+/// veths with its prefix, its nft table, and mounts under its run dir.
+struct NetCleanup {
+    prefix: String,
+    table: String,
+    run_dir: PathBuf,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for NetCleanup {
+    fn drop(&mut self) {
+        use std::process::Command;
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let mut ours: Vec<&str> = mounts
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter(|m| m.starts_with(&*self.run_dir.to_string_lossy()))
+            .collect();
+        ours.sort_unstable_by(|a, b| b.len().cmp(&a.len()));
+        for m in ours {
+            let _ = Command::new("umount").args(["-l", m]).status();
+        }
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", &self.table])
+            .output();
+        if let Ok(links) = std::fs::read_dir("/sys/class/net") {
+            for l in links.flatten() {
+                let name = l.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&self.prefix) {
+                    let _ = Command::new("ip").args(["link", "del", &name]).output();
+                }
+            }
+        }
+    }
+}
+
+impl Agent {
+    async fn start(ctd: &Containerd, prefix: &str) -> Self {
+        let dirs = tempfile::tempdir().unwrap();
+        let run_dir = dirs.path().join("run");
+        let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        net_cfg.bridge_prefix = prefix.into();
+        let cleanup = NetCleanup {
+            prefix: prefix.into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let net = Arc::new(NetNode::new(net_cfg).unwrap());
+        let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
+        let cfg = ExecutorConfig {
+            node_id: String::new(),
+            host_ip: Ipv4Addr::LOCALHOST,
+            data_dir: dirs.path().join("data"),
+            run_dir,
+            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
+            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
+            parallelism: 4,
+            standalone: true,
+            source: "test".into(),
+        };
+        let (exec, handle) =
+            Executor::new(cfg, ctd.clone(), Some(Arc::clone(&net)), Some(dns), None);
+        let task = tokio::spawn(exec.run());
+        Self {
+            handle,
+            task,
+            net,
+            _cleanup: cleanup,
+            dirs,
+        }
+    }
+
+    fn push(&self, set: AssignmentSet) {
+        self.handle.desired.send(Some(set)).unwrap();
+    }
+
+    /// Waits until `pred` holds for the status snapshot.
+    async fn wait_for(
+        &mut self,
+        what: &str,
+        pred: impl Fn(&StatusSnapshot) -> bool,
+    ) -> Arc<StatusSnapshot> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let snap = self.handle.status.borrow_and_update().clone();
+            if pred(&snap) {
+                return snap;
+            }
+            if tokio::time::timeout_at(deadline, self.handle.status.changed())
+                .await
+                .is_err()
+            {
+                panic!("timed out waiting for {what}; last status: {snap:#?}");
+            }
+        }
+    }
+
+    /// Empties the set, waits for everything to go, then stops the task.
+    async fn finish(mut self) {
+        self.push(AssignmentSet::default());
+        self.wait_for("everything removed", |s| s.assignments.is_empty())
+            .await;
+        let _ = self.net.remove_rules().await;
+        self.task.abort();
+    }
+}
+
+fn state_of(s: &StatusSnapshot, id: &str) -> Option<State> {
+    s.assignments.iter().find(|a| a.id == id).map(|a| a.state)
+}
+
+/// One assignment of the busybox image.
+fn assignment(
+    id: &str,
+    app: &str,
+    env: &str,
+    slot: u8,
+    command: &str,
+    hash: &str,
+) -> (Assignment, AssignmentRuntime) {
+    let a = Assignment {
+        meta: Some(Meta {
+            id: id.into(),
+            ..Meta::default()
+        }),
+        project_id: "proj".into(),
+        app_id: app.into(),
+        environment_id: env.into(),
+        desired: AssignmentDesired::Run as i32,
+        config_hash: hash.into(),
+        release_id: hash.into(),
+        ..Assignment::default()
+    };
+    let rt = AssignmentRuntime {
+        image_ref: TEST_IMAGE.into(),
+        spec: Some(ServiceSpec {
+            command: command.into(),
+            ..ServiceSpec::default()
+        }),
+        env: HashMap::from([("ZATTERA_APP".into(), app.into())]),
+        subnet_cidr: format!("10.201.{slot}.0/24"),
+        volume_lease: None,
+    };
+    (a, rt)
+}
+
+fn web(id: &str, slot: u8, hash: &str) -> (Assignment, AssignmentRuntime) {
+    let (a, mut rt) = assignment(id, "web", "prod", slot, "httpd -f -p 80 -h /var/www", hash);
+    let spec = rt.spec.as_mut().unwrap();
+    spec.ports = vec![PortSpec {
+        name: "http".into(),
+        container_port: 80,
+        protocol: Protocol::Http as i32,
+        public_l4_port: 0,
+    }];
+    spec.healthcheck = Some(HealthCheck {
+        r#type: HealthCheckType::Http as i32,
+        path: "/".into(),
+        interval: Some(prost_types::Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        timeout: Some(prost_types::Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        ..HealthCheck::default()
+    });
+    (a, rt)
+}
+
+fn set(items: Vec<(Assignment, AssignmentRuntime)>) -> AssignmentSet {
+    let mut s = AssignmentSet::default();
+    for (a, rt) in items {
+        let id = a.meta.as_ref().unwrap().id.clone();
+        s.assignments.push(a);
+        s.runtime.insert(id, rt);
+    }
+    s
+}
+
+async fn import(ctd: &Containerd, rig: &Rig) {
+    import_archive(ctd, &rig.oci_archive(), None)
+        .await
+        .expect("import the test image");
+}
+
+/// The body of `GET /` (busybox's wget crashes on this Debian build; nc does not).
+fn http_get(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return String::new();
+    };
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let _ = s.write_all(b"GET / HTTP/1.0\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default()
+}
+
+fn bridge_exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
+
+#[tokio::test]
+async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-life", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxa").await;
+        let client = assignment(
+            "client-0",
+            "client",
+            "prod",
+            220,
+            "while true; do nslookup web.internal > /tmp/ns.txt 2>&1; sleep 1; done",
+            "c1",
+        );
+        // Same project and environment id: one bridge, one DNS scope.
+        let (ca, mut crt) = client;
+        crt.subnet_cidr = "10.201.220.0/24".into();
+        agent.push(set(vec![web("web-0", 220, "h1"), (ca, crt)]));
+
+        let snap = agent
+            .wait_for("web HEALTHY", |s| {
+                state_of(s, "web-0") == Some(State::Healthy)
+            })
+            .await;
+        let web_row = snap.assignments.iter().find(|a| a.id == "web-0").unwrap();
+        assert!(web_row.ip.starts_with("10.201.220."), "{web_row:?}");
+        let host_port = web_row.ports["http"];
+        assert!(host_port > 0);
+        assert!(bridge_exists("ztxa220"));
+
+        // The published port answers on the host address.
+        assert_eq!(
+            http_get(&format!("127.0.0.1:{host_port}")),
+            "hello from zattera\n"
+        );
+        assert!(TcpStream::connect(("127.0.0.1", host_port)).is_ok());
+
+        // The client resolves web.internal through its gateway to web's IP.
+        let web_ip = web_row.ip.clone();
+        let client_cid = snap
+            .assignments
+            .iter()
+            .find(|a| a.id == "client-0")
+            .unwrap()
+            .container_id
+            .clone();
+        let mut resolved = String::new();
+        for _ in 0..40 {
+            let out = zattera_agent::runtime::exec::exec(
+                &ctd,
+                &client_cid,
+                &agent.dirs.path().join("fifos"),
+                &zattera_agent::runtime::exec::ExecRequest {
+                    args: vec!["cat".into(), "/tmp/ns.txt".into()],
+                    timeout: Duration::from_secs(5),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+            resolved = String::from_utf8_lossy(&out.stdout).into_owned();
+            if resolved.contains(&web_ip) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        assert!(
+            resolved.contains(&web_ip),
+            "nslookup web.internal from the client: {resolved}"
+        );
+
+        // An edit replaces only the changed instance.
+        let client_before = client_cid.clone();
+        let web_before = web_row.container_id.clone();
+        let (ca, mut crt) = assignment(
+            "client-0",
+            "client",
+            "prod",
+            220,
+            "while true; do nslookup web.internal > /tmp/ns.txt 2>&1; sleep 1; done",
+            "c1",
+        );
+        crt.subnet_cidr = "10.201.220.0/24".into();
+        agent.push(set(vec![web("web-0", 220, "h2"), (ca, crt)]));
+        let snap = agent
+            .wait_for("web replaced and HEALTHY", |s| {
+                s.assignments.iter().any(|a| {
+                    a.id == "web-0" && a.container_id != web_before && a.state == State::Healthy
+                })
+            })
+            .await;
+        let client_after = snap
+            .assignments
+            .iter()
+            .find(|a| a.id == "client-0")
+            .unwrap()
+            .container_id
+            .clone();
+        assert_eq!(
+            client_after, client_before,
+            "the unchanged client is not restarted"
+        );
+
+        // Removing everything removes the bridge too.
+        agent.finish().await;
+        let mut gone = false;
+        for _ in 0..50 {
+            if !bridge_exists("ztxa220") {
+                gone = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(gone, "the last instance took its bridge with it");
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_environments_are_isolated() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-iso", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxb").await;
+        agent.push(set(vec![
+            web("web-a", 221, "h1"),
+            web("web-a2", 221, "h1"),
+            {
+                let (mut a, rt) = web("web-b", 222, "h1");
+                a.environment_id = "staging".into();
+                (a, rt)
+            },
+        ]));
+        let snap = agent
+            .wait_for("all HEALTHY", |s| {
+                ["web-a", "web-a2", "web-b"]
+                    .iter()
+                    .all(|id| state_of(s, id) == Some(State::Healthy))
+            })
+            .await;
+        let ip = |id: &str| {
+            snap.assignments
+                .iter()
+                .find(|a| a.id == id)
+                .unwrap()
+                .ip
+                .clone()
+        };
+        let cid = |id: &str| {
+            snap.assignments
+                .iter()
+                .find(|a| a.id == id)
+                .unwrap()
+                .container_id
+                .clone()
+        };
+        let fifo = agent.dirs.path().join("fifos");
+        let wget = |target: String| zattera_agent::runtime::exec::ExecRequest {
+            args: vec![
+                "sh".into(),
+                "-c".into(),
+                format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {target} 80"),
+            ],
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        };
+        // Inside one environment: reachable.
+        let peer =
+            zattera_agent::runtime::exec::exec(&ctd, &cid("web-a"), &fifo, &wget(ip("web-a2")))
+                .await
+                .unwrap();
+        assert_eq!(peer.exit_code, 0, "{peer:?}");
+        assert!(
+            String::from_utf8_lossy(&peer.stdout).ends_with("hello from zattera\n"),
+            "{peer:?}"
+        );
+        // Across environments: never.
+        let across =
+            zattera_agent::runtime::exec::exec(&ctd, &cid("web-a"), &fifo, &wget(ip("web-b")))
+                .await
+                .unwrap();
+        assert!(
+            across.stdout.is_empty(),
+            "staging must not be reachable from prod: {across:?}"
+        );
+        agent.finish().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-park", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxc").await;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let (a, mut rt) = assignment("bad-0", "bad", "prod", 223, "sleep 1000", "h1");
+        rt.image_ref = format!("127.0.0.1:{port}/nope:1");
+        agent.push(set(vec![(a, rt)]));
+        let snap = agent
+            .wait_for("FAILED with a pull message", |s| {
+                state_of(s, "bad-0") == Some(State::Failed)
+            })
+            .await;
+        let row = snap.assignments.iter().find(|a| a.id == "bad-0").unwrap();
+        assert!(row.message.starts_with("pull 127.0.0.1:"), "{row:?}");
+        // Three ticks (5 s apart) exhaust the attempts; afterwards nothing changes.
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        // The edit fixes the image: the assignment unparks and runs.
+        let (a, rt) = assignment("bad-0", "bad", "prod", 223, "sleep 1000", "h2");
+        agent.push(set(vec![(a, rt)]));
+        agent
+            .wait_for("HEALTHY after the edit", |s| {
+                state_of(s, "bad-0") == Some(State::Healthy)
+            })
+            .await;
+        agent.finish().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_crashing_service_is_restarted_with_back_off() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-crash", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxd").await;
+        let (a, rt) = assignment("crash-0", "crash", "prod", 224, "sleep 1; exit 3", "h1");
+        agent.push(set(vec![(a, rt)]));
+        let snap = agent
+            .wait_for("crash-looping", |s| {
+                s.assignments.iter().any(|a| {
+                    a.id == "crash-0" && a.message.contains("crash-looping: last exit code 3")
+                })
+            })
+            .await;
+        assert_eq!(state_of(&snap, "crash-0"), Some(State::Failed));
+        // The first back-off is 10 s; then it runs again and counts a restart.
+        agent
+            .wait_for("one restart", |s| {
+                s.assignments
+                    .iter()
+                    .any(|a| a.id == "crash-0" && a.restarts >= 1)
+            })
+            .await;
+        agent.finish().await;
+    })
+    .await;
+}
