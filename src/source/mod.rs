@@ -5,7 +5,20 @@
 //! Standalone (manifest files on disk): [`manifest`] parses one file,
 //! [`assign`] turns it into assignments, [`subnets`] gives each (project,
 //! environment) a local subnet, [`standalone`] ties them into a full set, and
-//! [`watch`] says when the directory changed.
+//! [`watch`] says when the directory changed. The agent's loop is:
+//!
+//! ```text
+//! let mut source = StandaloneSource::new(dir, data_dir.join("standalone/subnets.json"));
+//! let (_watcher, mut changed) = watch(dir)?;
+//! loop { let Loaded { set, errors } = source.load(); /* log errors, submit set */
+//!        changed.recv().await; }
+//! ```
+//!
+//! One thing differs from a control plane's set, and the executor must know
+//! it: a manifest's fixed `host_port` arrives in the desired
+//! `Assignment.mesh_port_bindings` (port name → requested host port), which
+//! control never fills. In standalone mode the executor publishes a port
+//! named there on that host port, and picks an ephemeral one otherwise.
 
 pub mod assign;
 mod keypath;

@@ -25,6 +25,8 @@ use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use zattera_netns::Subnet;
+
 use super::assign::{Instance, assignment_id, env_instances};
 use super::keypath::render_key;
 use super::manifest::{self, AppManifest};
@@ -57,6 +59,8 @@ pub struct StandaloneSource {
     book_errors: Vec<BookError>,
     /// File name → the last version of it that made it into the set.
     accepted: BTreeMap<OsString, AppManifest>,
+    /// Subnets that new environments must not take (see [`Self::reserve_subnets`]).
+    reserved: BTreeSet<Subnet>,
     version: u64,
     last: Option<(Vec<Assignment>, HashMap<String, AssignmentRuntime>)>,
 }
@@ -72,6 +76,7 @@ impl StandaloneSource {
             book,
             book_errors,
             accepted: BTreeMap::new(),
+            reserved: BTreeSet::new(),
             version: 0,
             last: None,
         }
@@ -79,6 +84,14 @@ impl StandaloneSource {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Subnets in use on this host by someone else (for example the bridges
+    /// of another agent running side by side): environments that need a new
+    /// subnet skip them from the next load on. Environments that already have
+    /// a subnet keep it.
+    pub fn reserve_subnets(&mut self, subnets: impl IntoIterator<Item = Subnet>) {
+        self.reserved = subnets.into_iter().collect();
     }
 
     /// Reads the directory and returns the full desired set, with every
@@ -186,7 +199,7 @@ impl StandaloneSource {
                     })
             })
             .collect();
-        for (key, e) in self.book.sync(&wanted) {
+        for (key, e) in self.book.sync(&wanted, &self.reserved) {
             for (path, m) in chosen.iter().filter(|(_, m)| m.project == key.project) {
                 if m.envs.contains_key(&key.env) {
                     errors.push(FileError {
@@ -672,6 +685,19 @@ mod tests {
         assert!(
             text.contains("\"demo/production\": \"10.201.0.0/24\""),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn reserved_subnets_are_not_handed_out() {
+        let f = Fixture::new();
+        f.write("a.toml", &app("demo", "web", "production", 1, ""));
+        let mut source = f.source();
+        source.reserve_subnets([Subnet::from_slot(0)]);
+        let set = clean(source.load());
+        assert_eq!(
+            set.runtime["demo-web-production-0"].subnet_cidr,
+            "10.201.1.0/24"
         );
     }
 

@@ -151,9 +151,16 @@ impl SubnetBook {
     }
 
     /// Makes the book hold exactly `wanted`: frees the pairs not in it, then
-    /// gives each new pair (in order) the lowest free slot. Returns the pairs
-    /// that got no subnet because the pool is exhausted.
-    pub fn sync(&mut self, wanted: &BTreeSet<EnvKey>) -> Vec<(EnvKey, SubnetError)> {
+    /// gives each new pair (in order) the lowest slot that is neither in the
+    /// book nor in `reserved` (subnets used on this host by someone else, for
+    /// example another agent running side by side). Pairs already in the book
+    /// keep their subnet. Returns the pairs that got no subnet because the
+    /// pool is exhausted.
+    pub fn sync(
+        &mut self,
+        wanted: &BTreeSet<EnvKey>,
+        reserved: &BTreeSet<Subnet>,
+    ) -> Vec<(EnvKey, SubnetError)> {
         let before = self.entries.len();
         self.entries.retain(|k, _| wanted.contains(k));
         if self.entries.len() != before {
@@ -164,7 +171,12 @@ impl SubnetBook {
             if self.entries.contains_key(key) {
                 continue;
             }
-            let used: Vec<String> = self.entries.values().map(ToString::to_string).collect();
+            let used: Vec<String> = self
+                .entries
+                .values()
+                .chain(reserved)
+                .map(ToString::to_string)
+                .collect();
             match next_free_subnet(used.iter().map(String::as_str)) {
                 Ok(subnet) => {
                     self.entries.insert(key.clone(), subnet);
@@ -262,7 +274,7 @@ mod tests {
             key("demo", "staging"),
             key("a", "x"),
         ]);
-        assert!(book.sync(&wanted).is_empty());
+        assert!(book.sync(&wanted, &BTreeSet::new()).is_empty());
         assert_eq!(
             slots(&book),
             [
@@ -280,7 +292,7 @@ mod tests {
             key("demo", "staging"),
             key("z", "new"),
         ]);
-        assert!(book.sync(&wanted).is_empty());
+        assert!(book.sync(&wanted, &BTreeSet::new()).is_empty());
         assert_eq!(
             slots(&book),
             [
@@ -308,6 +320,21 @@ mod tests {
     }
 
     #[test]
+    fn reserved_subnets_are_skipped_for_new_pairs_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut book, _) = SubnetBook::open(dir.path().join("subnets.json"));
+        let none = BTreeSet::new();
+        assert!(
+            book.sync(&BTreeSet::from([key("a", "x")]), &none)
+                .is_empty()
+        );
+        let reserved = BTreeSet::from([Subnet::from_slot(0), Subnet::from_slot(1)]);
+        let wanted = BTreeSet::from([key("a", "x"), key("b", "y")]);
+        assert!(book.sync(&wanted, &reserved).is_empty());
+        assert_eq!(slots(&book), [("a/x".into(), 0), ("b/y".into(), 2)]);
+    }
+
+    #[test]
     fn corrupt_file_is_reported_and_rebuilt() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("subnets.json");
@@ -317,7 +344,10 @@ mod tests {
         let msg = errors[0].to_string();
         assert!(msg.contains("subnets.json: corrupt subnet book"), "{msg}");
         assert!(book.entries().is_empty());
-        assert!(book.sync(&BTreeSet::from([key("demo", "prod")])).is_empty());
+        assert!(
+            book.sync(&BTreeSet::from([key("demo", "prod")]), &BTreeSet::new())
+                .is_empty()
+        );
         assert!(book.save().unwrap());
         let (book, errors) = SubnetBook::open(&path);
         assert!(errors.is_empty(), "{errors:?}");
@@ -348,7 +378,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut book, _) = SubnetBook::open(dir.path().join("subnets.json"));
         let wanted: BTreeSet<EnvKey> = (0..257).map(|i| key("p", &format!("e{i:03}"))).collect();
-        let failed = book.sync(&wanted);
+        let failed = book.sync(&wanted, &BTreeSet::new());
         assert_eq!(book.entries().len(), 256);
         assert_eq!(failed.len(), 1);
         assert_eq!(failed[0].0, key("p", "e256"));
@@ -361,7 +391,7 @@ mod tests {
         let blocker = dir.path().join("file");
         fs::write(&blocker, "").unwrap();
         let (mut book, _) = SubnetBook::open(blocker.join("subnets.json"));
-        book.sync(&BTreeSet::from([key("a", "b")]));
+        book.sync(&BTreeSet::from([key("a", "b")]), &BTreeSet::new());
         let err = book.save().unwrap_err();
         assert!(matches!(err, BookError::Write { .. }), "{err}");
         assert!(err.to_string().contains("cannot write the subnet book"));
