@@ -4,7 +4,7 @@
 //! Parsing has two layers. serde (with `deny_unknown_fields` everywhere and
 //! validating newtypes for names, ports, durations and commands) rejects
 //! unknown keys, wrong types and bad values; `toml` reports where, as a byte
-//! span, which [`super::keypath`] turns into the dotted key path. Checks that
+//! span, which `super::keypath` turns into the dotted key path. Checks that
 //! span several keys (duplicate port names, host ports, volume paths,
 //! health-check keys that do not fit its type) run afterwards on the typed
 //! value, where the key path is known. Either way the error names the file

@@ -5,7 +5,7 @@
 //! Standalone (manifest files on disk): [`manifest`] parses one file,
 //! [`assign`] turns it into assignments, [`subnets`] gives each (project,
 //! environment) a local subnet, [`standalone`] ties them into a full set, and
-//! [`watch`] says when the directory changed. The agent's loop is:
+//! [`watch`](mod@watch) says when the directory changed. The agent's loop is:
 //!
 //! ```text
 //! let mut source = StandaloneSource::new(dir, data_dir.join("standalone/subnets.json"));
