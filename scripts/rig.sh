@@ -23,7 +23,7 @@ fi
 
 # --- packages --------------------------------------------------------------
 PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
-          docker-registry skopeo python3 ca-certificates procps)
+          docker-registry skopeo python3 ca-certificates procps curl)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")

@@ -107,16 +107,51 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
 /// Feeds the executor from the manifest directory, reloading on changes.
 async fn feed_from_manifests(
     dir: PathBuf,
-    _state_dir: PathBuf,
-    _pool: (u8, u8),
+    state_dir: PathBuf,
+    pool: (u8, u8),
     handle: ExecutorHandle,
 ) {
-    // WIP: wired to source::standalone once it lands.
-    let _ = handle.source_errors.send(vec![SourceError {
-        file: dir.display().to_string(),
-        message: "manifest source not wired yet".into(),
-    }]);
-    std::future::pending::<()>().await;
+    use crate::source::standalone::StandaloneSource;
+    use crate::source::watch::watch;
+    let mut source = StandaloneSource::new(dir.clone(), state_dir.join("subnets.json"));
+    // Slots outside the pool belong to someone else (another agent, a test).
+    source.reserve_subnets(
+        (0..=255u8)
+            .filter(|s| *s < pool.0 || *s > pool.1)
+            .map(zattera_netns::Subnet::from_slot),
+    );
+    let watched = watch(&dir)
+        .map_err(|e| tracing::error!(dir = %dir.display(), error = %e, "cannot watch the manifest directory; edits need a restart"))
+        .ok();
+    let (_watcher, mut changes) = watched.map_or((None, None), |(w, rx)| (Some(w), Some(rx)));
+    loop {
+        let loaded = source.load();
+        for e in &loaded.errors {
+            tracing::error!(file = %e.file.display(), "{}", e.message);
+        }
+        let errors = loaded
+            .errors
+            .iter()
+            .map(|e| SourceError {
+                file: e.file.display().to_string(),
+                message: e.message.clone(),
+            })
+            .collect();
+        let _ = handle.source_errors.send(errors);
+        tracing::info!(
+            assignments = loaded.set.assignments.len(),
+            "manifests loaded"
+        );
+        let _ = handle.desired.send(Some(loaded.set));
+        match changes.as_mut() {
+            Some(rx) => {
+                if rx.recv().await.is_none() {
+                    return;
+                }
+            }
+            None => std::future::pending::<()>().await,
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -155,6 +155,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// Prints to stdout; a reader that went away (`| head`) is not an error.
+fn write_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
 fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
     let file = Settings::load(global.config.as_deref())?;
     let flags = Settings {
@@ -236,13 +245,12 @@ async fn dispatch(cli: Cli) -> Result<()> {
         Command::Status { json } => {
             let config = load_config(&cli.global, None)?;
             let value = zattera_agent::admin::request(&config.run_dir, "status").await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&value)?);
+            let text = if json {
+                serde_json::to_string_pretty(&value)? + "\n"
             } else {
-                let snapshot: StatusSnapshot = serde_json::from_value(value)?;
-                print!("{}", snapshot.render_table());
-            }
-            Ok(())
+                serde_json::from_value::<StatusSnapshot>(value)?.render_table()
+            };
+            write_stdout(&text)
         }
         Command::Join { .. } => bail!("join is not implemented yet"),
     }

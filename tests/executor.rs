@@ -56,7 +56,7 @@ impl Drop for NetCleanup {
             .filter_map(|l| l.split_whitespace().nth(1))
             .filter(|m| m.starts_with(&*self.run_dir.to_string_lossy()))
             .collect();
-        ours.sort_unstable_by(|a, b| b.len().cmp(&a.len()));
+        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
         for m in ours {
             let _ = Command::new("umount").args(["-l", m]).status();
         }
@@ -75,7 +75,7 @@ impl Drop for NetCleanup {
 }
 
 impl Agent {
-    async fn start(ctd: &Containerd, prefix: &str) -> Self {
+    fn start(ctd: &Containerd, prefix: &str) -> Self {
         let dirs = tempfile::tempdir().unwrap();
         let run_dir = dirs.path().join("run");
         let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
@@ -249,7 +249,7 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "exec-life", |ctd, rig| async move {
         import(&ctd, &rig).await;
-        let mut agent = Agent::start(&ctd, "ztxa").await;
+        let mut agent = Agent::start(&ctd, "ztxa");
         let client = assignment(
             "client-0",
             "client",
@@ -367,7 +367,7 @@ async fn two_environments_are_isolated() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "exec-iso", |ctd, rig| async move {
         import(&ctd, &rig).await;
-        let mut agent = Agent::start(&ctd, "ztxb").await;
+        let mut agent = Agent::start(&ctd, "ztxb");
         agent.push(set(vec![
             web("web-a", 221, "h1"),
             web("web-a2", 221, "h1"),
@@ -439,7 +439,7 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "exec-park", |ctd, rig| async move {
         import(&ctd, &rig).await;
-        let mut agent = Agent::start(&ctd, "ztxc").await;
+        let mut agent = Agent::start(&ctd, "ztxc");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -475,7 +475,7 @@ async fn a_crashing_service_is_restarted_with_back_off() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "exec-crash", |ctd, rig| async move {
         import(&ctd, &rig).await;
-        let mut agent = Agent::start(&ctd, "ztxd").await;
+        let mut agent = Agent::start(&ctd, "ztxd");
         let (a, rt) = assignment("crash-0", "crash", "prod", 224, "sleep 1; exit 3", "h1");
         agent.push(set(vec![(a, rt)]));
         let snap = agent

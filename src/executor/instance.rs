@@ -76,7 +76,9 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
 
     let spec_input = plan.runtime.spec.clone().unwrap_or_default();
     let cid = plan.container_id.clone();
-    let hostname: String = cid.chars().take(12).collect();
+    // The whole container id (a DNS label holds 63): Docker's 12-character
+    // prefix of a random id is unique, a prefix of ours would not be (C-11).
+    let hostname: String = cid.chars().take(63).collect();
 
     let mut mounts = Vec::new();
     for v in &spec_input.volumes {

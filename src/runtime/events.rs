@@ -1,0 +1,89 @@
+//! Task lifecycle events from containerd (C-13, L-4): exits and OOM kills in
+//! the agent's namespace. A subscription ends when containerd restarts; the
+//! caller re-subscribes and relies on its poll for exits missed meanwhile.
+
+use containerd_client::events::{TaskExit, TaskOom};
+use containerd_client::services::v1::SubscribeRequest;
+use futures::{Stream, StreamExt};
+use prost::Message;
+
+use super::connection::Containerd;
+use super::error::RuntimeError;
+
+pub const TOPIC_EXIT: &str = "/tasks/exit";
+pub const TOPIC_OOM: &str = "/tasks/oom";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskEvent {
+    /// A process exited. `exec_id` equals `container_id` for the init process.
+    Exited {
+        container_id: String,
+        exec_id: String,
+        exit_code: u32,
+    },
+    /// The kernel's OOM killer acted in the container.
+    OomKilled { container_id: String },
+}
+
+impl TaskEvent {
+    /// Whether this is the exit of the container's main process (not an exec).
+    pub fn is_init_exit(&self) -> bool {
+        matches!(self, Self::Exited { container_id, exec_id, .. } if exec_id.is_empty() || exec_id == container_id)
+    }
+}
+
+/// Subscribes to exit and OOM events of this namespace. The request is sent
+/// at once from a task of its own: containerd answers a subscription only
+/// with its first event, so awaiting the call here could wait forever.
+pub fn subscribe(ctd: &Containerd) -> impl Stream<Item = Result<TaskEvent, RuntimeError>> + use<> {
+    let ns = ctd.namespace().to_string();
+    let filters = [TOPIC_EXIT, TOPIC_OOM]
+        .iter()
+        .map(|t| format!("topic==\"{t}\",namespace==\"{ns}\""))
+        .collect();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let request = ctd.request(SubscribeRequest { filters });
+    let mut client = ctd.events();
+    tokio::spawn(async move {
+        let mut stream = match client.subscribe(request).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => {
+                let _ = tx
+                    .send(Err(RuntimeError::grpc("subscribe to task events")(s)))
+                    .await;
+                return;
+            }
+        };
+        while let Some(envelope) = stream.next().await {
+            let event = match envelope {
+                Ok(envelope) => decode(envelope),
+                Err(s) => Some(Err(RuntimeError::grpc("task event stream")(s))),
+            };
+            if let Some(event) = event
+                && tx.send(event).await.is_err()
+            {
+                return; // the subscriber is gone
+            }
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+fn decode(envelope: containerd_client::types::Envelope) -> Option<Result<TaskEvent, RuntimeError>> {
+    let any = envelope.event?;
+    match envelope.topic.as_str() {
+        TOPIC_EXIT => TaskExit::decode(&any.value[..]).ok().map(|e| {
+            Ok(TaskEvent::Exited {
+                container_id: e.container_id,
+                exec_id: e.id,
+                exit_code: e.exit_status,
+            })
+        }),
+        TOPIC_OOM => TaskOom::decode(&any.value[..]).ok().map(|e| {
+            Ok(TaskEvent::OomKilled {
+                container_id: e.container_id,
+            })
+        }),
+        _ => None,
+    }
+}
