@@ -1,0 +1,352 @@
+//! The real `zattera-agent run` binary, standalone, against the rig's
+//! containerd: crash safety (SIGKILL mid-reconcile), a simulated reboot, and
+//! bad manifests. Each test has its own namespace, bridge prefix, subnet
+//! pool, nft table and directories, and removes them even when it fails.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{TEST_IMAGE, rig, with_namespace};
+use zattera_agent::runtime::containers::{self, TaskState};
+use zattera_agent::runtime::{Containerd, import_archive};
+
+const BIN: &str = env!("CARGO_BIN_EXE_zattera-agent");
+
+/// A running agent process and everything it owns on the host.
+struct AgentProc {
+    child: Option<Child>,
+    socket: PathBuf,
+    ns: String,
+    prefix: String,
+    pool: String,
+    dir: tempfile::TempDir,
+}
+
+impl AgentProc {
+    fn new(socket: &Path, ns: &str, prefix: &str, pool: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("manifests")).unwrap();
+        Self {
+            child: None,
+            socket: socket.to_path_buf(),
+            ns: ns.into(),
+            prefix: prefix.into(),
+            pool: pool.into(),
+            dir,
+        }
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn manifests(&self) -> PathBuf {
+        self.dir.path().join("manifests")
+    }
+
+    fn write_manifest(&self, name: &str, text: &str) {
+        let tmp = self.manifests().join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, self.manifests().join(name)).unwrap();
+    }
+
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("agent.log"))
+            .unwrap();
+        let child = Command::new(BIN)
+            .arg("--containerd-address")
+            .arg(&self.socket)
+            .args([
+                "--namespace",
+                &self.ns,
+                "--config",
+                "/dev/null",
+                "--run-dir",
+            ])
+            .arg(self.run_dir())
+            .arg("--data-dir")
+            .arg(self.dir.path().join("data"))
+            .args([
+                "run",
+                "--bridge-prefix",
+                &self.prefix,
+                "--subnet-pool",
+                &self.pool,
+                "--manifests",
+            ])
+            .arg(self.manifests())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn status(&self) -> Option<serde_json::Value> {
+        let out = Command::new(BIN)
+            .arg("--run-dir")
+            .arg(self.run_dir())
+            .args(["status", "--json"])
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    /// Waits until `n` assignments are all in `state`; returns id → container id.
+    fn wait_all(&self, n: usize, state: &str) -> BTreeMap<String, String> {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let mut last = None;
+        while Instant::now() < deadline {
+            if let Some(s) = self.status() {
+                let rows = s["assignments"].as_array().cloned().unwrap_or_default();
+                if rows.len() == n && rows.iter().all(|r| r["state"] == state) {
+                    return rows
+                        .iter()
+                        .map(|r| {
+                            (
+                                r["id"].as_str().unwrap().to_owned(),
+                                r["container_id"].as_str().unwrap().to_owned(),
+                            )
+                        })
+                        .collect();
+                }
+                last = Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let log = std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        panic!(
+            "not {n} × {state} within 90 s; last status {last:#?}\nagent log (newest first):\n{}",
+            tail.join("\n")
+        );
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        self.kill9();
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let run = self.dir.path().to_string_lossy().into_owned();
+        let mut ours: Vec<&str> = mounts
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter(|m| m.starts_with(&run))
+            .collect();
+        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in ours {
+            let _ = Command::new("umount").args(["-l", m]).status();
+        }
+        let table = format!(
+            "zattera_{}",
+            self.ns.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+        );
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", &table])
+            .output();
+        if let Ok(links) = std::fs::read_dir("/sys/class/net") {
+            for l in links.flatten() {
+                let name = l.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&self.prefix) {
+                    let _ = Command::new("ip").args(["link", "del", &name]).output();
+                }
+            }
+        }
+    }
+}
+
+fn sleeper(app: &str, replicas: u32) -> String {
+    format!(
+        "[app]\nname = \"{app}\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
+         [env.prod]\nreplicas = {replicas}\ncommand = \"trap 'exit 0' TERM; while true; do sleep 1; done\"\nstop_grace = \"2s\"\n"
+    )
+}
+
+async fn task_pids(ctd: &Containerd, ids: impl Iterator<Item = &String>) -> BTreeMap<String, u32> {
+    let mut out = BTreeMap::new();
+    for id in ids {
+        if let TaskState::Running { pid } = containers::task_state(ctd, id).await.unwrap() {
+            out.insert(id.clone(), pid);
+        }
+    }
+    out
+}
+
+async fn owned_count(ctd: &Containerd) -> usize {
+    containers::list(ctd, &[("dev.zattera/managed", "true")])
+        .await
+        .unwrap()
+        .len()
+}
+
+#[tokio::test]
+async fn sigkill_mid_reconcile_leaves_nothing_duplicated_or_half_made() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-kill", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztka", "150-151");
+        agent.write_manifest("svc.toml", &sleeper("svc", 5));
+        agent.start();
+        // Kill it while the five bring-ups are in flight.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while owned_count(&ctd).await == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        agent.kill9();
+
+        agent.start();
+        let first = agent.wait_all(5, "HEALTHY");
+        assert_eq!(owned_count(&ctd).await, 5, "no duplicate containers");
+        let snapshots = support::list_snapshots(&ctd).await;
+        assert!(
+            !snapshots.iter().any(|s| s.starts_with("zattera-extract")),
+            "no half-unpacked layers: {snapshots:?}"
+        );
+        let pids = task_pids(&ctd, first.values()).await;
+        assert_eq!(pids.len(), 5);
+
+        // A second SIGKILL and restart must not restart healthy containers.
+        agent.kill9();
+        agent.start();
+        let second = agent.wait_all(5, "HEALTHY");
+        assert_eq!(second, first, "the same containers are adopted");
+        assert_eq!(
+            task_pids(&ctd, second.values()).await,
+            pids,
+            "no task was restarted"
+        );
+        let netns: Vec<_> = std::fs::read_dir(agent.run_dir().join("netns"))
+            .unwrap()
+            .flatten()
+            .collect();
+        assert_eq!(
+            netns.len(),
+            5,
+            "one namespace file per container, nothing orphaned"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_simulated_reboot_is_recovered() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-reboot", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkb", "152-153");
+        agent.write_manifest("svc.toml", &sleeper("svc", 2));
+        agent.start();
+        let before = agent.wait_all(2, "HEALTHY");
+        agent.kill9();
+
+        // The "reboot": every task gone, every network namespace file gone.
+        for cid in before.values() {
+            containers::stop(&ctd, cid, 9, Duration::from_secs(1))
+                .await
+                .unwrap();
+            let path = agent.run_dir().join("netns").join(cid);
+            let _ = Command::new("umount").arg(&path).status();
+            let _ = std::fs::remove_file(&path);
+        }
+        agent.start();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut running = BTreeMap::new();
+        while Instant::now() < deadline {
+            running = task_pids(&ctd, before.values()).await;
+            if running.len() == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert_eq!(running.len(), 2, "tasks restarted at boot");
+        assert_eq!(
+            agent.wait_all(2, "HEALTHY"),
+            before,
+            "the same containers, not new ones"
+        );
+        for cid in before.values() {
+            assert!(
+                agent.run_dir().join("netns").join(cid).exists(),
+                "network namespace rebuilt for {cid}"
+            );
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_broken_manifest_is_reported_and_harms_nothing() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-broken", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkc", "154-155");
+        agent.write_manifest("a.toml", &sleeper("a", 1));
+        agent.start();
+        let before = agent.wait_all(1, "HEALTHY");
+
+        // Break a.toml and add a broken b.toml: a keeps running, both are reported.
+        agent.write_manifest("a.toml", &sleeper("a", 1).replace("replicas", "replicaz"));
+        agent.write_manifest("b.toml", "[app]\nname = \"Not DNS\"\n");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut errors = Vec::new();
+        while Instant::now() < deadline {
+            errors = agent
+                .status()
+                .map(|s| s["errors"].as_array().cloned().unwrap_or_default())
+                .unwrap_or_default();
+            if errors.len() >= 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let text = serde_json::to_string(&errors).unwrap();
+        assert!(
+            text.contains("a.toml") && text.contains("replicaz"),
+            "{text}"
+        );
+        assert!(text.contains("b.toml"), "{text}");
+        tokio::time::sleep(Duration::from_secs(6)).await; // a tick passes
+        assert_eq!(
+            agent.wait_all(1, "HEALTHY"),
+            before,
+            "the running instance is left as it is"
+        );
+
+        // Deleting the file removes its instance and, with it, the bridge.
+        std::fs::remove_file(agent.manifests().join("a.toml")).unwrap();
+        std::fs::remove_file(agent.manifests().join("b.toml")).unwrap();
+        agent.wait_all(0, "HEALTHY");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Path::new("/sys/class/net/ztkc154").exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            !Path::new("/sys/class/net/ztkc154").exists(),
+            "the last instance took the bridge"
+        );
+    })
+    .await;
+}
