@@ -24,6 +24,8 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     for dir in [&config.data_dir, &config.run_dir] {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    // Two agents on one namespace would remove each other's containers.
+    let _lock = lock_namespace(config.namespace.as_str())?;
     let ctd = Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
     let host_ip = match config.host_ip {
         std::net::IpAddr::V4(ip) => ip,
@@ -40,6 +42,20 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
     let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?;
 
+    // With a control plane the node is who its enrollment says; the
+    // executor's reports flow to the sync stream.
+    let mut control = match &config.control {
+        Some(addr) => {
+            let sync = crate::control::sync::SyncConfig::load(addr, &config.data_dir)
+                .with_context(|| format!("--control {addr}: this node has no usable enrollment; run `zattera-agent join --control {addr} --token TOKEN` first"))?;
+            if let Some(id) = config.node_id.as_ref().filter(|id| **id != sync.node_id) {
+                anyhow::bail!("--node-id {id}: this node enrolled as {}", sync.node_id);
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            Some((sync, tx, rx))
+        }
+        None => None,
+    };
     let standalone = config.control.is_none();
     let source = match (&config.control, &config.manifests) {
         (Some(addr), _) => format!("control {addr}"),
@@ -47,7 +63,10 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         (None, None) => "none (no --manifests and no --control)".to_owned(),
     };
     let exec_cfg = ExecutorConfig {
-        node_id: config.node_id.clone().unwrap_or_default(),
+        node_id: control.as_ref().map_or_else(
+            || config.node_id.clone().unwrap_or_default(),
+            |(sync, _, _)| sync.node_id.clone(),
+        ),
         host_ip,
         data_dir: config.data_dir.clone(),
         run_dir: config.run_dir.clone(),
@@ -57,7 +76,8 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         standalone,
         source,
     };
-    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), None);
+    let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
+    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), batches);
     let executor_task = tokio::spawn(executor.run());
 
     let listener = admin::bind(&config.run_dir).with_context(|| {
@@ -75,9 +95,13 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     );
 
     let source_task = match (&config.control, &config.manifests) {
-        (Some(addr), _) => anyhow::bail!(
-            "--control {addr}: the control-plane client is not implemented yet; run standalone with --manifests"
-        ),
+        (Some(addr), _) => {
+            let Some((sync, _, rx)) = control.take() else {
+                anyhow::bail!("--control {addr}: the sync client was not prepared");
+            };
+            crate::control::sync::spawn(sync, handle.desired.clone(), rx)
+                .with_context(|| format!("--control {addr}: the node identity"))?
+        }
         (None, Some(dir)) => tokio::spawn(feed_from_manifests(
             dir.clone(),
             config.data_dir.join("standalone"),
@@ -152,6 +176,27 @@ async fn feed_from_manifests(
             None => std::future::pending::<()>().await,
         }
     }
+}
+
+/// Holds `/run/lock/zattera-agent-<namespace>.lock` for the agent's life:
+/// a second agent on the same containerd namespace refuses to start.
+fn lock_namespace(namespace: &str) -> Result<nix::fcntl::Flock<std::fs::File>> {
+    let dir = PathBuf::from("/run/lock");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(format!("zattera-agent-{namespace}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
+        anyhow::anyhow!(
+            "another zattera-agent already runs on containerd namespace {namespace:?} (lock {}: {errno}); \
+             agents side by side need different --namespace values",
+            path.display()
+        )
+    })
 }
 
 async fn shutdown_signal() {

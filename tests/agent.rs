@@ -350,3 +350,44 @@ async fn a_broken_manifest_is_reported_and_harms_nothing() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_second_agent_on_the_same_namespace_refuses_to_start() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-lock", |ctd, rig| async move {
+        let mut first = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkd", "156-157");
+        first.start();
+        // The first agent answers on its admin socket once it holds the lock.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while first.status().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(first.status().is_some(), "the first agent is up");
+        let second = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztke", "158-159");
+        let out = Command::new(BIN)
+            .arg("--containerd-address")
+            .arg(&second.socket)
+            .args([
+                "--namespace",
+                &second.ns,
+                "--config",
+                "/dev/null",
+                "--run-dir",
+            ])
+            .arg(second.run_dir())
+            .arg("--data-dir")
+            .arg(second.dir.path().join("data"))
+            .args(["run", "--manifests"])
+            .arg(second.manifests())
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("another zattera-agent already runs")
+                && stderr.contains(ctd.namespace().as_str()),
+            "{stderr}"
+        );
+    })
+    .await;
+}
