@@ -65,7 +65,7 @@ for _ in $(seq 1 15); do
   grep -q 'served by' "$client_log" && break
   sleep 1
 done
-grep -E 'Name:|Address|served by' "$client_log" | tail -n 4
+grep -E 'Name:|Address: 10\.201\.[0-9]+\.[0-9]+$|served by' "$client_log" | tail -n 4
 
 cat <<NEXT
 

@@ -532,6 +532,21 @@ impl Executor {
         })
     }
 
+    /// Removes a container that cannot be restarted (its rootfs or record is
+    /// damaged), so that the next RUN pass creates it afresh.
+    async fn discard(&mut self, o: &OwnedContainer) {
+        match instance::tear_down(&self.h, o).await {
+            Ok(()) => {
+                self.release(o);
+                self.owned.remove(&o.assignment_id);
+                self.monitors.remove(&o.assignment_id);
+            }
+            Err(e) => {
+                tracing::warn!(container = %o.container_id, error = %e, "could not remove a broken container")
+            }
+        }
+    }
+
     fn release(&mut self, o: &OwnedContainer) {
         if let Some(ip) = o.ip {
             self.ipam.release(&o.container_id, ip);
@@ -602,7 +617,8 @@ impl Executor {
                                 continue;
                             }
                             Err(e) => {
-                                tracing::warn!(container = %o.container_id, error = %e.0, "restart failed");
+                                tracing::warn!(container = %o.container_id, error = %e.0, "restart failed; re-creating the container");
+                                self.discard(&o).await;
                             }
                         }
                     }
@@ -615,7 +631,8 @@ impl Executor {
                 TaskState::Absent | TaskState::Created => {
                     // Lost (reboot) or never started: bring the task back now.
                     if let Err(e) = instance::restart(&self.h, &o).await {
-                        tracing::warn!(container = %o.container_id, error = %e.0, "could not start a missing task");
+                        tracing::warn!(container = %o.container_id, error = %e.0, "could not start a missing task; re-creating the container");
+                        self.discard(&o).await;
                     }
                 }
             }
