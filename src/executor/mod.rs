@@ -542,7 +542,7 @@ impl Executor {
                 self.monitors.remove(&o.assignment_id);
             }
             Err(e) => {
-                tracing::warn!(container = %o.container_id, error = %e, "could not remove a broken container")
+                tracing::warn!(container = %o.container_id, error = %e, "could not remove a broken container");
             }
         }
     }
