@@ -391,3 +391,47 @@ async fn a_second_agent_on_the_same_namespace_refuses_to_start() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn container_output_is_kept_while_the_agent_is_down() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-logs", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkf", "160-161");
+        let counter = format!(
+            "[app]\nname = \"count\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
+             [env.prod]\ncommand = \"i=0; while true; do i=$((i+1)); echo out $i; echo err $i >&2; sleep 0.01; done\"\n"
+        );
+        agent.write_manifest("count.toml", &counter);
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let cid = ids.values().next().unwrap().clone();
+        let log = agent.dir.path().join("data/logs").join(format!("{cid}.log"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        agent.kill9();
+        tokio::time::sleep(Duration::from_secs(2)).await; // the agent is down
+        agent.start();
+        agent.wait_all(1, "HEALTHY");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let text = std::fs::read_to_string(&log).unwrap();
+        let mut next = BTreeMap::from([("stdout", 1u64), ("stderr", 1u64)]);
+        let mut lines = 0;
+        for line in text.lines() {
+            let parts: Vec<&str> = line.splitn(4, ' ').collect();
+            assert_eq!(parts.len(), 4, "not a CRI line: {line:?}");
+            assert!(humantime::parse_rfc3339(parts[0]).is_ok(), "{line:?}");
+            assert_eq!(parts[2], "F", "{line:?}");
+            let (tag, n) = parts[3].split_once(' ').unwrap();
+            let stream = parts[1];
+            assert_eq!(tag, if stream == "stdout" { "out" } else { "err" }, "{line:?}");
+            let want = next.get_mut(stream).unwrap();
+            assert_eq!(n.parse::<u64>().unwrap(), *want, "a gap or reordering in {stream}");
+            *want += 1;
+            lines += 1;
+        }
+        // ~100 lines a second per stream for 3+ s, including the 2 s without an agent.
+        assert!(next["stdout"] > 250 && next["stderr"] > 250, "{lines} lines: {next:?}");
+    })
+    .await;
+}
