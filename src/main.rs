@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
@@ -252,6 +252,33 @@ async fn dispatch(cli: Cli) -> Result<()> {
             };
             write_stdout(&text)
         }
-        Command::Join { .. } => bail!("join is not implemented yet"),
+        Command::Join { control, token } => {
+            use zattera_agent::control::join::{JoinOptions, host_name, join};
+            let config = load_config(&cli.global, None)?;
+            std::fs::create_dir_all(&config.data_dir)
+                .with_context(|| format!("creating {}", config.data_dir.display()))?;
+            let opts = JoinOptions {
+                control,
+                token,
+                data_dir: config.data_dir.clone(),
+                node_name: host_name(),
+                binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+            };
+            let joined = join(&opts).await?;
+            println!(
+                "joined as node {} (control {}, mesh IP {}); identity in {}",
+                joined.node_id,
+                joined.control_addr,
+                if joined.mesh_ip.is_empty() {
+                    "none"
+                } else {
+                    &joined.mesh_ip
+                },
+                zattera_agent::control::identity::IdentityDir::new(&config.data_dir)
+                    .dir()
+                    .display()
+            );
+            Ok(())
+        }
     }
 }

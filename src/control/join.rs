@@ -1,0 +1,295 @@
+//! `zattera-agent join`: enrollment with a control plane (wire.md §1.2).
+//!
+//! The token pins the cluster CA by hash; the key pair is made here and only
+//! a CSR travels; the result is stored under the data dir ([`IdentityDir`]).
+//! A node that joined before sends its old id to resume its record.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::proto::cluster::JoinRequest;
+use crate::proto::cluster::join_service_client::JoinServiceClient;
+use crate::proto::v1::ResourceLimits;
+
+use super::host;
+use super::identity::{Enrollment, IdentityDir, IdentityError};
+use super::tls::{self, NodeTls, TlsError};
+
+const TOKEN_PREFIX: &str = "K10";
+
+/// A parsed join token: `K10<sha256 of the CA's DER, hex>::<secret>`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JoinToken {
+    pub ca_pin: String,
+    pub secret: String,
+}
+
+impl std::fmt::Debug for JoinToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JoinToken")
+            .field("ca_pin", &self.ca_pin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::str::FromStr for JoinToken {
+    type Err = JoinError;
+    fn from_str(token: &str) -> Result<Self, JoinError> {
+        let bad = |why: &str| JoinError::BadToken(why.to_owned());
+        let rest = token
+            .trim()
+            .strip_prefix(TOKEN_PREFIX)
+            .ok_or_else(|| bad("it does not start with K10"))?;
+        let (pin, secret) = rest
+            .split_once("::")
+            .ok_or_else(|| bad("no \"::\" between the CA pin and the secret"))?;
+        if pin.len() != 64 || !pin.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad("the CA pin is not 64 hex digits (a SHA-256)"));
+        }
+        if secret.is_empty() {
+            return Err(bad("the secret after \"::\" is empty"));
+        }
+        Ok(Self {
+            ca_pin: pin.to_ascii_lowercase(),
+            secret: secret.to_owned(),
+        })
+    }
+}
+
+/// Why a join failed; each renders as one line an operator can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("join token is malformed: {0} (expected K10<ca-sha256>::<secret>)")]
+    BadToken(String),
+    #[error("control plane {addr} is unreachable: {cause}")]
+    Unreachable { addr: String, cause: String },
+    #[error(
+        "control plane {addr} failed the CA pin: its certificate chain does not contain the CA {pin} named by the token"
+    )]
+    PinMismatch { addr: String, pin: String },
+    #[error("TLS with control plane {addr} failed: {cause}")]
+    Tls { addr: String, cause: String },
+    #[error("control plane {addr} refused the join token: {message}")]
+    TokenRefused { addr: String, message: String },
+    #[error("control plane {addr} rejected the join ({code:?}): {message}")]
+    Rejected {
+        addr: String,
+        code: tonic::Code,
+        message: String,
+    },
+    #[error("control plane {addr} answered with an unusable JoinResponse: {why}")]
+    BadResponse { addr: String, why: String },
+    #[error("generating the node key and CSR: {0}")]
+    Csr(#[from] rcgen::Error),
+    #[error(transparent)]
+    TlsConfig(#[from] TlsError),
+    #[error("storing the enrollment: {0}")]
+    Store(#[from] IdentityError),
+}
+
+/// What `join` needs to know.
+#[derive(Debug, Clone)]
+pub struct JoinOptions {
+    /// `host:port` of a control node's API.
+    pub control: String,
+    pub token: String,
+    pub data_dir: PathBuf,
+    /// Display name for the node record (the host name by default).
+    pub node_name: String,
+    pub binary_version: String,
+}
+
+/// Enrolls this node and stores the result; returns what was stored.
+pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
+    let token: JoinToken = opts.token.parse()?;
+    let addr = opts.control.clone();
+    let ids = IdentityDir::new(&opts.data_dir);
+    let existing_node_id = ids.previous_node_id().unwrap_or_default();
+
+    probe(&addr, &token.ca_pin).await?;
+
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let mut params = rcgen::CertificateParams::default();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, opts.node_name.clone());
+    let csr = params.serialize_request(&key)?.pem()?;
+
+    let channel = tls::connect(&addr, tls::pinned_client(&token.ca_pin)?)
+        .await
+        .map_err(|e| JoinError::Unreachable {
+            addr: addr.clone(),
+            cause: e.to_string(),
+        })?;
+    let (_, disk_total) = host::disk(&opts.data_dir);
+    let request = JoinRequest {
+        token_secret: token.secret.clone(),
+        node_name: opts.node_name.clone(),
+        capacity: Some(ResourceLimits {
+            cpu_millis: host::cpu_millis(),
+            memory_mb: host::mib(host::memory().1),
+        }),
+        capacity_disk_mb: host::mib(disk_total),
+        os_arch: format!("linux/{}", go_arch()),
+        binary_version: opts.binary_version.clone(),
+        csr_pem: csr.into_bytes(),
+        existing_node_id,
+        ..JoinRequest::default()
+    };
+    let mut request = tonic::Request::new(request);
+    request.set_timeout(Duration::from_secs(30));
+    let resp = JoinServiceClient::new(channel)
+        .join(request)
+        .await
+        .map_err(|s| status_error(&addr, &s))?
+        .into_inner();
+
+    let bad = |why: String| JoinError::BadResponse {
+        addr: addr.clone(),
+        why,
+    };
+    if resp.node_id.is_empty() {
+        return Err(bad("node_id is empty".into()));
+    }
+    // The CA handed over must be the one the token pinned: it is the trust
+    // anchor of every later hop.
+    let ca = tls::certs_from_pem("JoinResponse.ca_cert_pem", &resp.ca_cert_pem)
+        .map_err(|e| bad(e.to_string()))?;
+    if !ca.iter().any(|c| tls::pin_of(c) == token.ca_pin) {
+        return Err(bad(format!(
+            "ca_cert_pem is not the CA {} named by the token",
+            token.ca_pin
+        )));
+    }
+    let leaf = tls::certs_from_pem("JoinResponse.node_cert_pem", &resp.node_cert_pem)
+        .map_err(|e| bad(e.to_string()))?;
+    match leaf.first().and_then(|c| tls::node_id_of(c)) {
+        Some(id) if id == resp.node_id => {}
+        other => {
+            return Err(bad(format!(
+                "node_cert_pem names node {other:?}, not {:?}",
+                resp.node_id
+            )));
+        }
+    }
+    let enrollment = Enrollment {
+        node_id: resp.node_id,
+        mesh_ip: resp.mesh_ip,
+        // Loopback setups may leave it empty: the address we dialed works.
+        control_addr: if resp.control_grpc_addr.is_empty() {
+            addr.clone()
+        } else {
+            resp.control_grpc_addr
+        },
+        registry_addr: resp.registry_addr,
+        registry_username: resp.registry_username,
+        registry_password: resp.registry_password,
+    };
+    let node_tls = NodeTls {
+        key_pem: key.serialize_pem().into_bytes(),
+        cert_pem: resp.node_cert_pem,
+        ca_pem: resp.ca_cert_pem,
+    };
+    ids.store(&enrollment, &node_tls)?;
+    Ok(enrollment)
+}
+
+/// Dials and handshakes once before any RPC, so an unreachable address and
+/// a failed pin each get their own message instead of a transport error.
+async fn probe(addr: &str, pin: &str) -> Result<(), JoinError> {
+    let unreachable = |cause: String| JoinError::Unreachable {
+        addr: addr.to_owned(),
+        cause,
+    };
+    let name = tls::server_name_of(addr)?;
+    let tcp = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::net::TcpStream::connect(addr),
+    )
+    .await
+    .map_err(|_| unreachable("no answer within 10 s".into()))?
+    .map_err(|e| unreachable(e.to_string()))?;
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls::pinned_client(pin)?));
+    match tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp)).await {
+        Err(_) => Err(JoinError::Tls {
+            addr: addr.to_owned(),
+            cause: "handshake timed out after 10 s".into(),
+        }),
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) if e.to_string().contains(tls::PIN_MISMATCH) => Err(JoinError::PinMismatch {
+            addr: addr.to_owned(),
+            pin: pin.to_owned(),
+        }),
+        Ok(Err(e)) => Err(JoinError::Tls {
+            addr: addr.to_owned(),
+            cause: e.to_string(),
+        }),
+    }
+}
+
+fn status_error(addr: &str, s: &tonic::Status) -> JoinError {
+    let addr = addr.to_owned();
+    match s.code() {
+        tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => JoinError::TokenRefused {
+            addr,
+            message: s.message().to_owned(),
+        },
+        tonic::Code::Unavailable if s.message().contains("transport") => JoinError::Unreachable {
+            addr,
+            cause: s.message().to_owned(),
+        },
+        code => JoinError::Rejected {
+            addr,
+            code,
+            message: s.message().to_owned(),
+        },
+    }
+}
+
+/// The platform name in Go's spelling, which control records (`linux/amd64`).
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "powerpc64" => "ppc64le",
+        other => other,
+    }
+}
+
+/// This machine's host name, for `node_name`.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_parsing() {
+        let pin = "ab".repeat(32);
+        let t: JoinToken = format!("K10{pin}::s3cret").parse().unwrap();
+        assert_eq!(t.ca_pin, pin);
+        assert_eq!(t.secret, "s3cret");
+        let upper: JoinToken = format!("K10{}::x::y", pin.to_uppercase()).parse().unwrap();
+        assert_eq!(upper.ca_pin, pin);
+        assert_eq!(upper.secret, "x::y");
+        assert!(!format!("{t:?}").contains("s3cret"));
+        for bad in [
+            String::new(),
+            format!("K11{pin}::s"),
+            format!("K10{pin}"),
+            format!("K10{pin}::"),
+            format!("K10{}::s", &pin[..62]),
+            format!("K10{}zz::s", &pin[..62]),
+        ] {
+            let err = bad.parse::<JoinToken>().unwrap_err();
+            assert!(matches!(err, JoinError::BadToken(_)), "{bad}: {err}");
+        }
+    }
+}

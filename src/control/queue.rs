@@ -1,0 +1,421 @@
+//! The status queue between the executor and the control stream
+//! (runtime.md S-5, with the allowed deviation).
+//!
+//! It belongs to the agent, not to a session, so it buffers while control
+//! is away. Reports queue as batches in arrival order; a batch never holds
+//! two reports of one assignment, so every transition goes out in order.
+//! When more than `batches` are waiting, the two oldest are merged per
+//! assignment (latest state wins; the last non-empty port bindings are
+//! kept); when more than `entries` reports are waiting, the OLDEST are
+//! dropped, unlike the reference, which drops the newest. It also
+//! remembers the latest report of every assignment of the current set and
+//! re-queues them after each hello, so a report lost with a broken session
+//! is resent (control's last-write-wins makes that safe).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::executor::status::Observation;
+use crate::proto::cluster::StatusBatch;
+use crate::proto::v1::AssignmentObserved;
+
+/// Batches waiting, as in the reference (wire.md §1.6).
+pub const DEFAULT_BATCHES: usize = 64;
+/// Reports waiting in all batches together.
+pub const DEFAULT_ENTRIES: usize = 4096;
+
+/// One frame's worth of reports, at most one per assignment, remembering
+/// arrival order so the oldest can be dropped first.
+#[derive(Debug, Default)]
+struct Batch {
+    order: VecDeque<String>,
+    map: HashMap<String, AssignmentObserved>,
+}
+
+impl Batch {
+    fn contains(&self, id: &str) -> bool {
+        self.map.contains_key(id)
+    }
+    /// Adds or replaces (then as the newest); true if it replaced one.
+    fn put(&mut self, id: String, obs: AssignmentObserved) -> bool {
+        let replaced = self.map.insert(id.clone(), obs).is_some();
+        if replaced {
+            self.order.retain(|o| *o != id);
+        }
+        self.order.push_back(id);
+        replaced
+    }
+    fn pop_oldest(&mut self) -> Option<String> {
+        let id = self.order.pop_front()?;
+        self.map.remove(&id);
+        Some(id)
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+/// The queue's state; owned by the queue task, plain data for tests.
+#[derive(Debug)]
+pub struct StatusQueue {
+    max_batches: usize,
+    max_entries: usize,
+    batches: VecDeque<Batch>,
+    entries: usize,
+    latest: HashMap<String, AssignmentObserved>,
+    dropped: u64,
+}
+
+impl StatusQueue {
+    pub fn new(max_batches: usize, max_entries: usize) -> Self {
+        Self {
+            max_batches: max_batches.max(1),
+            max_entries: max_entries.max(1),
+            batches: VecDeque::new(),
+            entries: 0,
+            latest: HashMap::new(),
+            dropped: 0,
+        }
+    }
+
+    /// Queues one report of assignment `id`.
+    pub fn push(&mut self, id: &str, mut obs: AssignmentObserved) {
+        if obs.mesh_port_bindings.is_empty()
+            && let Some(prev) = self.latest.get(id)
+        {
+            obs.mesh_port_bindings.clone_from(&prev.mesh_port_bindings);
+        }
+        self.latest.insert(id.to_owned(), obs.clone());
+        self.append(id.to_owned(), obs);
+    }
+
+    fn append(&mut self, id: String, obs: AssignmentObserved) {
+        match self.batches.back_mut() {
+            Some(last) if !last.contains(&id) => {
+                last.put(id, obs);
+            }
+            _ => {
+                let mut b = Batch::default();
+                b.put(id, obs);
+                self.batches.push_back(b);
+            }
+        }
+        self.entries += 1;
+        self.bound();
+    }
+
+    fn bound(&mut self) {
+        // Too many batches: fold the oldest two, the newer report winning.
+        while self.batches.len() > self.max_batches {
+            let (Some(mut oldest), Some(next)) =
+                (self.batches.pop_front(), self.batches.pop_front())
+            else {
+                break;
+            };
+            let Batch { order, mut map } = next;
+            for id in order {
+                if let Some(obs) = map.remove(&id)
+                    && oldest.put(id, obs)
+                {
+                    self.entries -= 1;
+                }
+            }
+            self.batches.push_front(oldest);
+        }
+        // Too many reports: drop from the oldest batch.
+        while self.entries > self.max_entries {
+            let Some(front) = self.batches.front_mut() else {
+                break;
+            };
+            let Some(id) = front.pop_oldest() else {
+                self.batches.pop_front();
+                continue;
+            };
+            if front.map.is_empty() {
+                self.batches.pop_front();
+            }
+            self.entries -= 1;
+            self.dropped += 1;
+            tracing::warn!(assignment = %id, "status queue full: dropped the oldest report");
+        }
+    }
+
+    /// The oldest batch; `None` when nothing waits.
+    pub fn take(&mut self) -> Option<StatusBatch> {
+        let batch = self.batches.pop_front()?;
+        self.entries -= batch.len();
+        Some(StatusBatch {
+            observed: batch.map,
+        })
+    }
+
+    /// Puts back a batch that was never sent, minus the assignments that
+    /// have newer reports waiting.
+    pub fn restore(&mut self, batch: StatusBatch) {
+        let mut restored = Batch::default();
+        for (id, obs) in batch.observed {
+            if !self.batches.iter().any(|b| b.contains(&id)) {
+                restored.put(id, obs);
+            }
+        }
+        if !restored.map.is_empty() {
+            self.entries += restored.len();
+            self.batches.push_front(restored);
+            self.bound();
+        }
+    }
+
+    /// Re-queues the latest report of every known assignment that has
+    /// nothing waiting (a new session).
+    pub fn resync(&mut self) {
+        let missing: Vec<_> = self
+            .latest
+            .iter()
+            .filter(|(id, _)| !self.batches.iter().any(|b| b.contains(id)))
+            .map(|(id, o)| (id.clone(), o.clone()))
+            .collect();
+        for (id, obs) in missing {
+            self.append(id, obs);
+        }
+    }
+
+    /// Forgets the latest reports of assignments no longer in the set.
+    pub fn retain(&mut self, ids: &HashSet<String>) {
+        self.latest.retain(|id, _| ids.contains(id));
+    }
+
+    /// Reports waiting.
+    pub fn len(&self) -> usize {
+        self.entries
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
+enum Command {
+    Take(oneshot::Sender<StatusBatch>),
+    Resync,
+    Retain(HashSet<String>),
+}
+
+/// Talks to the queue task.
+#[derive(Debug, Clone)]
+pub struct QueueHandle {
+    tx: mpsc::Sender<Command>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Take(_) => "Take",
+            Command::Resync => "Resync",
+            Command::Retain(_) => "Retain",
+        })
+    }
+}
+
+impl QueueHandle {
+    /// Waits for the next non-empty batch; `None` once the queue task ended.
+    pub async fn next_batch(&self) -> Option<StatusBatch> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::Take(tx)).await.ok()?;
+        rx.await.ok()
+    }
+    pub async fn resync(&self) {
+        let _ = self.tx.send(Command::Resync).await;
+    }
+    pub async fn retain(&self, ids: HashSet<String>) {
+        let _ = self.tx.send(Command::Retain(ids)).await;
+    }
+}
+
+/// Starts the queue task fed by the executor's `batches`.
+pub fn spawn(queue: StatusQueue, batches: mpsc::Receiver<Vec<Observation>>) -> QueueHandle {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(run(queue, batches, rx));
+    QueueHandle { tx }
+}
+
+async fn run(
+    mut q: StatusQueue,
+    mut batches: mpsc::Receiver<Vec<Observation>>,
+    mut commands: mpsc::Receiver<Command>,
+) {
+    let mut waiter: Option<oneshot::Sender<StatusBatch>> = None;
+    let mut executor_open = true;
+    loop {
+        tokio::select! {
+            batch = batches.recv(), if executor_open => match batch {
+                Some(batch) => {
+                    for obs in batch {
+                        q.push(&obs.assignment_id, obs.to_proto());
+                    }
+                }
+                None => executor_open = false,
+            },
+            cmd = commands.recv() => match cmd {
+                Some(Command::Take(tx)) => waiter = Some(tx),
+                Some(Command::Resync) => q.resync(),
+                Some(Command::Retain(ids)) => q.retain(&ids),
+                None => return,
+            },
+        }
+        if waiter.as_ref().is_some_and(oneshot::Sender::is_closed) {
+            waiter = None;
+        }
+        if waiter.is_some()
+            && let Some(batch) = q.take()
+            && let Some(tx) = waiter.take()
+            && let Err(batch) = tx.send(batch)
+        {
+            // The session went away while asking: keep the reports.
+            q.restore(batch);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::v1::InstanceState;
+
+    fn obs(state: InstanceState, ports: &[(&str, u32)]) -> AssignmentObserved {
+        AssignmentObserved {
+            state: state as i32,
+            mesh_port_bindings: ports.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect(),
+            ..AssignmentObserved::default()
+        }
+    }
+
+    fn state(b: &StatusBatch, id: &str) -> Option<i32> {
+        b.observed.get(id).map(|o| o.state)
+    }
+
+    #[test]
+    fn keeps_every_transition_in_order() {
+        let mut q = StatusQueue::new(8, 64);
+        assert!(q.take().is_none());
+        q.push("a", obs(InstanceState::Pulling, &[]));
+        q.push("b", obs(InstanceState::Pulling, &[]));
+        q.push("a", obs(InstanceState::Starting, &[]));
+        q.push("a", obs(InstanceState::Running, &[("http", 8080)]));
+        q.push("a", obs(InstanceState::Healthy, &[]));
+        assert_eq!(q.len(), 5);
+        let mut seen = Vec::new();
+        while let Some(b) = q.take() {
+            seen.push(state(&b, "a"));
+        }
+        let s = |st: InstanceState| Some(st as i32);
+        assert_eq!(
+            seen,
+            [
+                s(InstanceState::Pulling),
+                s(InstanceState::Starting),
+                s(InstanceState::Running),
+                s(InstanceState::Healthy)
+            ]
+        );
+        assert!(q.is_empty());
+        // The last non-empty bindings ride along with later reports.
+        q.push("a", obs(InstanceState::Unhealthy, &[]));
+        assert_eq!(
+            q.take().unwrap().observed["a"].mesh_port_bindings["http"],
+            8080
+        );
+    }
+
+    #[test]
+    fn coalesces_the_oldest_batches_when_too_many_wait() {
+        let mut q = StatusQueue::new(2, 64);
+        q.push("a", obs(InstanceState::Pulling, &[]));
+        q.push("a", obs(InstanceState::Starting, &[]));
+        q.push("b", obs(InstanceState::Running, &[]));
+        q.push("a", obs(InstanceState::Running, &[]));
+        // [a:P] [a:S b:R] [a:R] -> [a:S b:R] [a:R]
+        assert_eq!(q.len(), 3);
+        let first = q.take().unwrap();
+        assert_eq!(state(&first, "a"), Some(InstanceState::Starting as i32));
+        assert_eq!(state(&first, "b"), Some(InstanceState::Running as i32));
+        assert_eq!(
+            state(&q.take().unwrap(), "a"),
+            Some(InstanceState::Running as i32)
+        );
+    }
+
+    #[test]
+    fn drops_the_oldest_when_full() {
+        let mut q = StatusQueue::new(1, 2);
+        q.push("a", obs(InstanceState::Running, &[]));
+        q.push("b", obs(InstanceState::Running, &[]));
+        q.push("c", obs(InstanceState::Running, &[]));
+        q.push("d", obs(InstanceState::Running, &[]));
+        assert_eq!(q.dropped(), 2);
+        assert_eq!(q.len(), 2);
+        let b = q.take().unwrap();
+        assert!(
+            b.observed.contains_key("c") && b.observed.contains_key("d"),
+            "the newest stay: {b:?}"
+        );
+    }
+
+    #[test]
+    fn restore_and_resync_keep_reports_across_sessions() {
+        let mut q = StatusQueue::new(8, 64);
+        q.push("a", obs(InstanceState::Running, &[]));
+        let lost = q.take().unwrap();
+        q.push("b", obs(InstanceState::Starting, &[]));
+        q.restore(lost);
+        let b = q.take().unwrap();
+        assert_eq!(state(&b, "a"), Some(InstanceState::Running as i32));
+        assert!(q.take().is_some());
+        // Newer reports win over a restored one.
+        q.push("a", obs(InstanceState::Running, &[]));
+        let old = q.take().unwrap();
+        q.push("a", obs(InstanceState::Healthy, &[]));
+        q.restore(old);
+        assert_eq!(q.len(), 1);
+        assert_eq!(
+            state(&q.take().unwrap(), "a"),
+            Some(InstanceState::Healthy as i32)
+        );
+        // A new session resends the latest of every assignment still listed.
+        q.push("b", obs(InstanceState::Running, &[]));
+        q.take();
+        q.retain(&HashSet::from(["a".to_owned()]));
+        q.resync();
+        let b = q.take().unwrap();
+        assert_eq!(b.observed.len(), 1);
+        assert_eq!(state(&b, "a"), Some(InstanceState::Healthy as i32));
+    }
+
+    #[tokio::test]
+    async fn task_hands_out_batches_and_keeps_them_for_a_dead_taker() {
+        let (tx, rx) = mpsc::channel(4);
+        let q = spawn(StatusQueue::new(8, 64), rx);
+        tx.send(vec![Observation::new(
+            "a",
+            crate::executor::status::State::Pulling,
+        )])
+        .await
+        .unwrap();
+        let b = q.next_batch().await.unwrap();
+        assert_eq!(state(&b, "a"), Some(InstanceState::Pulling as i32));
+        // A taker that gives up loses nothing.
+        let gave_up =
+            tokio::time::timeout(std::time::Duration::from_millis(50), q.next_batch()).await;
+        assert!(gave_up.is_err());
+        tx.send(vec![Observation::new(
+            "b",
+            crate::executor::status::State::Running,
+        )])
+        .await
+        .unwrap();
+        let b = q.next_batch().await.unwrap();
+        assert_eq!(state(&b, "b"), Some(InstanceState::Running as i32));
+    }
+}

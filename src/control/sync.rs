@@ -1,0 +1,257 @@
+//! The AgentSync client (wire.md §1.3, runtime.md §3).
+//!
+//! One task reconnects forever with back-off; each session dials a fresh
+//! mTLS channel, sends the hello first, then one writer sends heartbeats,
+//! status batches (from the [`queue`](super::queue)) and acks, while the
+//! receive loop hands every AssignmentSet to the executor, whatever its
+//! version, and never writes itself (S-1).
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use rustls::ClientConfig;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::executor::status::Observation;
+use crate::proto::cluster::agent_message::Body;
+use crate::proto::cluster::agent_sync_service_client::AgentSyncServiceClient;
+use crate::proto::cluster::control_message::Body as ControlBody;
+use crate::proto::cluster::{
+    AgentHello, AgentMessage, AssignmentSet, AssignmentsAck, Heartbeat, StatusBatch,
+};
+
+use super::backoff::Backoff;
+use super::host::{self, CpuMeter};
+use super::queue::{self, QueueHandle};
+use super::tls::{self, NodeTls, TlsError};
+
+/// The reference's heartbeat interval (wire.md §1.6).
+pub const HEARTBEAT: Duration = Duration::from_secs(10);
+/// Outgoing frames buffered per session; acks beyond it are dropped.
+const OUTGOING: usize = 8;
+
+/// What a sync client needs.
+#[derive(Debug, Clone)]
+pub struct SyncConfig {
+    /// `host:port` of the control API.
+    pub control_addr: String,
+    pub node_id: String,
+    pub tls: NodeTls,
+    pub binary_version: String,
+    /// Its filesystem is the one heartbeats report on.
+    pub data_dir: PathBuf,
+    pub heartbeat: Duration,
+    /// Limits of the status queue: batches, reports.
+    pub queue_limits: (usize, usize),
+}
+
+impl SyncConfig {
+    /// The config of an enrolled node: identity from `<data_dir>/node`,
+    /// control at `control_addr`, reference numbers otherwise.
+    pub fn load(
+        control_addr: &str,
+        data_dir: &std::path::Path,
+    ) -> Result<Self, super::identity::IdentityError> {
+        let ids = super::identity::IdentityDir::new(data_dir);
+        let enrollment = ids.load_enrollment()?;
+        Ok(Self {
+            control_addr: control_addr.to_owned(),
+            node_id: enrollment.node_id,
+            tls: ids.load_tls()?,
+            binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+            data_dir: data_dir.to_owned(),
+            heartbeat: HEARTBEAT,
+            queue_limits: (super::queue::DEFAULT_BATCHES, super::queue::DEFAULT_ENTRIES),
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("control answered {code:?}: {message}", code = .0.code(), message = .0.message())]
+    Status(#[from] tonic::Status),
+    #[error("the stream closed before the hello went out")]
+    HelloNotSent,
+    #[error("the send side of the stream closed")]
+    SendClosed,
+    #[error("the status queue ended")]
+    QueueEnded,
+}
+
+/// Starts the client: it owns the executor's batch receiver and feeds
+/// `desired` until the task is aborted.
+pub fn spawn(
+    cfg: SyncConfig,
+    desired: watch::Sender<Option<AssignmentSet>>,
+    batches: mpsc::Receiver<Vec<Observation>>,
+) -> Result<tokio::task::JoinHandle<()>, TlsError> {
+    // Built once: a bad key or certificate is a startup error, not a retry.
+    let client = Arc::new(tls::node_client(&cfg.tls)?);
+    tls::server_name_of(&cfg.control_addr)?;
+    let (max_batches, max_entries) = cfg.queue_limits;
+    let queue = queue::spawn(queue::StatusQueue::new(max_batches, max_entries), batches);
+    Ok(tokio::spawn(run(cfg, client, desired, queue)))
+}
+
+async fn run(
+    cfg: SyncConfig,
+    client: Arc<ClientConfig>,
+    desired: watch::Sender<Option<AssignmentSet>>,
+    queue: QueueHandle,
+) {
+    let mut state = Session {
+        cfg,
+        desired,
+        queue,
+        version: 0,
+    };
+    let mut cpu = CpuMeter::default();
+    let mut backoff = Backoff::default();
+    loop {
+        let started = Instant::now();
+        match state.run((*client).clone(), &mut cpu).await {
+            Ok(()) => tracing::info!(control = %state.cfg.control_addr, "sync stream ended"),
+            Err(e) => {
+                tracing::warn!(control = %state.cfg.control_addr, error = %e, "sync session failed");
+            }
+        }
+        let wait = backoff.next_wait(started.elapsed());
+        tracing::info!(wait_ms = wait.as_millis(), "reconnecting to control");
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// What survives from one session to the next (S-9).
+struct Session {
+    cfg: SyncConfig,
+    desired: watch::Sender<Option<AssignmentSet>>,
+    queue: QueueHandle,
+    /// Highest AssignmentSet version applied by this process.
+    version: u64,
+}
+
+impl Session {
+    async fn run(&mut self, client: ClientConfig, cpu: &mut CpuMeter) -> Result<(), SessionError> {
+        let channel = tls::connect(&self.cfg.control_addr, client).await?;
+        let (out_tx, out_rx) = mpsc::channel::<AgentMessage>(OUTGOING);
+        // Queued before the call starts: nothing can overtake the hello.
+        out_tx
+            .send(frame(Body::Hello(AgentHello {
+                node_id: self.cfg.node_id.clone(),
+                binary_version: self.cfg.binary_version.clone(),
+                assignment_version: self.version,
+            })))
+            .await
+            .map_err(|_| SessionError::HelloNotSent)?;
+        self.queue.resync().await;
+        let mut inbound = AgentSyncServiceClient::new(channel)
+            .max_decoding_message_size(64 * 1024 * 1024)
+            .sync(ReceiverStream::new(out_rx))
+            .await?
+            .into_inner();
+        tracing::info!(control = %self.cfg.control_addr, node_id = %self.cfg.node_id, "sync stream open");
+
+        let (ack_tx, ack_rx) = mpsc::channel::<u64>(OUTGOING);
+        let writer = writer(
+            out_tx,
+            ack_rx,
+            self.queue.clone(),
+            self.cfg.heartbeat,
+            self.cfg.data_dir.clone(),
+            cpu,
+        );
+        let reader = async {
+            while let Some(msg) = inbound.message().await? {
+                match msg.body {
+                    Some(ControlBody::Assignments(set)) => self.apply(set, &ack_tx).await,
+                    Some(ControlBody::Activate(a)) => {
+                        tracing::info!(environment = %a.environment_id, "activate hint from control ignored");
+                    }
+                    None => tracing::warn!("control sent a frame without a body"),
+                }
+            }
+            Ok::<(), SessionError>(())
+        };
+        tokio::select! {
+            r = writer => r,
+            r = reader => r,
+        }
+    }
+
+    /// S-6: record the version, hand the set over, ack best-effort.
+    async fn apply(&mut self, set: AssignmentSet, ack: &mpsc::Sender<u64>) {
+        let version = set.version;
+        self.version = self.version.max(version);
+        let ids: HashSet<String> = set
+            .assignments
+            .iter()
+            .filter_map(|a| a.meta.as_ref().map(|m| m.id.clone()))
+            .collect();
+        tracing::info!(version, assignments = ids.len(), "assignment set received");
+        self.queue.retain(ids).await;
+        // The latest set always wins, even with a lower version (S-11).
+        self.desired.send_replace(Some(set));
+        if ack.try_send(version).is_err() {
+            tracing::debug!(version, "ack dropped: outgoing queue full");
+        }
+    }
+}
+
+fn frame(body: Body) -> AgentMessage {
+    AgentMessage { body: Some(body) }
+}
+
+/// The single writer of a session: heartbeats (one right after the hello,
+/// S-12, then every interval), status batches and acks.
+async fn writer(
+    out: mpsc::Sender<AgentMessage>,
+    mut acks: mpsc::Receiver<u64>,
+    queue: QueueHandle,
+    every: Duration,
+    data_dir: PathBuf,
+    cpu: &mut CpuMeter,
+) -> Result<(), SessionError> {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Kept across iterations: dropping a take mid-flight could lose a batch.
+    let mut take = Box::pin(next_batch(queue.clone()));
+    loop {
+        let body = tokio::select! {
+            _ = tick.tick() => Body::Heartbeat(heartbeat(cpu, &data_dir)),
+            Some(version) = acks.recv() => Body::Ack(AssignmentsAck { version }),
+            batch = &mut take => {
+                take = Box::pin(next_batch(queue.clone()));
+                Body::Status(batch.ok_or(SessionError::QueueEnded)?)
+            }
+        };
+        out.send(frame(body))
+            .await
+            .map_err(|_| SessionError::SendClosed)?;
+    }
+}
+
+async fn next_batch(queue: QueueHandle) -> Option<StatusBatch> {
+    queue.next_batch().await
+}
+
+fn heartbeat(cpu: &mut CpuMeter, data_dir: &std::path::Path) -> Heartbeat {
+    let (memory_used_bytes, memory_total_bytes) = host::memory();
+    let (disk_used_bytes, disk_total_bytes) = host::disk(data_dir);
+    Heartbeat {
+        time: Some(SystemTime::now().into()),
+        cpu_percent: cpu.sample(),
+        memory_used_bytes,
+        memory_total_bytes,
+        disk_used_bytes,
+        disk_total_bytes,
+        // No metrics sampler yet (M-6): the maps stay absent, as before the
+        // reference's first sampler tick.
+        instances: std::collections::HashMap::new(),
+        proxy: std::collections::HashMap::new(),
+    }
+}

@@ -1,0 +1,643 @@
+//! The agent against a test control plane (tests/support/control.rs): join,
+//! mTLS identity, and the AgentSync stream, first with a stand-in executor
+//! (no root needed), then end to end with the real executor, containerd and
+//! the busybox test image.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "support/control.rs"]
+mod control_plane;
+mod support;
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use control_plane::{ControlPlane, Record, TestCa};
+use tokio::sync::{mpsc, watch};
+use zattera_agent::control::identity::IdentityDir;
+use zattera_agent::control::join::{JoinError, JoinOptions, join};
+use zattera_agent::control::sync::{self, SyncConfig};
+use zattera_agent::control::tls::{self, NodeTls};
+use zattera_agent::executor::status::StatusSnapshot;
+use zattera_agent::executor::status::{Observation, State};
+use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::proto::cluster::agent_message::Body;
+use zattera_agent::proto::cluster::{AgentHello, AssignmentRuntime, AssignmentSet};
+use zattera_agent::proto::v1::{Assignment, AssignmentDesired, InstanceState, Meta, ServiceSpec};
+use zattera_agent::runtime::{Containerd, containers, import_archive};
+use zattera_netns::{NetConfig, NetNode};
+
+const SECRET: &str = "join-secret";
+const WAIT: Duration = Duration::from_secs(20);
+
+fn options(cp: &ControlPlane, token: String, data: &Path) -> JoinOptions {
+    JoinOptions {
+        control: cp.address(),
+        token,
+        data_dir: data.to_owned(),
+        node_name: "test-node".into(),
+        binary_version: "9.9.9-test".into(),
+    }
+}
+
+async fn joined(cp: &ControlPlane) -> (tempfile::TempDir, String) {
+    let data = tempfile::tempdir().unwrap();
+    let e = join(&options(cp, cp.ca.token(SECRET), data.path()))
+        .await
+        .expect("join");
+    (data, e.node_id)
+}
+
+fn hello_of(r: &Record, session: usize) -> Option<AgentHello> {
+    r.frames.iter().find_map(|(s, f)| match &f.body {
+        Some(Body::Hello(h)) if *s == session => Some(h.clone()),
+        _ => None,
+    })
+}
+
+#[tokio::test]
+async fn join_stores_the_identity_and_reenrolls_with_the_same_node() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let data = tempfile::tempdir().unwrap();
+    let first = join(&options(&cp, cp.ca.token(SECRET), data.path()))
+        .await
+        .unwrap();
+    assert!(!first.node_id.is_empty());
+    assert_eq!(first.control_addr, cp.address());
+    assert_eq!(first.registry_addr, "127.0.0.1:5000");
+
+    let ids = IdentityDir::new(data.path());
+    let mode = std::fs::metadata(ids.key_path())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "node key mode");
+    // The key is ECDSA P-256 and matches the certificate control signed.
+    let key_pem = std::fs::read_to_string(ids.key_path()).unwrap();
+    let key = rcgen::KeyPair::from_pem(&key_pem).unwrap();
+    assert_eq!(key.algorithm(), &rcgen::PKCS_ECDSA_P256_SHA256);
+    let stored = ids.load_tls().unwrap();
+    let cert = tls::certs_from_pem("node cert", &stored.cert_pem).unwrap();
+    assert_eq!(tls::node_id_of(&cert[0]).as_deref(), Some(&*first.node_id));
+    assert_eq!(stored.ca_pem, cp.ca.pem.as_bytes());
+    assert_eq!(ids.load_enrollment().unwrap(), first);
+
+    let req = cp.with(|r| r.joins[0].clone());
+    assert_eq!(req.token_secret, SECRET, "only the secret travels");
+    assert!(req.existing_node_id.is_empty());
+    assert!(
+        String::from_utf8(req.csr_pem)
+            .unwrap()
+            .contains("BEGIN CERTIFICATE REQUEST")
+    );
+    assert!(req.capacity.unwrap().cpu_millis >= 1000);
+    assert!(req.capacity_disk_mb > 0);
+    assert_eq!(req.binary_version, "9.9.9-test");
+
+    // Joining again resumes the record and replaces the key.
+    let again = join(&options(&cp, cp.ca.token(SECRET), data.path()))
+        .await
+        .unwrap();
+    assert_eq!(again.node_id, first.node_id);
+    let req = cp.with(|r| r.joins[1].clone());
+    assert_eq!(req.existing_node_id, first.node_id);
+    assert_ne!(std::fs::read_to_string(ids.key_path()).unwrap(), key_pem);
+}
+
+#[tokio::test]
+async fn join_failures_are_typed() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let data = tempfile::tempdir().unwrap();
+    let err = join(&options(&cp, cp.ca.token("wrong"), data.path()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JoinError::TokenRefused { .. }), "{err}");
+    let other = TestCa::new("another-ca");
+    let err = join(&options(&cp, other.token(SECRET), data.path()))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JoinError::PinMismatch { .. }), "{err}");
+    let mut gone = options(&cp, cp.ca.token(SECRET), data.path());
+    gone.control = free_port_addr().await;
+    let err = join(&gone).await.unwrap_err();
+    assert!(matches!(err, JoinError::Unreachable { .. }), "{err}");
+    // Nothing was stored by the failures.
+    assert!(!IdentityDir::new(data.path()).key_path().exists());
+}
+
+/// A loopback address nothing listens on.
+async fn free_port_addr() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    addr
+}
+
+/// Runs `zattera-agent join` and returns (success, stdout, stderr).
+fn cli_join(data: &Path, control: &str, token: &str) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zattera-agent"))
+        .args(["--config", "/dev/null", "--data-dir"])
+        .arg(data)
+        .args(["join", "--control", control, "--token", token])
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn join_cli_reports_each_failure_in_one_clear_line() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let data = tempfile::tempdir().unwrap();
+    let addr = cp.address();
+    let unreachable = free_port_addr().await;
+    let other = TestCa::new("another-ca");
+    let cases = [
+        (
+            addr.clone(),
+            cp.ca.token("wrong-secret"),
+            "refused the join token",
+        ),
+        (addr.clone(), other.token(SECRET), "failed the CA pin"),
+        (unreachable, cp.ca.token(SECRET), "is unreachable"),
+        (
+            addr.clone(),
+            "not-a-token".to_owned(),
+            "join token is malformed",
+        ),
+    ];
+    for (control, token, expect) in cases {
+        let d = data.path().to_owned();
+        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &control, &token))
+            .await
+            .unwrap();
+        assert!(!ok, "{expect}: exit status");
+        assert_eq!(
+            stderr.lines().count(),
+            1,
+            "{expect}: one line, got {stderr:?}"
+        );
+        assert!(stderr.contains(expect), "{expect}: {stderr:?}");
+        assert!(!stderr.contains(SECRET), "the secret is never printed");
+    }
+    let d = data.path().to_owned();
+    let token = cp.ca.token(SECRET);
+    let addr = cp.address();
+    let (ok, stdout, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
+        .await
+        .unwrap();
+    assert!(ok, "join: {stderr}");
+    assert!(stdout.starts_with("joined as node "), "{stdout}");
+    assert!(IdentityDir::new(data.path()).load_enrollment().is_ok());
+}
+
+/// The sync config of a joined node, with a quick heartbeat.
+fn sync_config(cp: &ControlPlane, data: &Path) -> SyncConfig {
+    let mut cfg = SyncConfig::load(&cp.address(), data).unwrap();
+    cfg.heartbeat = Duration::from_millis(300);
+    cfg
+}
+
+fn one(id: &str, version: u64, desired: AssignmentDesired) -> AssignmentSet {
+    let a = Assignment {
+        meta: Some(Meta {
+            id: id.into(),
+            ..Meta::default()
+        }),
+        project_id: "proj".into(),
+        app_id: "app".into(),
+        environment_id: "env".into(),
+        desired: desired as i32,
+        config_hash: "h1".into(),
+        release_id: "r1".into(),
+        ..Assignment::default()
+    };
+    let rt = AssignmentRuntime {
+        image_ref: support::TEST_IMAGE.into(),
+        spec: Some(ServiceSpec {
+            command: "sleep 3600".into(),
+            ..ServiceSpec::default()
+        }),
+        env: HashMap::new(),
+        subnet_cidr: "10.201.181.0/24".into(),
+        volume_lease: None,
+    };
+    AssignmentSet {
+        version,
+        assignments: vec![a],
+        runtime: HashMap::from([(id.to_owned(), rt)]),
+    }
+}
+
+/// Waits until the desired watch holds a set with `version`.
+async fn desired_version(rx: &mut watch::Receiver<Option<AssignmentSet>>, version: u64) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            if rx.borrow_and_update().as_ref().map(|s| s.version) == Some(version) {
+                return;
+            }
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the executor never got set version {version}"));
+}
+
+#[tokio::test]
+async fn sync_protocol_statuses_acks_and_reconnect() {
+    let mut cp = ControlPlane::start(&[SECRET]).await;
+    let (data, node_id) = joined(&cp).await;
+    let (desired_tx, mut desired_rx) = watch::channel(None);
+    let (batches, batches_rx) = mpsc::channel(64);
+    let task = sync::spawn(sync_config(&cp, data.path()), desired_tx, batches_rx).unwrap();
+    let _abort = AbortOnDrop(task);
+
+    // Hello first, with the certificate's node id and version 0.
+    let hello = cp.wait_for("a hello", WAIT, |r| hello_of(r, 0)).await;
+    assert_eq!(hello.node_id, node_id);
+    assert_eq!(hello.assignment_version, 0);
+    assert_eq!(hello.binary_version, env!("CARGO_PKG_VERSION"));
+    let hb = cp
+        .wait_for("a heartbeat", WAIT, |r| {
+            r.frames.iter().find_map(|(_, f)| match &f.body {
+                Some(Body::Heartbeat(h)) => Some(h.clone()),
+                _ => None,
+            })
+        })
+        .await;
+    assert!(hb.memory_total_bytes > 0 && hb.memory_used_bytes <= hb.memory_total_bytes);
+    assert!(hb.disk_total_bytes > 0 && hb.time.is_some());
+    assert!((0.0..=100.0).contains(&hb.cpu_percent));
+
+    // A set reaches the executor and is acked.
+    cp.push_set(one("a1", 7, AssignmentDesired::Run));
+    desired_version(&mut desired_rx, 7).await;
+    cp.wait_for("ack 7", WAIT, |r| {
+        r.frames
+            .iter()
+            .any(|(_, f)| matches!(&f.body, Some(Body::Ack(a)) if a.version == 7))
+            .then_some(())
+    })
+    .await;
+
+    // Reports flow in order.
+    for state in [State::Pulling, State::Starting, State::Running] {
+        batches
+            .send(vec![Observation::new("a1", state).container("c1")])
+            .await
+            .unwrap();
+    }
+    let running = InstanceState::Running as i32;
+    cp.wait_for("RUNNING", WAIT, |r| {
+        (r.states_of("a1").last() == Some(&running)).then_some(())
+    })
+    .await;
+    let seen = cp.with(|r| r.states_of("a1"));
+    assert!(seen.is_sorted(), "states out of order: {seen:?}");
+
+    // A lower version still wins: control's counter is not monotonic.
+    cp.push_set(one("a1", 3, AssignmentDesired::Run));
+    desired_version(&mut desired_rx, 3).await;
+
+    // Control goes away; a report made meanwhile waits in the queue.
+    cp.stop().await;
+    batches
+        .send(vec![Observation::new("a1", State::Healthy).container("c1")])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cp.restart().await;
+    let hello = cp
+        .wait_for("a second session", Duration::from_secs(40), |r| {
+            hello_of(r, 1)
+        })
+        .await;
+    assert_eq!(hello.assignment_version, 7, "the highest version applied");
+    let healthy = InstanceState::Healthy as i32;
+    cp.wait_for("HEALTHY after the reconnect", WAIT, |r| {
+        r.frames
+            .iter()
+            .any(|(s, f)| {
+                *s == 1
+                    && matches!(&f.body, Some(Body::Status(b))
+                        if b.observed.get("a1").is_some_and(|o| o.state == healthy))
+            })
+            .then_some(())
+    })
+    .await;
+    // Every session starts with its hello.
+    cp.with(|r| {
+        for s in 0..r.sessions.len() {
+            let first = r.frames.iter().find(|(fs, _)| *fs == s).unwrap();
+            assert!(matches!(first.1.body, Some(Body::Hello(_))), "session {s}");
+        }
+    });
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Starts a sync client with `tls` as node `node_id`; returns its task.
+fn start_sync(cp: &ControlPlane, data: &Path, node_id: &str, tls: NodeTls) -> AbortOnDrop {
+    let mut cfg = sync_config(cp, data);
+    cfg.node_id = node_id.into();
+    cfg.tls = tls;
+    let (desired_tx, _) = watch::channel(None);
+    let (_, batches_rx) = mpsc::channel(1);
+    AbortOnDrop(sync::spawn(cfg, desired_tx, batches_rx).unwrap())
+}
+
+#[tokio::test]
+async fn mtls_refuses_foreign_cas_expired_certificates_and_wrong_hellos() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let (data, node_id) = joined(&cp).await;
+    let good = IdentityDir::new(data.path()).load_tls().unwrap();
+    let other = TestCa::new("another-ca");
+
+    // The agent does not trust a control plane of another CA.
+    let mut foreign_server = good.clone();
+    foreign_server.ca_pem = other.pem.clone().into_bytes();
+    let t1 = start_sync(&cp, data.path(), &node_id, foreign_server);
+    // Control does not accept a node certificate of another CA, nor an
+    // expired one of its own.
+    let (cert, key) = other.node_identity(&node_id, false);
+    let t2 = start_sync(
+        &cp,
+        data.path(),
+        &node_id,
+        NodeTls {
+            key_pem: key.into_bytes(),
+            cert_pem: cert.into_bytes(),
+            ca_pem: cp.ca.pem.clone().into_bytes(),
+        },
+    );
+    let (cert, key) = cp.ca.node_identity(&node_id, true);
+    let t3 = start_sync(
+        &cp,
+        data.path(),
+        &node_id,
+        NodeTls {
+            key_pem: key.into_bytes(),
+            cert_pem: cert.into_bytes(),
+            ca_pem: cp.ca.pem.clone().into_bytes(),
+        },
+    );
+    // A hello naming another node than the certificate is refused.
+    let t4 = start_sync(&cp, data.path(), "someone-else", good.clone());
+    cp.wait_for("the wrong hello refused", WAIT, |r| {
+        r.refused
+            .iter()
+            .any(|m| m.contains("hello names node someone-else"))
+            .then_some(())
+    })
+    .await;
+    // Each of them had time for at least two attempts (0 s and ~1 s).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        cp.with(|r| r.sessions.is_empty()),
+        "a session was accepted: {:?}",
+        cp.with(|r| r.sessions.clone())
+    );
+    drop((t1, t2, t3, t4));
+    // The same control plane accepts the real identity at once.
+    let _t5 = start_sync(&cp, data.path(), &node_id, good);
+    cp.wait_for("the good session", WAIT, |r| hello_of(r, 0))
+        .await;
+}
+
+/// One test's node: the real executor (networking, DNS) fed by the sync
+/// client, with its kernel objects removed even when the test fails.
+struct Node {
+    handle: ExecutorHandle,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    net: Arc<NetNode>,
+    _cleanup: NetCleanup,
+    _dirs: tempfile::TempDir,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Bridges and veths with the test's prefix, its nft table, and mounts
+/// under its run dir.
+struct NetCleanup {
+    prefix: String,
+    table: String,
+    run_dir: PathBuf,
+}
+
+impl Drop for NetCleanup {
+    fn drop(&mut self) {
+        use std::process::Command;
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let mut ours: Vec<&str> = mounts
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter(|m| m.starts_with(&*self.run_dir.to_string_lossy()))
+            .collect();
+        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in ours {
+            let _ = Command::new("umount").args(["-l", m]).status();
+        }
+        let _ = Command::new("nft")
+            .args(["delete", "table", "inet", &self.table])
+            .output();
+        if let Ok(links) = std::fs::read_dir("/sys/class/net") {
+            for l in links.flatten() {
+                let name = l.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&self.prefix) {
+                    let _ = Command::new("ip").args(["link", "del", &name]).output();
+                }
+            }
+        }
+    }
+}
+
+impl Node {
+    fn start(
+        ctd: &Containerd,
+        prefix: &str,
+        cp: &ControlPlane,
+        data: &Path,
+        node_id: &str,
+    ) -> Self {
+        let dirs = tempfile::tempdir().unwrap();
+        let run_dir = dirs.path().join("run");
+        let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        net_cfg.bridge_prefix = prefix.into();
+        let cleanup = NetCleanup {
+            prefix: prefix.into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let net = Arc::new(NetNode::new(net_cfg).unwrap());
+        let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
+        let cfg = ExecutorConfig {
+            node_id: node_id.into(),
+            host_ip: Ipv4Addr::LOCALHOST,
+            data_dir: data.to_owned(),
+            run_dir,
+            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
+            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
+            parallelism: 4,
+            standalone: false,
+            source: format!("control {}", cp.address()),
+        };
+        let (batches_tx, batches_rx) = mpsc::channel(64);
+        let (exec, handle) = Executor::new(
+            cfg,
+            ctd.clone(),
+            Some(Arc::clone(&net)),
+            Some(dns),
+            Some(batches_tx),
+        );
+        let exec_task = tokio::spawn(exec.run());
+        let sync_task =
+            sync::spawn(sync_config(cp, data), handle.desired.clone(), batches_rx).unwrap();
+        Self {
+            handle,
+            tasks: vec![exec_task, sync_task],
+            net,
+            _cleanup: cleanup,
+            _dirs: dirs,
+        }
+    }
+
+    async fn wait_status(&mut self, what: &str, pred: impl Fn(&StatusSnapshot) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let snap = self.handle.status.borrow_and_update().clone();
+            if pred(&snap) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, self.handle.status.changed())
+                .await
+                .is_err()
+            {
+                panic!("timed out waiting for {what}; last status: {snap:#?}");
+            }
+        }
+    }
+}
+
+fn rank(state: i32) -> usize {
+    [
+        InstanceState::Pulling,
+        InstanceState::Starting,
+        InstanceState::Running,
+        InstanceState::Healthy,
+    ]
+    .iter()
+    .position(|s| *s as i32 == state)
+    .unwrap_or_else(|| panic!("unexpected state {state} before HEALTHY"))
+}
+
+#[tokio::test]
+async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-e2e", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import the test image");
+        let mut cp = ControlPlane::start(&[SECRET]).await;
+        let (data, node_id) = joined(&cp).await;
+        let mut node = Node::start(&ctd, "ztcp", &cp, data.path(), &node_id);
+        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+
+        cp.push_set(one("a1", 1, AssignmentDesired::Run));
+        let healthy = InstanceState::Healthy as i32;
+        cp.wait_for("HEALTHY at control", Duration::from_secs(60), |r| {
+            r.states_of("a1").contains(&healthy).then_some(())
+        })
+        .await;
+        let seen = cp.with(|r| r.states_of("a1"));
+        let ranks: Vec<usize> = seen
+            .iter()
+            .take_while(|s| **s != healthy)
+            .map(|s| rank(*s))
+            .collect();
+        assert!(ranks.is_sorted(), "reports out of order: {seen:?}");
+        assert_eq!(
+            seen.first(),
+            Some(&(InstanceState::Pulling as i32)),
+            "{seen:?}"
+        );
+        assert!(
+            seen.contains(&(InstanceState::Starting as i32)),
+            "STARTING missing: {seen:?}"
+        );
+        let report = cp.with(|r| {
+            r.frames
+                .iter()
+                .rev()
+                .find_map(|(_, f)| match &f.body {
+                    Some(Body::Status(b)) => b.observed.get("a1").cloned(),
+                    _ => None,
+                })
+                .unwrap()
+        });
+        assert!(!report.container_id.is_empty(), "{report:?}");
+        assert!(report.updated_at.is_some());
+        node.wait_status("a1 healthy locally", |s| {
+            s.assignments
+                .iter()
+                .any(|a| a.id == "a1" && a.state == State::Healthy)
+        })
+        .await;
+
+        // Control restarts mid-stream: the agent comes back and resends
+        // the latest report, so control's view heals.
+        cp.stop().await;
+        cp.restart().await;
+        cp.wait_for(
+            "HEALTHY again after reconnecting",
+            Duration::from_secs(40),
+            |r| {
+                r.frames
+                    .iter()
+                    .any(|(s, f)| {
+                        *s == 1
+                            && matches!(&f.body, Some(Body::Status(b))
+                            if b.observed.get("a1").is_some_and(|o| o.state == healthy))
+                    })
+                    .then_some(())
+            },
+        )
+        .await;
+
+        // STOP: the container goes and STOPPED is reported.
+        cp.push_set(one("a1", 2, AssignmentDesired::Stop));
+        let stopped = InstanceState::Stopped as i32;
+        cp.wait_for("STOPPED at control", Duration::from_secs(60), |r| {
+            (r.states_of("a1").last() == Some(&stopped)).then_some(())
+        })
+        .await;
+        // An empty set: nothing is left.
+        cp.push_set(AssignmentSet {
+            version: 3,
+            ..AssignmentSet::default()
+        });
+        node.wait_status("everything removed", |s| s.assignments.is_empty())
+            .await;
+        let left = containers::list(&ctd, &[]).await.unwrap();
+        assert!(left.is_empty(), "containers left: {left:?}");
+        let _ = node.net.remove_rules().await;
+    })
+    .await;
+}

@@ -1,0 +1,504 @@
+//! A test control plane: a tonic server on a loopback port with its own CA,
+//! serving `JoinService`, `AgentSyncService` and `RouteService` the way
+//! wire.md describes control's side. It records what agents send and lets a
+//! test push assignment sets and route snapshots, refuse streams, and stop
+//! and restart on the same port.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::Stream;
+use rcgen::{
+    BasicConstraints, CertificateParams, CertificateSigningRequestParams, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use zattera_agent::control::tls::{self, ClientAuth, PeerIdentity};
+use zattera_agent::proto::cluster::agent_message::Body;
+use zattera_agent::proto::cluster::agent_sync_service_server::{
+    AgentSyncService, AgentSyncServiceServer,
+};
+use zattera_agent::proto::cluster::join_service_server::{JoinService, JoinServiceServer};
+use zattera_agent::proto::cluster::route_service_server::{RouteService, RouteServiceServer};
+use zattera_agent::proto::cluster::{
+    AgentMessage, AssignmentSet, ControlMessage, JoinRequest, JoinResponse, RouteSnapshot,
+    WatchRoutesRequest, control_message,
+};
+
+/// A cluster CA made for one test.
+pub struct TestCa {
+    issuer: Issuer<'static, KeyPair>,
+    pub pem: String,
+    pub der: Vec<u8>,
+}
+
+impl TestCa {
+    pub fn new(name: &str) -> Self {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert = params.self_signed(&key).unwrap();
+        Self {
+            pem: cert.pem(),
+            der: cert.der().to_vec(),
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// The join token's CA pin.
+    pub fn pin(&self) -> String {
+        tls::pin_of(&self.der)
+    }
+
+    /// A join token for `secret` pinned to this CA.
+    pub fn token(&self, secret: &str) -> String {
+        format!("K10{}::{secret}", self.pin())
+    }
+
+    /// The control API's certificate (IP SAN 127.0.0.1) and key, the chain
+    /// as control sends it: leaf + root.
+    pub fn server_identity(&self) -> (String, String) {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "zattera-control");
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (format!("{}{}", cert.pem(), self.pem), key.serialize_pem())
+    }
+
+    /// Params control imposes on a node certificate (wire.md §8), valid
+    /// from 5 minutes ago for `valid_for` (negative: already expired).
+    fn node_params(node_id: &str, expired: bool) -> CertificateParams {
+        let mut params = CertificateParams::default();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("node-{node_id}"));
+        params.subject_alt_names = vec![
+            SanType::URI(format!("zattera://node/{node_id}").try_into().unwrap()),
+            SanType::DnsName(format!("node-{node_id}").try_into().unwrap()),
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        let now = SystemTime::now();
+        if expired {
+            params.not_before = (now - Duration::from_secs(2 * 86_400)).into();
+            params.not_after = (now - Duration::from_secs(86_400)).into();
+        } else {
+            params.not_before = (now - Duration::from_secs(300)).into();
+            params.not_after = (now + Duration::from_secs(365 * 86_400)).into();
+        }
+        params
+    }
+
+    /// Signs a CSR as control does: its subject and SANs are replaced.
+    pub fn sign_csr(&self, csr_pem: &str, node_id: &str) -> Result<String, rcgen::Error> {
+        let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)?;
+        csr.params = Self::node_params(node_id, false);
+        Ok(csr.signed_by(&self.issuer)?.pem())
+    }
+
+    /// A node certificate and key made directly (cert PEM, key PEM).
+    pub fn node_identity(&self, node_id: &str, expired: bool) -> (String, String) {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let cert = Self::node_params(node_id, expired)
+            .signed_by(&key, &self.issuer)
+            .unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// Everything the control plane saw and holds.
+#[derive(Default)]
+pub struct Record {
+    pub joins: Vec<JoinRequest>,
+    /// Node ids issued so far.
+    pub nodes: Vec<String>,
+    /// Accepted sync sessions, in order; frames carry their session index.
+    pub sessions: Vec<String>,
+    pub frames: Vec<(usize, AgentMessage)>,
+    /// Why streams were refused (the status message).
+    pub refused: Vec<String>,
+    pub route_watches: Vec<WatchRoutesRequest>,
+}
+
+impl Record {
+    /// Every status report of `assignment`, in arrival order.
+    pub fn states_of(&self, assignment: &str) -> Vec<i32> {
+        self.frames
+            .iter()
+            .filter_map(|(_, f)| match &f.body {
+                Some(Body::Status(b)) => b.observed.get(assignment).map(|o| o.state),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+struct Shared {
+    tokens: Mutex<HashSet<String>>,
+    record: Mutex<Record>,
+    /// Bumped on every change to `record`, for waiters.
+    changed: watch::Sender<u64>,
+    /// The stream of the newest session, for pushes.
+    current: Mutex<Option<mpsc::Sender<Result<ControlMessage, Status>>>>,
+    latest_set: Mutex<Option<AssignmentSet>>,
+    routes: watch::Sender<RouteSnapshot>,
+    addr: Mutex<String>,
+}
+
+impl Shared {
+    fn note(&self, f: impl FnOnce(&mut Record)) {
+        f(&mut self.record.lock().unwrap());
+        self.changed.send_modify(|n| *n += 1);
+    }
+}
+
+/// A running (or stopped) test control plane.
+pub struct ControlPlane {
+    pub ca: Arc<TestCa>,
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    server: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Some((_, task)) = self.server.take() {
+            task.abort();
+        }
+    }
+}
+
+impl ControlPlane {
+    /// Starts on a free loopback port, accepting join `tokens` (secrets).
+    pub async fn start(tokens: &[&str]) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let shared = Arc::new(Shared {
+            tokens: Mutex::new(tokens.iter().map(|t| (*t).to_owned()).collect()),
+            record: Mutex::new(Record::default()),
+            changed: watch::channel(0).0,
+            current: Mutex::new(None),
+            latest_set: Mutex::new(None),
+            routes: watch::channel(RouteSnapshot::default()).0,
+            addr: Mutex::new(addr.to_string()),
+        });
+        let mut cp = Self {
+            ca: Arc::new(TestCa::new("zattera-cluster-ca")),
+            addr,
+            shared,
+            server: None,
+        };
+        cp.serve(listener);
+        cp
+    }
+
+    /// The address agents dial.
+    pub fn address(&self) -> String {
+        self.addr.to_string()
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let (chain, key) = self.ca.server_identity();
+        // Join comes without a client certificate; sync and routes check
+        // the identity per call.
+        let cfg = tls::server(
+            chain.as_bytes(),
+            key.as_bytes(),
+            ClientAuth::Optional(self.ca.pem.as_bytes()),
+        )
+        .unwrap();
+        let svc = Svc {
+            shared: Arc::clone(&self.shared),
+            ca: Arc::clone(&self.ca),
+        };
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(JoinServiceServer::new(svc.clone()))
+                .add_service(AgentSyncServiceServer::new(svc.clone()))
+                .add_service(RouteServiceServer::new(svc))
+                .serve_with_incoming_shutdown(tls::incoming(listener, Arc::new(cfg)), async {
+                    let _ = stop_rx.await;
+                })
+                .await;
+        });
+        self.server = Some((stop_tx, task));
+    }
+
+    /// Stops serving like a crashed control node: open streams end with
+    /// UNAVAILABLE and the port stops accepting.
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.shared.current.lock().unwrap().take() {
+            let _ = tx.try_send(Err(Status::unavailable("control restarting")));
+        }
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(());
+            // Graceful shutdown would wait for the streams; do not.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    /// Serves again on the same port.
+    pub async fn restart(&mut self) {
+        let mut tries = 0;
+        let listener = loop {
+            match tokio::net::TcpListener::bind(self.addr).await {
+                Ok(l) => break l,
+                Err(e) if tries < 50 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("rebinding {}: {e}", self.addr),
+            }
+        };
+        self.serve(listener);
+    }
+
+    /// Pushes a full set to the newest session, and to every later one as
+    /// its initial push.
+    pub fn push_set(&self, set: AssignmentSet) {
+        *self.shared.latest_set.lock().unwrap() = Some(set.clone());
+        self.push(ControlMessage {
+            body: Some(control_message::Body::Assignments(set)),
+        });
+    }
+
+    /// Sends one frame on the newest session, if any.
+    pub fn push(&self, msg: ControlMessage) {
+        if let Some(tx) = self.shared.current.lock().unwrap().as_ref() {
+            let _ = tx.try_send(Ok(msg));
+        }
+    }
+
+    /// Publishes a route snapshot to every watcher.
+    pub fn push_routes(&self, snapshot: RouteSnapshot) {
+        self.shared.routes.send_replace(snapshot);
+    }
+
+    /// Reads the record.
+    pub fn with<T>(&self, f: impl FnOnce(&Record) -> T) -> T {
+        f(&self.shared.record.lock().unwrap())
+    }
+
+    /// Waits up to `timeout` for `pred` to return something.
+    pub async fn wait_for<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Record) -> Option<T>,
+    ) -> T {
+        let mut changed = self.shared.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            changed.borrow_and_update();
+            if let Some(v) = pred(&self.shared.record.lock().unwrap()) {
+                return v;
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                let summary = self.with(|r| {
+                    format!(
+                        "{} joins, sessions {:?}, {} frames, refused {:?}",
+                        r.joins.len(),
+                        r.sessions,
+                        r.frames.len(),
+                        r.refused
+                    )
+                });
+                panic!("timed out after {timeout:?} waiting for {what}; control saw {summary}");
+            }
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Svc {
+    shared: Arc<Shared>,
+    ca: Arc<TestCa>,
+}
+
+impl Svc {
+    /// The caller's node identity, or the refusal control gives.
+    fn node_of<T>(&self, req: &Request<T>) -> Result<String, Status> {
+        let peer = req
+            .extensions()
+            .get::<PeerIdentity>()
+            .cloned()
+            .unwrap_or_default();
+        peer.node_id.ok_or_else(|| {
+            let msg = "method restricted to cluster nodes".to_owned();
+            self.shared.note(|r| r.refused.push(msg.clone()));
+            Status::permission_denied(msg)
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl JoinService for Svc {
+    async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinResponse>, Status> {
+        let req = req.into_inner();
+        if !self
+            .shared
+            .tokens
+            .lock()
+            .unwrap()
+            .contains(&req.token_secret)
+        {
+            self.shared.note(|r| r.joins.push(req.clone()));
+            return Err(Status::permission_denied("invalid join token"));
+        }
+        let csr = String::from_utf8(req.csr_pem.clone())
+            .map_err(|_| Status::invalid_argument("csr_pem is not UTF-8"))?;
+        let node_id = {
+            let rec = self.shared.record.lock().unwrap();
+            if rec.nodes.contains(&req.existing_node_id) {
+                req.existing_node_id.clone()
+            } else {
+                format!("01TESTNODE{:016}", rec.nodes.len() + 1)
+            }
+        };
+        let cert = self
+            .ca
+            .sign_csr(&csr, &node_id)
+            .map_err(|e| Status::invalid_argument(format!("csr: {e}")))?;
+        let id = node_id.clone();
+        self.shared.note(|r| {
+            r.joins.push(req);
+            if !r.nodes.contains(&id) {
+                r.nodes.push(id);
+            }
+        });
+        Ok(Response::new(JoinResponse {
+            node_id: node_id.clone(),
+            ca_cert_pem: self.ca.pem.clone().into_bytes(),
+            node_cert_pem: cert.into_bytes(),
+            control_grpc_addr: self.shared.addr.lock().unwrap().clone(),
+            registry_addr: "127.0.0.1:5000".into(),
+            registry_username: format!("node-{node_id}"),
+            registry_password: "registry-secret".into(),
+            ..JoinResponse::default()
+        }))
+    }
+}
+
+type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AgentSyncService for Svc {
+    type SyncStream = Out<ControlMessage>;
+
+    async fn sync(
+        &self,
+        req: Request<Streaming<AgentMessage>>,
+    ) -> Result<Response<Self::SyncStream>, Status> {
+        let node_id = self.node_of(&req)?;
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            let refuse = |status: Status| {
+                shared.note(|r| r.refused.push(status.message().to_owned()));
+                let _ = tx.try_send(Err(status));
+            };
+            let Ok(Some(hello)) = inbound.message().await else {
+                return;
+            };
+            let Some(Body::Hello(h)) = &hello.body else {
+                refuse(Status::invalid_argument("first frame must be a hello"));
+                return;
+            };
+            if !h.node_id.is_empty() && h.node_id != node_id {
+                refuse(Status::permission_denied(format!(
+                    "hello names node {} but the certificate is node {node_id}",
+                    h.node_id
+                )));
+                return;
+            }
+            let session = shared.record.lock().unwrap().sessions.len();
+            shared.note(|r| {
+                r.sessions.push(node_id.clone());
+                r.frames.push((session, hello));
+            });
+            *shared.current.lock().unwrap() = Some(tx.clone());
+            if let Some(set) = shared.latest_set.lock().unwrap().clone() {
+                let _ = tx.try_send(Ok(ControlMessage {
+                    body: Some(control_message::Body::Assignments(set)),
+                }));
+            }
+            loop {
+                tokio::select! {
+                    m = inbound.message() => match m {
+                        Ok(Some(m)) => shared.note(|r| r.frames.push((session, m))),
+                        _ => return,
+                    },
+                    // A stopped control plane drops its side of the stream.
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[tonic::async_trait]
+impl RouteService for Svc {
+    type WatchRoutesStream = Out<RouteSnapshot>;
+
+    async fn watch_routes(
+        &self,
+        req: Request<WatchRoutesRequest>,
+    ) -> Result<Response<Self::WatchRoutesStream>, Status> {
+        self.node_of(&req)?;
+        let req = req.into_inner();
+        let have = req.have_version;
+        self.shared.note(|r| r.route_watches.push(req));
+        let mut routes = self.shared.routes.subscribe();
+        let (tx, rx) = mpsc::channel(8);
+        tokio::spawn(async move {
+            let mut first = true;
+            loop {
+                let snap = routes.borrow_and_update().clone();
+                let skip = first && snap.version == have;
+                first = false;
+                if !skip && tx.send(Ok(snap)).await.is_err() {
+                    return;
+                }
+                if routes.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
