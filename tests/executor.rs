@@ -498,3 +498,52 @@ async fn a_crashing_service_is_restarted_with_back_off() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn an_empty_volume_is_filled_from_the_image_and_then_kept() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-vol", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxe");
+        let (a, mut rt) = web("vol-0", 225, "h1");
+        rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "www".into(),
+            mount_path: "/var/www".into(),
+        }];
+        agent.push(set(vec![(a, rt)]));
+        let snap = agent
+            .wait_for("HEALTHY", |s| state_of(s, "vol-0") == Some(State::Healthy))
+            .await;
+        let port = snap.assignments[0].ports["http"];
+        let volume = agent.dirs.path().join("data/volumes/zt-prod-www/_data");
+        assert_eq!(
+            std::fs::read_to_string(volume.join("index.html")).unwrap(),
+            "hello from zattera\n",
+            "copied up from the image"
+        );
+        // The container serves the volume, not its image layer.
+        std::fs::write(volume.join("index.html"), "from the volume\n").unwrap();
+        assert_eq!(http_get(&format!("127.0.0.1:{port}")), "from the volume\n");
+        // A replacement finds the volume non-empty and leaves it alone.
+        let (a, mut rt) = web("vol-0", 225, "h2");
+        rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "www".into(),
+            mount_path: "/var/www".into(),
+        }];
+        let before = snap.assignments[0].container_id.clone();
+        agent.push(set(vec![(a, rt)]));
+        agent
+            .wait_for("replaced", |s| {
+                s.assignments
+                    .iter()
+                    .any(|r| r.container_id != before && r.state == State::Healthy)
+            })
+            .await;
+        assert_eq!(
+            std::fs::read_to_string(volume.join("index.html")).unwrap(),
+            "from the volume\n"
+        );
+        agent.finish().await;
+    })
+    .await;
+}

@@ -81,6 +81,8 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
     let hostname: String = cid.chars().take(63).collect();
 
     let mut mounts = Vec::new();
+    // Volumes seen empty now get the image's content at their path (C-8).
+    let mut fresh_volumes = Vec::new();
     for v in &spec_input.volumes {
         let name = format!(
             "zt-{}-{}",
@@ -93,6 +95,12 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
         );
         let dir = h.cfg.data_dir.join("volumes").join(&name).join("_data");
         std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
+        let empty = std::fs::read_dir(&dir)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
+        if empty {
+            fresh_volumes.push((name.clone(), dir.clone(), v.mount_path.clone()));
+        }
         mounts.push(BindMount {
             source: dir,
             destination: v.mount_path.clone(),
@@ -224,6 +232,15 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
         .await
         .map_err(|e| Failure(format!("create: {e}")))?;
 
+        for (name, dir, inside) in &fresh_volumes {
+            let scratch = h.cfg.run_dir.join("scratch");
+            if let Err(e) =
+                crate::runtime::rootfs::copy_up(&h.ctd, &cid, inside, dir, &scratch).await
+            {
+                let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
+                return Err(Failure(format!("ensure volume {name}: {e}")));
+            }
+        }
         let _ = h
             .reports
             .send(Observation::new(&id, State::Starting).container(&cid));

@@ -20,6 +20,7 @@ pub mod lease;
 mod names;
 pub mod pull;
 pub mod reference;
+pub mod rootfs;
 pub mod spec;
 pub mod stats;
 pub mod unpack;
