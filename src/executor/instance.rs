@@ -95,9 +95,7 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
         );
         let dir = h.cfg.data_dir.join("volumes").join(&name).join("_data");
         std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
-        let empty = std::fs::read_dir(&dir)
-            .map(|mut d| d.next().is_none())
-            .unwrap_or(false);
+        let empty = std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none());
         if empty {
             fresh_volumes.push((name.clone(), dir.clone(), v.mount_path.clone()));
         }

@@ -125,6 +125,8 @@ fn copy_tree(from: &Path, to: &Path) -> io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::copy_tree;
 
     #[test]
@@ -134,7 +136,6 @@ mod tests {
         std::fs::create_dir(src.path().join("sub")).unwrap();
         std::fs::write(src.path().join("sub/a.txt"), "a").unwrap();
         std::os::unix::fs::symlink("sub/a.txt", src.path().join("link")).unwrap();
-        use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(
             src.path().join("sub/a.txt"),
             std::fs::Permissions::from_mode(0o640),
