@@ -547,3 +547,43 @@ async fn an_empty_volume_is_filled_from_the_image_and_then_kept() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn jobs_run_once_and_report_their_exit() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-jobs", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxf");
+        let (mut ok, ok_rt) = assignment("job-ok", "jobs", "prod", 226, "echo done", "h1");
+        ok.job_id = "j1".into();
+        let (mut bad, bad_rt) = assignment("job-bad", "jobs", "prod", 226, "exit 4", "h1");
+        bad.job_id = "j2".into();
+        agent.push(set(vec![(ok, ok_rt), (bad, bad_rt)]));
+        let snap = agent
+            .wait_for("both finished", |s| {
+                state_of(s, "job-ok") == Some(State::Stopped)
+                    && state_of(s, "job-bad") == Some(State::Failed)
+            })
+            .await;
+        let bad_row = snap.assignments.iter().find(|a| a.id == "job-bad").unwrap();
+        assert_eq!(bad_row.message, "exited with code 4");
+        // Ticks pass; a job is never run again.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let snap = agent.handle.status.borrow().clone();
+        for row in &snap.assignments {
+            assert_eq!(row.restarts, 0, "{row:?}");
+        }
+        let cid = bad_row.container_id.clone();
+        let labels = zattera_agent::runtime::containers::get(&ctd, &cid)
+            .await
+            .unwrap()
+            .unwrap()
+            .labels;
+        assert_eq!(
+            labels["dev.zattera/exit-code"], "4",
+            "the exit code survives agent restarts"
+        );
+        agent.finish().await;
+    })
+    .await;
+}
