@@ -1,0 +1,331 @@
+#!/usr/bin/env bash
+# Executor benchmarks (issue 6), against the rig's containerd:
+#
+#  1. cold converge of 1, 20 and 50 replicas (image already present): the
+#     real `zattera-agent run --manifests DIR` binary, timed from its spawn
+#     until `status --json` shows every instance RUNNING or HEALTHY, vs the
+#     same number of sequential `ctr run -d --cni` with the CNI bridge and
+#     host-local plugins (Debian's containernetworking-plugins), timed from
+#     the first ctr to the last one's return. Both run `/bin/sh -c 'sleep …'`
+#     from the busybox test image, each container in its own network
+#     namespace on a bridge with a 10.201.x.0/24 subnet. Goal ratio <= 0.5 at 50.
+#  2. with 50 instances running: the agent's resident memory (VmRSS) and its
+#     CPU over IDLE_SECS (default 60) seconds of idling, from /proc/<pid>/stat
+#     utime+stime. Goals <= 30 MiB and <= 1 % of a core.
+#
+# ctr 1.6 reads its CNI configuration only from /etc/cni/net.d and
+# /opt/cni/bin and caches results in /var/lib/cni, with no flag to change
+# that; so ctr runs in a private mount namespace (unshare -m) where /etc,
+# /opt and /var/lib are overlays onto a temp dir: the host's /etc, /opt and
+# /var/lib are never written. The CNI network has no ipMasq (that would
+# add iptables chains to the host's tables), so the peer does a little less
+# than the agent, which also writes its nftables table.
+#
+# Everything is ours and removed on exit, also on failure: containerd
+# namespaces zt-bench-ex-{agent,ctr}-<pid>, bridges ztbn* (agent, slots
+# 120-139 of 10.201.x) and ztbc0 (ctr, 10.201.140.0/24), the agent's nft table,
+# temp dirs. Root only; no traffic leaves the host. Roughly 5 minutes.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+COUNTS=${COUNTS:-"1 20 50"}
+ROUNDS=${ROUNDS:-3}          # converge rounds per count and peer (median)
+IDLE_SECS=${IDLE_SECS:-60}
+RIG_DIR=${ZATTERA_RIG_DIR:-/var/lib/zattera-rig}
+SOCK=${ZATTERA_TEST_CONTAINERD:-/run/zattera-rig/containerd/containerd.sock}
+IMAGE=docker.io/zattera/busybox:test
+TAG=$$
+NS_AGENT=zt-bench-ex-agent-$TAG
+NS_CTR=zt-bench-ex-ctr-$TAG
+PREFIX=ztbn                  # the agent's bridges and veths
+CTR_BRIDGE=ztbc0             # ctr's CNI bridge (not under the agent's prefix)
+CTR_SUBNET=10.201.140.0/24
+NFT_TABLE=zattera_${NS_AGENT//-/_}
+CNI_BIN=/usr/lib/cni
+
+if [ "$(id -u)" != 0 ]; then
+  echo "bench/executor: must run as root" >&2
+  exit 2
+fi
+[ -x "$CNI_BIN/bridge" ] || {
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containernetworking-plugins >/dev/null
+}
+command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
+bash scripts/rig.sh >/dev/null # idempotent: containerd on $SOCK, test images
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
+cargo build --release -q -p zattera-agent --bin zattera-agent
+AGENT=$CARGO_TARGET_DIR/release/zattera-agent
+
+work=$(mktemp -d /tmp/zt-bench-ex.XXXXXX)
+agent_pid=
+ctr_() { ctr --address "$SOCK" "$@"; }
+
+# Kills and deletes every task and container of namespace $1 (ours only).
+purge_containers() {
+  local ids
+  ids=$(ctr_ -n "$1" containers ls -q 2>/dev/null) || return 0
+  [ -n "$ids" ] || return 0
+  for id in $ids; do ctr_ -n "$1" tasks kill -a -s SIGKILL "$id" >/dev/null 2>&1 || true; done
+  for id in $ids; do
+    for _ in $(seq 50); do
+      ctr_ -n "$1" tasks rm "$id" >/dev/null 2>&1 && break
+      ctr_ -n "$1" tasks ls -q 2>/dev/null | grep -qx "$id" || break
+      sleep 0.1
+    done
+    ctr_ -n "$1" containers rm "$id" >/dev/null 2>&1 || true
+  done
+}
+remove_links() {
+  local l
+  for l in /sys/class/net/"$PREFIX"* /sys/class/net/"$CTR_BRIDGE"; do
+    [ -e "$l" ] && ip link del "$(basename "$l")" 2>/dev/null || true
+  done
+}
+umount_under() {
+  awk -v d="$1" '$2 ~ "^"d {print $2}' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
+}
+stop_agent() {
+  if [ -n "$agent_pid" ]; then
+    kill "$agent_pid" 2>/dev/null || true
+    wait "$agent_pid" 2>/dev/null || true
+    agent_pid=
+  fi
+}
+cleanup() {
+  set +e
+  stop_agent
+  for ns in "$NS_AGENT" "$NS_CTR"; do
+    purge_containers "$ns"
+    for img in $(ctr_ -n "$ns" images ls -q 2>/dev/null); do ctr_ -n "$ns" images rm --sync "$img" >/dev/null; done
+    ctr_ namespaces rm "$ns" >/dev/null 2>&1
+  done
+  nft delete table inet "$NFT_TABLE" 2>/dev/null
+  remove_links
+  umount_under "$work"
+  for h in /sys/fs/cgroup /sys/fs/cgroup/*; do
+    for ns in "$NS_AGENT" "$NS_CTR"; do
+      for d in "$h/zattera/$ns" "$h/$ns"; do
+        [ -d "$d" ] && { find "$d" -mindepth 1 -depth -type d -exec rmdir {} + 2>/dev/null; rmdir "$d" 2>/dev/null; }
+      done
+    done
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+# The image, present in both namespaces before anything is timed.
+"$AGENT" --containerd-address "$SOCK" --namespace "$NS_AGENT" image import "$RIG_DIR/images/busybox-oci.tar" >/dev/null
+ctr_ -n "$NS_CTR" images import "$RIG_DIR/images/busybox-oci.tar" >/dev/null
+
+now_ms() { echo $(($(date +%s%N) / 1000000)); }
+# Host CPU ticks: "busy idle", from /proc/stat.
+host_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6}' /proc/stat; }
+# Host CPU between two host_ticks samples: "<% of all cores> <busy ms>".
+host_util() {
+  echo "$1 $2" | awk -v hz="$HZ" '{b = $3 - $1; i = $4 - $2; printf "%.0f%% %d", (b + i) ? 100 * b / (b + i) : 0, b * 1000 / hz}'
+}
+proc_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+HZ=$(getconf CLK_TCK)
+CONTAINERD_PID=$(cat "${ZATTERA_RIG_RUN:-/run/zattera-rig}/containerd.pid" 2>/dev/null || echo 0)
+# CPU ms of the runc shims of namespace $1 (with the runc runs they reaped),
+# and of the log shims they started: "<shims ms> <log shims ms>".
+shim_ms() {
+  local p shims=0 logs=0 t
+  for p in /proc/[0-9]*; do
+    [ -r "$p/cmdline" ] || continue
+    case "$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" in
+      *containerd-shim-runc-v2*"-namespace $1 "*)
+        t=$(awk '{print $14 + $15 + $16 + $17}' "$p/stat" 2>/dev/null || echo 0); shims=$((shims + t)) ;;
+      *"zattera-log $work/"*)
+        [ "$1" = "$NS_AGENT" ] || continue
+        t=$(awk '{print $14 + $15}' "$p/stat" 2>/dev/null || echo 0); logs=$((logs + t)) ;;
+    esac
+  done
+  echo "$((shims * 1000 / HZ)) $((logs * 1000 / HZ))"
+}
+
+# Number of instances RUNNING or HEALTHY, from the agent's admin socket.
+up_count() {
+  "$AGENT" --run-dir "$1" status --json 2>/dev/null | grep -cE '"state": "(RUNNING|HEALTHY)"' || true
+}
+
+manifest() { # replicas
+  cat <<EOF
+[app]
+name = "bench"
+project = "ztbench"
+
+[build]
+type = "image"
+image = "$IMAGE"
+
+[env.production]
+replicas = $1
+command = "sleep 100000"
+stop_grace = "1s"
+EOF
+}
+
+# One agent round: spawn, converge, optionally measure idle, converge to
+# nothing, stop. Prints the converge time in ms.
+agent_round() { # replicas round measure_idle
+  local n=$1 dir="$work/agent-$1-$2" t0 t1 up=0 h0 h1 d0 d1 poll=0.1
+  [ "$n" -eq 1 ] && poll=0.02
+  mkdir -p "$dir/manifests" "$dir/run" "$dir/data"
+  manifest "$n" >"$dir/manifests/bench.toml"
+  d0=$(proc_ticks "$CONTAINERD_PID")
+  h0=$(host_ticks)
+  t0=$(now_ms)
+  "$AGENT" --containerd-address "$SOCK" --namespace "$NS_AGENT" --run-dir "$dir/run" --data-dir "$dir/data" \
+    run --manifests "$dir/manifests" --bridge-prefix "$PREFIX" --subnet-pool 120-139 >"$dir/agent.log" 2>&1 &
+  agent_pid=$!
+  local deadline=$((t0 + 180000))
+  while :; do
+    up=$(up_count "$dir/run")
+    [ "$up" -eq "$n" ] && break
+    if [ "$(now_ms)" -gt "$deadline" ] || ! kill -0 "$agent_pid" 2>/dev/null; then
+      echo "bench/executor: agent reached $up/$n running; log tail:" >&2
+      tail -n 20 "$dir/agent.log" >&2
+      exit 1
+    fi
+    sleep "$poll"
+  done
+  t1=$(now_ms)
+  h1=$(host_ticks)
+  d1=$(proc_ticks "$CONTAINERD_PID")
+  echo $((t1 - t0)) >"$dir/converge_ms"
+  diag agent "$n" "$2" "$h0" "$h1" $(((d1 - d0) * 1000 / HZ)) "$(shim_ms "$NS_AGENT")" $(($(proc_ticks "$agent_pid") * 1000 / HZ))
+  if [ "$3" = yes ]; then
+    sleep 5 # let the start-up work (first health/status passes) settle
+    rss=$(awk '/^VmRSS/ {print $2}' "/proc/$agent_pid/status")
+    hwm=$(awk '/^VmHWM/ {print $2}' "/proc/$agent_pid/status")
+    threads=$(awk '/^Threads/ {print $2}' "/proc/$agent_pid/status")
+    tck=$(getconf CLK_TCK)
+    c0=$(awk '{print $14 + $15}' "/proc/$agent_pid/stat")
+    w0=$(date +%s%N)
+    sleep "$IDLE_SECS"
+    c1=$(awk '{print $14 + $15}' "/proc/$agent_pid/stat")
+    w1=$(date +%s%N)
+    echo "$rss $hwm $threads $(awk -v c=$((c1 - c0)) -v t="$tck" -v w=$((w1 - w0)) 'BEGIN {printf "%.3f", 100 * (c / t) / (w / 1e9)}') $((c1 - c0))" >"$work/idle"
+    [ "$(up_count "$dir/run")" -eq "$n" ] || echo "bench/executor: warning: not all $n instances up after the idle minute" >&2
+  fi
+  # Converge to nothing through the agent itself, then stop it.
+  rm -f "$dir/manifests/bench.toml"
+  for _ in $(seq 600); do
+    [ -z "$(ctr_ -n "$NS_AGENT" containers ls -q)" ] && break
+    sleep 0.1
+  done
+  stop_agent
+  [ -n "${KEEP_LOGS:-}" ] && cp "$dir/agent.log" "$KEEP_LOGS/agent-$n-$2.log"
+  purge_containers "$NS_AGENT" # in case the agent left any
+  nft delete table inet "$NFT_TABLE" 2>/dev/null || true
+  for l in /sys/class/net/"$PREFIX"*; do [ -e "$l" ] && ip link del "$(basename "$l")" 2>/dev/null; done
+  umount_under "$dir"
+  cat "$dir/converge_ms"
+}
+
+# The ctr side runs in a private mount namespace (see the header).
+cat >"$work/ctr-inner.sh" <<'INNER'
+set -euo pipefail
+W=$1 N=$2 ROUND=$3
+for d in etc opt var; do mkdir -p "$W/ov/$d-up" "$W/ov/$d-work"; done
+mkdir -p "$W/ov/rig"
+# /var/lib is overlaid for /var/lib/cni; containerd's own root (the rig's)
+# is bound back so that ctr's client-side rootfs mounts still see it.
+mount --bind "$RIG_DIR" "$W/ov/rig"
+mount -t overlay zt-bench-etc -o "lowerdir=/etc,upperdir=$W/ov/etc-up,workdir=$W/ov/etc-work" /etc
+mount -t overlay zt-bench-opt -o "lowerdir=/opt,upperdir=$W/ov/opt-up,workdir=$W/ov/opt-work" /opt
+mount -t overlay zt-bench-var -o "lowerdir=/var/lib,upperdir=$W/ov/var-up,workdir=$W/ov/var-work" /var/lib
+mount --bind "$W/ov/rig" "$RIG_DIR"
+mkdir -p /etc/cni/net.d /opt/cni
+ln -sfn "$CNI_BIN" /opt/cni/bin
+cat >/etc/cni/net.d/10-zt-bench.conflist <<JSON
+{"cniVersion": "1.0.0", "name": "zt-bench", "plugins": [{"type": "bridge", "bridge": "$CTR_BRIDGE",
+ "isGateway": true, "ipMasq": false,
+ "ipam": {"type": "host-local", "ranges": [[{"subnet": "$CTR_SUBNET"}]], "dataDir": "$W/ipam"}}]}
+JSON
+t0=$(date +%s%N)
+for i in $(seq "$N"); do
+  ctr --address "$SOCK" -n "$NS_CTR" run -d --cni "$IMAGE" "c$ROUND-$i" /bin/sh -c 'sleep 100000' >/dev/null
+done
+t1=$(date +%s%N)
+echo $(((t1 - t0) / 1000000))
+INNER
+
+ctr_round() { # replicas round
+  local n=$1 ms ips h0 h1 d0 d1
+  rm -rf "$work/ipam"
+  d0=$(proc_ticks "$CONTAINERD_PID")
+  h0=$(host_ticks)
+  ms=$(RIG_DIR=$RIG_DIR CNI_BIN=$CNI_BIN CTR_BRIDGE=$CTR_BRIDGE CTR_SUBNET=$CTR_SUBNET SOCK=$SOCK NS_CTR=$NS_CTR IMAGE=$IMAGE \
+    unshare -m --propagation private bash "$work/ctr-inner.sh" "$work" "$n" "$2")
+  h1=$(host_ticks)
+  d1=$(proc_ticks "$CONTAINERD_PID")
+  diag ctr "$n" "$2" "$h0" "$h1" $(((d1 - d0) * 1000 / HZ)) "$(shim_ms "$NS_CTR")" -
+  # Every container got an address from the CNI bridge network.
+  ips=$(find "$work/ipam/zt-bench" -name '10.201.*' | wc -l)
+  [ "$ips" -eq "$n" ] || { echo "bench/executor: ctr --cni gave $ips addresses for $n containers" >&2; exit 1; }
+  [ "$(ctr_ -n "$NS_CTR" tasks ls | grep -c RUNNING)" -eq "$n" ] || { echo "bench/executor: not all ctr tasks running" >&2; exit 1; }
+  purge_containers "$NS_CTR"
+  rm -rf "$work/ov"
+  echo "$ms"
+}
+
+# One line of the CPU breakdown of a converge.
+diag() { # peer n round h0 h1 containerd_ms "shims_ms logshims_ms" agent_ms
+  local shims logs
+  read -r shims logs <<<"$7"
+  read -r pct busy <<<"$(host_util "$4" "$5")"
+  printf '   %-6s %4s %5s %8s %10s %11s %10s %10s %9s\n' "$1" "$2" "$3" "$pct" "$busy" "$6" "$shims" \
+    "$([ "$1" = agent ] && echo "$logs" || echo -)" "$8" >>"$work/diag"
+}
+
+median() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
+
+echo "== cold converge, image present; $ROUNDS rounds per count, peers alternating"
+for n in $COUNTS; do
+  : >"$work/a-$n"
+  : >"$work/c-$n"
+  for r in $(seq "$ROUNDS"); do
+    idle=no
+    [ "$n" -eq 50 ] && [ "$r" -eq 1 ] && idle=yes
+    if [ $((r % 2)) -eq 1 ]; then
+      a=$(agent_round "$n" "$r" "$idle"); c=$(ctr_round "$n" "$r")
+    else
+      c=$(ctr_round "$n" "$r"); a=$(agent_round "$n" "$r" "$idle")
+    fi
+    echo "$a" >>"$work/a-$n"
+    echo "$c" >>"$work/c-$n"
+    echo "   $n replicas, round $r: agent $a ms, ctr run -d --cni x$n $c ms"
+  done
+done
+ip link del "$CTR_BRIDGE" 2>/dev/null || true
+
+echo
+printf '%-9s %16s %16s %8s %s\n' replicas "agent p50 ms" "ctr --cni p50 ms" ratio goal
+for n in $COUNTS; do
+  a=$(median <"$work/a-$n")
+  c=$(median <"$work/c-$n")
+  awk -v n="$n" -v a="$a" -v c="$c" 'BEGIN {
+    r = a / c
+    g = (n == 50) ? ((r <= 0.5) ? "met (<= 0.5)" : "MISSED (<= 0.5)") : "-"
+    printf "%-9s %16d %16d %8.2f %s\n", n, a, c, r, g
+  }'
+done
+echo
+echo "CPU during each converge (ms of CPU time; host = all $(nproc) cores busy, from /proc/stat):"
+printf '   %-6s %4s %5s %8s %10s %11s %10s %10s %9s\n' peer n round host% host_ms containerd runc-shims log-shims agent
+cat "$work/diag"
+if [ -s "$work/idle" ]; then
+  read -r rss hwm threads cpu ticks <"$work/idle"
+  echo
+  awk -v r="$rss" -v h="$hwm" -v t="$threads" 'BEGIN {
+    printf "agent VmRSS with 50 instances: %.1f MiB (peak VmHWM %.1f MiB, %d threads)  goal <= 30 MiB: %s\n",
+      r / 1024, h / 1024, t, (r / 1024 <= 30) ? "met" : "MISSED"
+  }'
+  awk -v c="$cpu" -v k="$ticks" -v s="$IDLE_SECS" 'BEGIN {
+    printf "agent CPU idle over %d s with 50 instances: %.2f %% of a core (%d ticks)  goal <= 1 %%: %s\n",
+      s, c, k, (c <= 1.0) ? "met" : "MISSED"
+  }'
+fi
