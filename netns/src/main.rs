@@ -1,9 +1,10 @@
 //! `zattera-netns`: the operator's tool for debugging node networking.
 //!
 //! It reads the kernel directly (links, addresses, namespace files, our
-//! nftables table). Asking a running agent through its admin socket, and so
-//! knowing which containers are live and resolving assignment ids, is not
-//! built yet.
+//! nftables table), and asks a running agent through its admin socket which
+//! containers are live and which container a TARGET names.
+
+mod agent_view;
 
 use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
@@ -27,11 +28,15 @@ EXIT STATUS
     0 on success (dig: on any DNS answer, NXDOMAIN included), 1 on an error,
     printed with its cause.
 
+TARGET
+    An assignment id, app.env.project (its first instance) or a container id.
+    The first two are resolved by the agent's admin socket (<run-dir>/agent.sock).
+
 WITHOUT THE AGENT
-    Every command reads the kernel directly. Asking the agent's admin socket
-    (live containers, assignment ids and app.env.project as TARGET) is not
-    available yet, so TARGET is a container id and gc keeps every complete
-    attachment.
+    Every command reads the kernel directly, so it works while the agent is
+    down. TARGET is then a container id, and gc keeps every complete
+    attachment; with the agent, gc also collects attachments of containers
+    the agent does not run.
 
 EXAMPLES
     zattera-netns ls
@@ -95,11 +100,12 @@ enum Command {
     },
     /// Run a host program inside a container's network namespace.
     ///
-    /// TARGET is a container id (the name of its namespace file). The program
+    /// TARGET is an assignment id, app.env.project or a container id. The program
     /// comes from the host (ss, tcpdump, curl, ip) and sees only the
     /// container's interfaces, routes and sockets.
     Exec {
-        /// A container id: the name of its namespace file under <run-dir>/netns.
+        /// An assignment id or app.env.project (resolved by the running agent), or a
+        /// container id: the name of its namespace file under <run-dir>/netns.
         target: String,
         /// The program and its arguments, after `--`.
         #[arg(last = true, required = true)]
@@ -108,7 +114,8 @@ enum Command {
     /// Resolve a name the way an instance would: an A query from inside its
     /// network namespace to its gateway's resolver.
     ///
-    /// TARGET (after --from) is a container id. Prints the response code and
+    /// TARGET (after --from) is an assignment id, app.env.project or a container
+    /// id. Prints the response code and
     /// the addresses with their TTLs.
     Dig {
         /// The name to resolve, e.g. web.internal.
@@ -163,7 +170,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
     let cfg = config(&cli)?;
     match cli.command {
         // exec replaces this process: no runtime, no threads to leave behind.
-        Command::Exec { target, command } => exec(&cfg, &target, &command),
+        Command::Exec { target, command } => {
+            let target = resolve_target(&cfg, &target)?;
+            exec(&cfg, &target, &command)
+        }
         command => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -404,9 +414,33 @@ fn dns_listener(gateway: Ipv4Addr) -> String {
     }
 }
 
+/// Resolves TARGET through the agent when one answers; otherwise it is taken
+/// as a container id.
+fn resolve_target(cfg: &NetConfig, target: &str) -> Result<String> {
+    let Some(run_dir) = cfg.netns_dir.parent() else {
+        return Ok(target.to_owned());
+    };
+    match agent_view::instances(run_dir) {
+        Some(instances) => agent_view::resolve(&instances, target).map_err(anyhow::Error::msg),
+        None => Ok(target.to_owned()),
+    }
+}
+
 async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
     let inv = inventory::read(node).await?;
-    let plan = inventory::plan(&inv, None);
+    // With an agent, only its live containers keep their attachments.
+    let live: Option<std::collections::BTreeSet<String>> = node
+        .config()
+        .netns_dir
+        .parent()
+        .and_then(agent_view::instances)
+        .map(|all| {
+            all.into_iter()
+                .map(|i| i.container_id)
+                .filter(|c| !c.is_empty())
+                .collect()
+        });
+    let plan = inventory::plan(&inv, live.as_ref());
     if json {
         println!(
             "{}",
@@ -439,6 +473,8 @@ async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
 }
 
 async fn dig(node: &NetNode, name: &str, from: &str, json: bool) -> Result<()> {
+    let resolved = resolve_target(node.config(), from)?;
+    let from = resolved.as_str();
     let inv = inventory::read(node).await?;
     let Some(target) = inv.netns.iter().find(|n| n.container_id == from) else {
         let known: Vec<&str> = inv.netns.iter().map(|n| n.container_id.as_str()).collect();
@@ -495,8 +531,8 @@ fn exec(cfg: &NetConfig, target: &str, command: &[String]) -> Result<ExitCode> {
             known.join(", ")
         };
         bail!(
-            "no network namespace for {target:?} at {} (known: {known}); targets by assignment id or \
-             app.env.project need the agent's admin socket, which is not available yet",
+            "no network namespace for {target:?} at {} (known: {known}); assignment ids and \
+             app.env.project are resolved only while the agent runs",
             path.display()
         );
     }
