@@ -42,6 +42,20 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
     let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?;
 
+    // With a control plane the node is who its enrollment says; the
+    // executor's reports flow to the sync stream.
+    let mut control = match &config.control {
+        Some(addr) => {
+            let sync = crate::control::sync::SyncConfig::load(addr, &config.data_dir)
+                .with_context(|| format!("--control {addr}: this node has no usable enrollment; run `zattera-agent join --control {addr} --token TOKEN` first"))?;
+            if let Some(id) = config.node_id.as_ref().filter(|id| **id != sync.node_id) {
+                anyhow::bail!("--node-id {id}: this node enrolled as {}", sync.node_id);
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            Some((sync, tx, rx))
+        }
+        None => None,
+    };
     let standalone = config.control.is_none();
     let source = match (&config.control, &config.manifests) {
         (Some(addr), _) => format!("control {addr}"),
@@ -49,7 +63,10 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         (None, None) => "none (no --manifests and no --control)".to_owned(),
     };
     let exec_cfg = ExecutorConfig {
-        node_id: config.node_id.clone().unwrap_or_default(),
+        node_id: control.as_ref().map_or_else(
+            || config.node_id.clone().unwrap_or_default(),
+            |(sync, _, _)| sync.node_id.clone(),
+        ),
         host_ip,
         data_dir: config.data_dir.clone(),
         run_dir: config.run_dir.clone(),
@@ -59,7 +76,8 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         standalone,
         source,
     };
-    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), None);
+    let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
+    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), batches);
     let executor_task = tokio::spawn(executor.run());
 
     let listener = admin::bind(&config.run_dir).with_context(|| {
@@ -77,9 +95,16 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     );
 
     let source_task = match (&config.control, &config.manifests) {
-        (Some(addr), _) => anyhow::bail!(
-            "--control {addr}: the control-plane client is not implemented yet; run standalone with --manifests"
-        ),
+        (Some(addr), _) => {
+            let Some((sync, _, rx)) = control.take() else {
+                anyhow::bail!("--control {addr}: the sync client was not prepared");
+            };
+            // Route snapshots are persisted and kept current; feeding their
+            // VIPs to DNS needs the executor to accept a route table.
+            let _routes = crate::control::services::spawn(&sync).await;
+            crate::control::sync::spawn(sync, handle.desired.clone(), rx)
+                .with_context(|| format!("--control {addr}: the node identity"))?
+        }
         (None, Some(dir)) => tokio::spawn(feed_from_manifests(
             dir.clone(),
             config.data_dir.join("standalone"),

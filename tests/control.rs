@@ -17,16 +17,22 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use control_plane::{ControlPlane, Record, TestCa};
+use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::identity::IdentityDir;
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
+use zattera_agent::control::node_api::NodeApi;
+use zattera_agent::control::routes::{self, RoutesConfig};
 use zattera_agent::control::sync::{self, SyncConfig};
 use zattera_agent::control::tls::{self, NodeTls};
 use zattera_agent::executor::status::StatusSnapshot;
 use zattera_agent::executor::status::{Observation, State};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
-use zattera_agent::proto::cluster::{AgentHello, AssignmentRuntime, AssignmentSet};
+use zattera_agent::proto::cluster::{
+    AgentHello, AgentTopRequest, AssignmentRuntime, AssignmentSet, InternalService, RouteSnapshot,
+};
 use zattera_agent::proto::v1::{Assignment, AssignmentDesired, InstanceState, Meta, ServiceSpec};
 use zattera_agent::runtime::{Containerd, containers, import_archive};
 use zattera_netns::{NetConfig, NetNode};
@@ -638,6 +644,330 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         let left = containers::list(&ctd, &[]).await.unwrap();
         assert!(left.is_empty(), "containers left: {left:?}");
         let _ = node.net.remove_rules().await;
+    })
+    .await;
+}
+
+fn snapshot(version: u64, vip: &str) -> RouteSnapshot {
+    RouteSnapshot {
+        version,
+        internal_services: vec![InternalService {
+            fqdn: "web.prod.shop.internal.".into(),
+            project_id: "p1".into(),
+            environment_id: "e1".into(),
+            vip: vip.into(),
+            ports: vec![],
+        }],
+        ..RouteSnapshot::default()
+    }
+}
+
+async fn snapshot_version(rx: &mut watch::Receiver<Option<Arc<RouteSnapshot>>>, version: u64) {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            if rx.borrow_and_update().as_ref().map(|s| s.version) == Some(version) {
+                return;
+            }
+            rx.changed().await.unwrap();
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("route snapshot {version} never arrived"));
+}
+
+#[tokio::test]
+async fn route_snapshots_are_persisted_and_served_while_control_is_away() {
+    let mut cp = ControlPlane::start(&[SECRET]).await;
+    let (data, node_id) = joined(&cp).await;
+    let cfg = RoutesConfig {
+        control_addr: cp.address(),
+        node_id: node_id.clone(),
+        tls: IdentityDir::new(data.path()).load_tls().unwrap(),
+        state_file: data.path().join("node/routes.pb"),
+    };
+    cp.push_routes(snapshot(5, "10.97.0.5"));
+    let (tx, mut rx) = watch::channel(None);
+    let client = AbortOnDrop(routes::spawn(cfg.clone(), tx).unwrap());
+    snapshot_version(&mut rx, 5).await;
+    let snap = rx.borrow().clone().unwrap();
+    assert_eq!(routes::name_table(&snap).len(), 1);
+    let first = cp.with(|r| r.route_watches[0].clone());
+    assert_eq!((first.node_id.as_str(), first.have_version), (&*node_id, 0));
+    cp.push_routes(snapshot(6, "10.97.0.6"));
+    snapshot_version(&mut rx, 6).await;
+
+    // Agent restarted while control is down: the persisted snapshot is
+    // served at once.
+    drop(client);
+    cp.stop().await;
+    let (tx, mut rx) = watch::channel(None);
+    let _client = AbortOnDrop(routes::spawn(cfg, tx).unwrap());
+    snapshot_version(&mut rx, 6).await;
+    assert_eq!(
+        rx.borrow().as_ref().unwrap().internal_services[0].vip,
+        "10.97.0.6"
+    );
+    // Back online, it tells control what it has.
+    cp.restart().await;
+    cp.wait_for(
+        "a watch with have_version 6",
+        Duration::from_secs(40),
+        |r| {
+            r.route_watches
+                .iter()
+                .skip(1)
+                .any(|w| w.have_version == 6)
+                .then_some(())
+        },
+    )
+    .await;
+    cp.push_routes(snapshot(7, "10.97.0.7"));
+    snapshot_version(&mut rx, 7).await;
+}
+
+/// Calls `Top` on the node API; `Err(None)` when no call got through.
+async fn call_top(
+    addr: &str,
+    name: &ServerName<'static>,
+    cfg: rustls::ClientConfig,
+) -> Result<(), Option<(tonic::Code, String)>> {
+    let channel = tls::connect_as(addr, name.clone(), cfg)
+        .await
+        .map_err(|_| None)?;
+    AgentLocalServiceClient::new(channel)
+        .top(AgentTopRequest {
+            container_id: "c1".into(),
+        })
+        .await
+        .map(|_| ())
+        .map_err(|s| Some((s.code(), s.message().to_owned())))
+}
+
+fn client_with(ca: &TestCa, identity: Option<(String, String)>) -> rustls::ClientConfig {
+    if let Some((cert, key)) = identity {
+        return tls::node_client(&NodeTls {
+            key_pem: key.into_bytes(),
+            cert_pem: cert.into_bytes(),
+            ca_pem: ca.pem.clone().into_bytes(),
+        })
+        .unwrap();
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from(ca.der.clone()))
+        .unwrap();
+    let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    cfg
+}
+
+#[tokio::test]
+async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let (data, node_id) = joined(&cp).await;
+    let node = IdentityDir::new(data.path()).load_tls().unwrap();
+    let api = NodeApi::bind("127.0.0.1:0".parse().unwrap(), &node)
+        .await
+        .unwrap();
+    let addr = api.local_addr().unwrap().to_string();
+    let _server = AbortOnDrop(tokio::spawn(async move {
+        let _ = api.serve().await;
+    }));
+    // Without the mesh the node certificate has no IP SAN: verify it by
+    // its DNS SAN.
+    let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+
+    // A control node's certificate: the call reaches the service, which
+    // declines naming the capability.
+    let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
+    let err = call_top(&addr, &name, control).await.unwrap_err().unwrap();
+    assert_eq!(err.0, tonic::Code::Unimplemented, "{err:?}");
+    assert!(err.1.contains("Top"), "{err:?}");
+
+    // No client certificate, another CA's, an expired one: refused in the
+    // handshake. A cluster certificate without a node identity: refused
+    // per call.
+    let other = TestCa::new("another-ca");
+    let refused = [
+        ("no certificate", client_with(&cp.ca, None)),
+        (
+            "another CA",
+            client_with(&cp.ca, Some(other.node_identity("control-1", false))),
+        ),
+        (
+            "expired",
+            client_with(&cp.ca, Some(cp.ca.node_identity("control-1", true))),
+        ),
+    ];
+    for (what, cfg) in refused {
+        match call_top(&addr, &name, cfg).await {
+            Err(None) => {}
+            Err(Some((code, msg))) => assert!(
+                !matches!(
+                    code,
+                    tonic::Code::Unimplemented | tonic::Code::PermissionDenied
+                ),
+                "{what}: the call reached the service: {code:?} {msg}"
+            ),
+            Ok(()) => panic!("{what}: accepted"),
+        }
+    }
+    let (chain, key) = cp.ca.server_identity();
+    let err = call_top(&addr, &name, client_with(&cp.ca, Some((chain, key))))
+        .await
+        .unwrap_err()
+        .unwrap();
+    assert_eq!(err.0, tonic::Code::PermissionDenied, "{err:?}");
+}
+
+/// The agent binary, killed (and its cgroup parents removed) on drop.
+struct AgentBin {
+    child: std::process::Child,
+    cgroup: String,
+}
+
+impl Drop for AgentBin {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The binary parents containers under /zattera/<namespace>.
+        for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+            let _ = std::fs::remove_dir(Path::new(root).join(&self.cgroup));
+        }
+        if let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") {
+            for h in hierarchies.flatten() {
+                let _ = std::fs::remove_dir(h.path().join(&self.cgroup));
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_binary_joins_and_runs_under_control() {
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-bin", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import the test image");
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let run_dir = dir.path().join("run");
+        let (token, addr) = (cp.ca.token(SECRET), cp.address());
+        let d = data.clone();
+        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
+            .await
+            .unwrap();
+        assert!(ok, "join: {stderr}");
+        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+
+        let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        let _cleanup = NetCleanup {
+            prefix: "ztcq".into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let api_addr = free_port_addr().await;
+        let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_zattera-agent"))
+            .arg("--containerd-address")
+            .arg(&rig.socket)
+            .args([
+                "--namespace",
+                ctd.namespace().as_str(),
+                "--config",
+                "/dev/null",
+            ])
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["run", "--bridge-prefix", "ztcq", "--control", &cp.address()])
+            .env("ZATTERA_NODE_API_LISTEN", &api_addr)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let _agent = AgentBin {
+            child,
+            cgroup: format!("zattera/{}", ctd.namespace()),
+        };
+        let log_path = dir.path().join("agent.log");
+        let dump = move || std::fs::read_to_string(&log_path).unwrap_or_default();
+
+        let hello = tokio::time::timeout(
+            Duration::from_secs(30),
+            cp.wait_for("the binary's hello", Duration::from_secs(30), |r| {
+                hello_of(r, 0)
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("no hello; agent log:\n{}", dump()));
+        assert_eq!(hello.node_id, node_id);
+
+        let mut set = one("b1", 1, AssignmentDesired::Run);
+        set.runtime.get_mut("b1").unwrap().subnet_cidr = "10.201.182.0/24".into();
+        cp.push_set(set);
+        let healthy = InstanceState::Healthy as i32;
+        cp.wait_for("HEALTHY from the binary", Duration::from_secs(60), |r| {
+            r.states_of("b1").contains(&healthy).then_some(())
+        })
+        .await;
+        let seen = cp.with(|r| r.states_of("b1"));
+        assert_eq!(
+            seen.first(),
+            Some(&(InstanceState::Pulling as i32)),
+            "{seen:?}"
+        );
+
+        // Route snapshots are persisted under the data dir.
+        cp.push_routes(snapshot(3, "10.97.0.3"));
+        let routes_file = IdentityDir::new(&data).dir().join("routes.pb");
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while routes::load(&routes_file).ok().flatten().map(|s| s.version) != Some(3) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "routes never persisted; agent log:\n{}",
+                dump()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+
+        // The node API answers a control node on the configured address.
+        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+        let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
+        let err = call_top(&api_addr, &name, control).await.unwrap_err();
+        assert_eq!(
+            err.as_ref().map(|e| e.0),
+            Some(tonic::Code::Unimplemented),
+            "{err:?}"
+        );
+
+        // An empty set removes everything.
+        cp.push_set(AssignmentSet {
+            version: 2,
+            ..AssignmentSet::default()
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let left = containers::list(&ctd, &[]).await.unwrap();
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "containers left: {left:?}; agent log:\n{}",
+                dump()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     })
     .await;
 }

@@ -231,7 +231,16 @@ pub fn server_name_of(addr: &str) -> Result<ServerName<'static>, TlsError> {
 /// A gRPC channel to `addr` over TLS with `cfg`, HTTP/2 keepalive 15 s / 5 s
 /// even while idle (wire.md §1.3), so a dead control node is seen in ~20 s.
 pub async fn connect(addr: &str, cfg: ClientConfig) -> Result<Channel, TlsError> {
-    let name = server_name_of(addr)?;
+    connect_as(addr, server_name_of(addr)?, cfg).await
+}
+
+/// As [`connect`], verifying the server as `name` instead of the dialed
+/// host (a node certificate without an IP SAN is checked by its DNS SAN).
+pub async fn connect_as(
+    addr: &str,
+    name: ServerName<'static>,
+    cfg: ClientConfig,
+) -> Result<Channel, TlsError> {
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
     let dial = addr.to_owned();
     let service = tower::service_fn(move |_uri: tonic::codegen::http::Uri| {

@@ -1,0 +1,201 @@
+//! The node API server: `AgentLocalService`, which control dials on port
+//! 8444 (wire.md §1.5), on every node (§9 item 2).
+//!
+//! Stricter than the reference (DESIGN.md decision 7): the TLS handshake
+//! requires a client certificate chaining to the cluster CA, and every call
+//! requires a `zattera://node/` identity in it. No capability has landed
+//! yet, so every method answers UNIMPLEMENTED naming the missing capability,
+//! which is what control expects from a node lacking an RPC.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::proto::cluster::agent_local_service_server::{
+    AgentLocalService, AgentLocalServiceServer,
+};
+use crate::proto::cluster::{
+    AgentExecInput, AgentExecOutput, AgentListFilesRequest, AgentListFilesResponse,
+    AgentReadFileRequest, AgentRemoveVolumeRequest, AgentRemoveVolumeResponse,
+    AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest, AgentTopRequest, AgentTopResponse,
+    AgentUpgradeRequest, AgentUpgradeResponse, AgentWriteFileChunk, AgentWriteFileResponse,
+    BuildEvent, CancelBuildRequest, CancelBuildResponse, RunBuildRequest, TcpChunk,
+    VolumeOpProgress,
+};
+use crate::proto::v1::{LogLine, LogQuery, StatsQuery, StatsResponse};
+
+use super::tls::{self, ClientAuth, NodeTls, PeerIdentity, TlsError};
+
+/// The reference's port for the node API.
+pub const DEFAULT_PORT: u16 = 8444;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeApiError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("node API: cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A bound node API server; [`Self::serve`] runs it.
+#[derive(Debug)]
+pub struct NodeApi {
+    listener: tokio::net::TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+}
+
+impl NodeApi {
+    /// Binds `addr` with the node certificate; clients must present one of
+    /// the cluster CA.
+    pub async fn bind(addr: SocketAddr, node: &NodeTls) -> Result<Self, NodeApiError> {
+        let tls = tls::server(
+            &node.cert_pem,
+            &node.key_pem,
+            ClientAuth::Required(&node.ca_pem),
+        )?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| NodeApiError::Bind { addr, source })?;
+        Ok(Self {
+            listener,
+            tls: Arc::new(tls),
+        })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until the task is dropped.
+    pub async fn serve(self) -> Result<(), tonic::transport::Error> {
+        tonic::transport::Server::builder()
+            .add_service(AgentLocalServiceServer::new(Service))
+            .serve_with_incoming(tls::incoming(self.listener, self.tls))
+            .await
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Service;
+
+/// The caller must be a node of the cluster (its certificate's URI SAN).
+fn authorize<T>(req: &Request<T>) -> Result<String, Status> {
+    req.extensions()
+        .get::<PeerIdentity>()
+        .and_then(|p| p.node_id.clone())
+        .ok_or_else(|| {
+            Status::permission_denied(
+                "node API: the client certificate carries no zattera://node/ identity",
+            )
+        })
+}
+
+/// Checks the caller, then declines: `capability` has not landed here.
+fn declined<T, R>(req: &Request<T>, capability: &str) -> Result<R, Status> {
+    let caller = authorize(req)?;
+    tracing::debug!(%caller, capability, "node API call for a capability not implemented");
+    Err(Status::unimplemented(format!(
+        "{capability} is not implemented on this node yet"
+    )))
+}
+
+type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AgentLocalService for Service {
+    type QueryLogsStream = Out<LogLine>;
+    type ExecStream = Out<AgentExecOutput>;
+    type ProxyTCPStream = Out<TcpChunk>;
+    type RunBuildStream = Out<BuildEvent>;
+    type SnapshotVolumeStream = Out<VolumeOpProgress>;
+    type RestoreVolumeStream = Out<VolumeOpProgress>;
+    type ReadVolumeFileStream = Out<TcpChunk>;
+
+    async fn query_logs(
+        &self,
+        req: Request<LogQuery>,
+    ) -> Result<Response<Self::QueryLogsStream>, Status> {
+        declined(&req, "log query (QueryLogs)")
+    }
+    async fn exec(
+        &self,
+        req: Request<Streaming<AgentExecInput>>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        declined(&req, "exec (Exec)")
+    }
+    async fn top(
+        &self,
+        req: Request<AgentTopRequest>,
+    ) -> Result<Response<AgentTopResponse>, Status> {
+        declined(&req, "process listing (Top)")
+    }
+    async fn stats(&self, req: Request<StatsQuery>) -> Result<Response<StatsResponse>, Status> {
+        declined(&req, "metrics store (Stats)")
+    }
+    async fn proxy_tcp(
+        &self,
+        req: Request<Streaming<TcpChunk>>,
+    ) -> Result<Response<Self::ProxyTCPStream>, Status> {
+        declined(&req, "port forwarding (ProxyTCP)")
+    }
+    async fn run_build(
+        &self,
+        req: Request<RunBuildRequest>,
+    ) -> Result<Response<Self::RunBuildStream>, Status> {
+        declined(&req, "image builds (RunBuild)")
+    }
+    async fn cancel_build(
+        &self,
+        req: Request<CancelBuildRequest>,
+    ) -> Result<Response<CancelBuildResponse>, Status> {
+        declined(&req, "image builds (CancelBuild)")
+    }
+    async fn snapshot_volume(
+        &self,
+        req: Request<AgentSnapshotVolumeRequest>,
+    ) -> Result<Response<Self::SnapshotVolumeStream>, Status> {
+        declined(&req, "volume snapshots (SnapshotVolume)")
+    }
+    async fn restore_volume(
+        &self,
+        req: Request<AgentRestoreVolumeRequest>,
+    ) -> Result<Response<Self::RestoreVolumeStream>, Status> {
+        declined(&req, "volume restores (RestoreVolume)")
+    }
+    async fn list_volume_files(
+        &self,
+        req: Request<AgentListFilesRequest>,
+    ) -> Result<Response<AgentListFilesResponse>, Status> {
+        declined(&req, "volume files (ListVolumeFiles)")
+    }
+    async fn read_volume_file(
+        &self,
+        req: Request<AgentReadFileRequest>,
+    ) -> Result<Response<Self::ReadVolumeFileStream>, Status> {
+        declined(&req, "volume files (ReadVolumeFile)")
+    }
+    async fn write_volume_file(
+        &self,
+        req: Request<Streaming<AgentWriteFileChunk>>,
+    ) -> Result<Response<AgentWriteFileResponse>, Status> {
+        declined(&req, "volume files (WriteVolumeFile)")
+    }
+    async fn remove_volume(
+        &self,
+        req: Request<AgentRemoveVolumeRequest>,
+    ) -> Result<Response<AgentRemoveVolumeResponse>, Status> {
+        declined(&req, "volumes (RemoveVolume)")
+    }
+    async fn upgrade_binary(
+        &self,
+        req: Request<AgentUpgradeRequest>,
+    ) -> Result<Response<AgentUpgradeResponse>, Status> {
+        declined(&req, "self-upgrade (UpgradeBinary)")
+    }
+}

@@ -1,0 +1,201 @@
+//! The route snapshot client (`RouteService.WatchRoutes`, wire.md appendix
+//! B; runtime.md W-7).
+//!
+//! One task keeps the watch open with the node certificate and the sync
+//! stream's back-off. Every snapshot is persisted (atomically) before it is
+//! published, and the persisted one is published at start, so DNS keeps
+//! answering VIPs across agent restarts while control is away. The
+//! snapshot's version goes back as `have_version`, letting control skip an
+//! unchanged resend.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use prost::Message;
+use rustls::ClientConfig;
+use tokio::sync::watch;
+
+use crate::proto::cluster::route_service_client::RouteServiceClient;
+use crate::proto::cluster::{RouteSnapshot, WatchRoutesRequest};
+
+use super::backoff::Backoff;
+use super::tls::{self, NodeTls, TlsError};
+
+/// What the route client needs.
+#[derive(Debug, Clone)]
+pub struct RoutesConfig {
+    pub control_addr: String,
+    pub node_id: String,
+    pub tls: NodeTls,
+    /// Where the last snapshot is kept, e.g. `<data>/node/routes.pb`.
+    pub state_file: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RoutesError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("control answered {code:?}: {message}", code = .0.code(), message = .0.message())]
+    Status(#[from] tonic::Status),
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: not a RouteSnapshot: {source}", path.display())]
+    Decode {
+        path: PathBuf,
+        source: prost::DecodeError,
+    },
+}
+
+/// The DNS table a snapshot describes: every internal service's VIP.
+pub fn name_table(snapshot: &RouteSnapshot) -> zattera_dns::NameTable {
+    let services: Vec<zattera_dns::RouteService> = snapshot
+        .internal_services
+        .iter()
+        .map(|s| zattera_dns::RouteService {
+            fqdn: s.fqdn.clone(),
+            project_id: s.project_id.clone(),
+            environment_id: s.environment_id.clone(),
+            vip: s.vip.clone(),
+        })
+        .collect();
+    zattera_dns::NameTable::from_routes(&services)
+}
+
+/// The persisted snapshot, if there is one.
+pub fn load(path: &Path) -> Result<Option<RouteSnapshot>, RoutesError> {
+    match std::fs::read(path) {
+        Ok(bytes) => RouteSnapshot::decode(bytes.as_slice())
+            .map(Some)
+            .map_err(|source| RoutesError::Decode {
+                path: path.to_owned(),
+                source,
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(RoutesError::Io {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+fn store(path: &Path, snapshot: &RouteSnapshot) -> Result<(), RoutesError> {
+    let io = |source| RoutesError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, snapshot.encode_to_vec()).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Starts the client; `out` gets the persisted snapshot at once (if any),
+/// then every snapshot control sends.
+pub fn spawn(
+    cfg: RoutesConfig,
+    out: watch::Sender<Option<Arc<RouteSnapshot>>>,
+) -> Result<tokio::task::JoinHandle<()>, TlsError> {
+    let client = tls::node_client(&cfg.tls)?;
+    tls::server_name_of(&cfg.control_addr)?;
+    Ok(tokio::spawn(run(cfg, client, out)))
+}
+
+async fn run(
+    cfg: RoutesConfig,
+    client: ClientConfig,
+    out: watch::Sender<Option<Arc<RouteSnapshot>>>,
+) {
+    let mut have = 0;
+    match load(&cfg.state_file) {
+        Ok(Some(snapshot)) => {
+            have = snapshot.version;
+            tracing::info!(version = have, "serving the persisted route snapshot");
+            out.send_replace(Some(Arc::new(snapshot)));
+        }
+        Ok(None) => {}
+        Err(e) => tracing::warn!(error = %e, "persisted route snapshot ignored"),
+    }
+    let mut backoff = Backoff::default();
+    loop {
+        let started = Instant::now();
+        if let Err(e) = session(&cfg, client.clone(), &mut have, &out).await {
+            tracing::warn!(control = %cfg.control_addr, error = %e, "route watch failed");
+        }
+        tokio::time::sleep(backoff.next_wait(started.elapsed())).await;
+    }
+}
+
+async fn session(
+    cfg: &RoutesConfig,
+    client: ClientConfig,
+    have: &mut u64,
+    out: &watch::Sender<Option<Arc<RouteSnapshot>>>,
+) -> Result<(), RoutesError> {
+    let channel = tls::connect(&cfg.control_addr, client).await?;
+    let mut stream = RouteServiceClient::new(channel)
+        .max_decoding_message_size(64 * 1024 * 1024)
+        .watch_routes(WatchRoutesRequest {
+            node_id: cfg.node_id.clone(),
+            have_version: *have,
+        })
+        .await?
+        .into_inner();
+    while let Some(snapshot) = stream.message().await? {
+        // Persisted first: what DNS serves must survive a restart.
+        if let Err(e) = store(&cfg.state_file, &snapshot) {
+            tracing::warn!(error = %e, "route snapshot not persisted");
+        }
+        *have = snapshot.version;
+        tracing::info!(
+            version = snapshot.version,
+            services = snapshot.internal_services.len(),
+            "route snapshot received"
+        );
+        out.send_replace(Some(Arc::new(snapshot)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::cluster::InternalService;
+
+    #[test]
+    fn snapshot_round_trips_and_builds_the_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node/routes.pb");
+        assert!(load(&path).unwrap().is_none());
+        let snap = RouteSnapshot {
+            version: 4,
+            internal_services: vec![
+                InternalService {
+                    fqdn: "web.prod.shop.internal.".into(),
+                    project_id: "p1".into(),
+                    environment_id: "e1".into(),
+                    vip: "10.97.0.5".into(),
+                    ports: vec![],
+                },
+                InternalService {
+                    fqdn: "novip.prod.shop.internal.".into(),
+                    project_id: "p1".into(),
+                    environment_id: "e1".into(),
+                    vip: String::new(),
+                    ports: vec![],
+                },
+            ],
+            ..RouteSnapshot::default()
+        };
+        store(&path, &snap).unwrap();
+        assert_eq!(load(&path).unwrap(), Some(snap.clone()));
+        assert_eq!(name_table(&snap).len(), 1);
+        std::fs::write(&path, b"\xff\xff\xff").unwrap();
+        assert!(matches!(load(&path), Err(RoutesError::Decode { .. })));
+    }
+}
