@@ -108,8 +108,9 @@ impl IdentityDir {
     }
 
     /// Writes the whole enrollment, each file atomically (write, then
-    /// rename), so a crash never leaves a key without its certificate
-    /// half-written.
+    /// rename), so no file is ever half-written. The files are replaced one
+    /// by one, `node.json` last: a crash mid-way can pair a new key with an
+    /// old certificate, which the next `join` (same node id) repairs.
     pub fn store(&self, e: &Enrollment, tls: &NodeTls) -> Result<(), IdentityError> {
         std::fs::create_dir_all(&self.dir).map_err(|source| IdentityError::Io {
             path: self.dir.clone(),
