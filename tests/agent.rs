@@ -435,3 +435,40 @@ async fn container_output_is_kept_while_the_agent_is_down() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn containerd_restarted_under_the_agent() {
+    let Some(rig) = rig() else { return };
+    let mut private = support::private::PrivateContainerd::start();
+    let ns = format!("zt-test-agent-ctd-{}", std::process::id());
+    let ctd = Containerd::connect(&private.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    import_archive(&ctd, &rig.oci_archive(), None)
+        .await
+        .unwrap();
+    let mut agent = AgentProc::new(&private.socket, &ns, "ztkg", "162-163");
+    agent.write_manifest("svc.toml", &sleeper("svc", 1));
+    agent.start();
+    let before = agent.wait_all(1, "HEALTHY");
+    let pids = task_pids(&ctd, before.values()).await;
+
+    // containerd goes away and comes back; shims and containers stay.
+    private.down();
+    tokio::time::sleep(Duration::from_secs(6)).await; // a tick fails meanwhile
+    private.up();
+    let after = agent.wait_all(1, "HEALTHY");
+    assert_eq!(after, before, "same container");
+    assert_eq!(
+        task_pids(&ctd, after.values()).await,
+        pids,
+        "the task was not restarted"
+    );
+    // The agent is connected again: an edit converges.
+    agent.write_manifest("svc.toml", &sleeper("svc", 2));
+    agent.wait_all(2, "HEALTHY");
+    assert_eq!(owned_count(&ctd).await, 2, "nothing duplicated");
+
+    agent.kill9();
+    support::purge_namespace(&ctd).await;
+}

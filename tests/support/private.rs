@@ -1,0 +1,84 @@
+//! A containerd of the test's own (root in a tempdir, state and socket
+//! under /run), for tests that restart containerd: the shared rig must never
+//! be restarted under the other tests.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A containerd of our own: root in a tempdir, state and socket under /run.
+static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+pub struct PrivateContainerd {
+    config: PathBuf,
+    pub socket: PathBuf,
+    state: PathBuf,
+    child: Option<Child>,
+    _root: tempfile::TempDir,
+}
+
+impl PrivateContainerd {
+    pub fn start() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let state = PathBuf::from(format!("/run/zt-ctd-{}-{n}", std::process::id()));
+        let socket = state.join("c.sock");
+        let config = root.path().join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{}\"\nstate = \"{}\"\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+                 [grpc]\n  address = \"{}\"\n[ttrpc]\n  address = \"{}.ttrpc\"\n",
+                root.path().join("root").display(),
+                state.display(),
+                socket.display(),
+                socket.display()
+            ),
+        )
+        .unwrap();
+        let mut this = Self {
+            config,
+            socket,
+            state,
+            child: None,
+            _root: root,
+        };
+        this.up();
+        this
+    }
+
+    pub fn up(&mut self) {
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&self.config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("containerd");
+        self.child = Some(child);
+        for _ in 0..100 {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("private containerd did not come up");
+    }
+
+    pub fn down(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateContainerd {
+    fn drop(&mut self) {
+        self.down();
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
