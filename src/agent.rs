@@ -40,7 +40,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         net_cfg.validate()?;
     }
     let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
-    let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?;
+    let dns = Arc::new(zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?);
 
     // With a control plane the node is who its enrollment says; the
     // executor's reports flow to the sync stream.
@@ -77,7 +77,8 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         source,
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
-    let (executor, handle) = Executor::new(exec_cfg, ctd, Some(net), Some(dns), batches);
+    let (executor, handle) =
+        Executor::new(exec_cfg, ctd, Some(net), Some(Arc::clone(&dns)), batches);
     let executor_task = tokio::spawn(executor.run());
 
     let listener = admin::bind(&config.run_dir).with_context(|| {
@@ -99,9 +100,11 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             let Some((sync, _, rx)) = control.take() else {
                 anyhow::bail!("--control {addr}: the sync client was not prepared");
             };
-            // Route snapshots are persisted and kept current; feeding their
-            // VIPs to DNS needs the executor to accept a route table.
-            let _routes = crate::control::services::spawn(&sync).await;
+            // With a control plane, internal names answer the service VIPs
+            // of the latest route snapshot (persisted, so served while
+            // control is away).
+            let routes = crate::control::services::spawn(&sync).await;
+            tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx)
                 .with_context(|| format!("--control {addr}: the node identity"))?
         }
@@ -129,6 +132,23 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     executor_task.abort();
     let _ = std::fs::remove_file(admin::socket_path(&config.run_dir));
     Ok(())
+}
+
+/// Swaps the DNS name table whenever a route snapshot arrives.
+async fn feed_dns_from_routes(
+    mut routes: tokio::sync::watch::Receiver<Option<Arc<crate::proto::cluster::RouteSnapshot>>>,
+    dns: Arc<zattera_dns::DnsServer>,
+) {
+    loop {
+        let snapshot = routes.borrow_and_update().clone();
+        if let Some(snapshot) = snapshot {
+            dns.set_table(crate::control::routes::name_table(&snapshot));
+            tracing::info!(version = snapshot.version, "DNS follows route snapshot");
+        }
+        if routes.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Feeds the executor from the manifest directory, reloading on changes.

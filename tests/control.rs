@@ -510,7 +510,7 @@ impl Node {
             cfg,
             ctd.clone(),
             Some(Arc::clone(&net)),
-            Some(dns),
+            Some(Arc::new(dns)),
             Some(batches_tx),
         );
         let exec_task = tokio::spawn(exec.run());
@@ -938,6 +938,37 @@ async fn the_binary_joins_and_runs_under_control() {
                 dump()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+
+        // DNS on the assignment's gateway answers the service VIP of the snapshot
+        // (scope: project id and environment name; here the ids stand in for names).
+        let mut vip_snapshot = snapshot(4, "10.97.0.9");
+        vip_snapshot.internal_services[0].fqdn = "svc.env.proj.internal.".into();
+        vip_snapshot.internal_services[0].project_id = "proj".into();
+        vip_snapshot.internal_services[0].environment_id = "env".into();
+        cp.push_routes(vip_snapshot);
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let out = std::process::Command::new("dig")
+                .args([
+                    "+short",
+                    "+time=1",
+                    "+tries=1",
+                    "@10.201.182.1",
+                    "svc.internal",
+                ])
+                .output()
+                .unwrap();
+            if String::from_utf8_lossy(&out.stdout).trim() == "10.97.0.9" {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "svc.internal never answered the VIP: {}; agent log:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                dump()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
 
         // The node API answers a control node on the configured address.

@@ -98,8 +98,13 @@ impl Agent {
             standalone: true,
             source: "test".into(),
         };
-        let (exec, handle) =
-            Executor::new(cfg, ctd.clone(), Some(Arc::clone(&net)), Some(dns), None);
+        let (exec, handle) = Executor::new(
+            cfg,
+            ctd.clone(),
+            Some(Arc::clone(&net)),
+            Some(Arc::new(dns)),
+            None,
+        );
         let task = tokio::spawn(exec.run());
         Self {
             handle,

@@ -50,6 +50,22 @@ impl Plan {
         self.assignment.meta.as_ref().map_or("", |m| m.id.as_str())
     }
 
+    /// The app's name: what control injects as ZATTERA_APP, else its id.
+    pub fn app_name(&self) -> &str {
+        self.runtime
+            .env
+            .get("ZATTERA_APP")
+            .map_or(&self.assignment.app_id, |v| v)
+    }
+
+    /// The environment's name (ZATTERA_ENV), else its id.
+    pub fn environment_name(&self) -> &str {
+        self.runtime
+            .env
+            .get("ZATTERA_ENV")
+            .map_or(&self.assignment.environment_id, |v| v)
+    }
+
     fn is_job(&self) -> bool {
         !self.assignment.job_id.is_empty()
     }
@@ -194,6 +210,8 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
         let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
         let mut labels = labels::ownership(&plan.assignment);
         labels.insert(labels::NAME.into(), labels::display_name(&plan.assignment));
+        labels.insert(labels::APP_NAME.into(), plan.app_name().to_owned());
+        labels.insert(labels::ENV_NAME.into(), plan.environment_name().to_owned());
         if let (Some(ip), Some(subnet)) = (plan.ip, plan.subnet) {
             labels.insert(labels::IP.into(), ip.to_string());
             labels.insert(labels::SUBNET.into(), subnet.to_string());

@@ -24,6 +24,10 @@ pub const ROLE_SERVICE: &str = "service";
 
 // The agent's own records (not part of E-1).
 pub const NAME: &str = "dev.zattera/name";
+/// The app and environment names (control injects them as ZATTERA_APP and
+/// ZATTERA_ENV); DNS scopes and names use names, not ids.
+pub const APP_NAME: &str = "dev.zattera/app-name";
+pub const ENV_NAME: &str = "dev.zattera/environment-name";
 pub const IP: &str = "dev.zattera/ip";
 pub const SUBNET: &str = "dev.zattera/subnet";
 /// `name=<PublishedPort>` entries joined by `;`.
@@ -90,6 +94,8 @@ pub struct OwnedContainer {
     pub project_id: String,
     pub app_id: String,
     pub environment_id: String,
+    pub app_name: String,
+    pub environment_name: String,
     pub config_hash: String,
     pub ip: Option<Ipv4Addr>,
     pub subnet: Option<Subnet>,
@@ -119,6 +125,11 @@ impl OwnedContainer {
             project_id: get(PROJECT_ID),
             app_id: get(APP_ID),
             environment_id: get(ENVIRONMENT_ID),
+            app_name: l.get(APP_NAME).cloned().unwrap_or_else(|| get(APP_ID)),
+            environment_name: l
+                .get(ENV_NAME)
+                .cloned()
+                .unwrap_or_else(|| get(ENVIRONMENT_ID)),
             config_hash: get(CONFIG_HASH),
             ip: l.get(IP).and_then(|v| v.parse().ok()),
             subnet: l.get(SUBNET).and_then(|v| v.parse().ok()),

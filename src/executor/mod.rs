@@ -92,7 +92,7 @@ struct Crash {
 
 pub struct Executor {
     h: Handles,
-    dns: Option<DnsServer>,
+    dns: Option<Arc<DnsServer>>,
     ipam: Ipam,
     ports: HostPorts,
     owned: BTreeMap<String, OwnedContainer>,
@@ -123,7 +123,7 @@ impl Executor {
         cfg: ExecutorConfig,
         ctd: Containerd,
         net: Option<Arc<NetNode>>,
-        dns: Option<DnsServer>,
+        dns: Option<Arc<DnsServer>>,
         batches: Option<mpsc::Sender<Vec<Observation>>>,
     ) -> (Self, ExecutorHandle) {
         let (desired_tx, desired_rx) = watch::channel(None);
@@ -729,7 +729,7 @@ impl Executor {
         let mut in_use: BTreeMap<Subnet, (String, String)> = BTreeMap::new();
         for o in self.owned.values() {
             if let Some(s) = o.subnet {
-                in_use.insert(s, (o.project_id.clone(), o.environment_id.clone()));
+                in_use.insert(s, (o.project_id.clone(), o.environment_name.clone()));
             }
         }
         for (a, rt) in desired.values() {
@@ -741,7 +741,11 @@ impl Executor {
                     .owned
                     .contains_key(a.meta.as_ref().map_or("", |m| m.id.as_str()))
             {
-                in_use.insert(s, (a.project_id.clone(), a.environment_id.clone()));
+                let env = rt
+                    .as_ref()
+                    .and_then(|rt| rt.env.get("ZATTERA_ENV"))
+                    .unwrap_or(&a.environment_id);
+                in_use.insert(s, (a.project_id.clone(), env.clone()));
             }
         }
         let existing: BTreeSet<Subnet> = match zattera_netns::inventory::read(&net).await {
@@ -795,8 +799,8 @@ impl Executor {
                 Some(LocalInstance {
                     project_id: o.project_id.clone(),
                     project_name: o.project_id.clone(),
-                    environment: o.environment_id.clone(),
-                    app: o.app_id.clone(),
+                    environment: o.environment_name.clone(),
+                    app: o.app_name.clone(),
                     ip: o.ip?,
                 })
             })
