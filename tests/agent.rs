@@ -143,32 +143,11 @@ impl AgentProc {
 impl Drop for AgentProc {
     fn drop(&mut self) {
         self.kill9();
-        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-        let run = self.dir.path().to_string_lossy().into_owned();
-        let mut ours: Vec<&str> = mounts
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(1))
-            .filter(|m| m.starts_with(&run))
-            .collect();
-        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in ours {
-            let _ = Command::new("umount").args(["-l", m]).status();
-        }
         let table = format!(
             "zattera_{}",
             self.ns.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
         );
-        let _ = Command::new("nft")
-            .args(["delete", "table", "inet", &table])
-            .output();
-        if let Ok(links) = std::fs::read_dir("/sys/class/net") {
-            for l in links.flatten() {
-                let name = l.file_name().to_string_lossy().into_owned();
-                if name.starts_with(&self.prefix) {
-                    let _ = Command::new("ip").args(["link", "del", &name]).output();
-                }
-            }
-        }
+        support::remove_host_objects(&self.prefix, &table, self.dir.path());
     }
 }
 

@@ -450,28 +450,7 @@ struct NetCleanup {
 
 impl Drop for NetCleanup {
     fn drop(&mut self) {
-        use std::process::Command;
-        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-        let mut ours: Vec<&str> = mounts
-            .lines()
-            .filter_map(|l| l.split_whitespace().nth(1))
-            .filter(|m| m.starts_with(&*self.run_dir.to_string_lossy()))
-            .collect();
-        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in ours {
-            let _ = Command::new("umount").args(["-l", m]).status();
-        }
-        let _ = Command::new("nft")
-            .args(["delete", "table", "inet", &self.table])
-            .output();
-        if let Ok(links) = std::fs::read_dir("/sys/class/net") {
-            for l in links.flatten() {
-                let name = l.file_name().to_string_lossy().into_owned();
-                if name.starts_with(&self.prefix) {
-                    let _ = Command::new("ip").args(["link", "del", &name]).output();
-                }
-            }
-        }
+        support::remove_host_objects(&self.prefix, &self.table, &self.run_dir);
     }
 }
 

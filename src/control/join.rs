@@ -130,7 +130,7 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
             memory_mb: host::mib(host::memory().1),
         }),
         capacity_disk_mb: host::mib(disk_total),
-        os_arch: format!("linux/{}", go_arch()),
+        os_arch: format!("linux/{}", crate::runtime::descriptor::host_architecture()),
         binary_version: opts.binary_version.clone(),
         csr_pem: csr.into_bytes(),
         existing_node_id,
@@ -243,17 +243,6 @@ fn status_error(addr: &str, s: &tonic::Status) -> JoinError {
             code,
             message: s.message().to_owned(),
         },
-    }
-}
-
-/// The platform name in Go's spelling, which control records (`linux/amd64`).
-fn go_arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        "x86" => "386",
-        "powerpc64" => "ppc64le",
-        other => other,
     }
 }
 

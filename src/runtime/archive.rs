@@ -528,7 +528,8 @@ fn child_blobs(
     blobs
 }
 
-fn parse_diff_ids(config: &[u8]) -> Result<Vec<Digest>, String> {
+/// The uncompressed layer digests (`rootfs.diff_ids`) of an image config.
+pub(super) fn parse_diff_ids(config: &[u8]) -> Result<Vec<Digest>, String> {
     let config = ImageConfiguration::from_reader(config).map_err(|e| e.to_string())?;
     config
         .rootfs()

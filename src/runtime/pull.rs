@@ -23,6 +23,7 @@ use oci_spec::image::{ImageIndex, ImageManifest};
 use tokio::io::{AsyncRead, ReadBuf};
 use tokio::sync::Mutex;
 
+use super::archive::parse_diff_ids;
 use super::connection::Containerd;
 use super::content;
 use super::descriptor::{Descriptor, media, select_manifest};
@@ -480,17 +481,6 @@ async fn fetch_layer(
         });
     }
     Ok(())
-}
-
-fn parse_diff_ids(config: &[u8]) -> Result<Vec<Digest>, String> {
-    let config =
-        oci_spec::image::ImageConfiguration::from_reader(config).map_err(|e| e.to_string())?;
-    config
-        .rootfs()
-        .diff_ids()
-        .iter()
-        .map(|d| d.parse::<Digest>().map_err(|e| e.to_string()))
-        .collect()
 }
 
 /// Reports bytes read, in steps of 1 MiB so progress costs nothing.

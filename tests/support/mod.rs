@@ -284,3 +284,32 @@ pub async fn list_snapshots(ctd: &Containerd) -> Vec<String> {
         .map(|i| i.name)
         .collect()
 }
+
+/// Removes a test's kernel objects, even after a failure: mounts under
+/// `dir` (network namespace files), its nft table and every interface whose
+/// name starts with `prefix`.
+pub fn remove_host_objects(prefix: &str, table: &str, dir: &std::path::Path) {
+    use std::process::Command;
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let dir = dir.to_string_lossy();
+    let mut ours: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter(|m| m.starts_with(&*dir))
+        .collect();
+    ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
+    for m in ours {
+        let _ = Command::new("umount").args(["-l", m]).status();
+    }
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", table])
+        .output();
+    if let Ok(links) = std::fs::read_dir("/sys/class/net") {
+        for l in links.flatten() {
+            let name = l.file_name().to_string_lossy().into_owned();
+            if name.starts_with(prefix) {
+                let _ = Command::new("ip").args(["link", "del", &name]).output();
+            }
+        }
+    }
+}
