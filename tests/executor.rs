@@ -571,3 +571,53 @@ async fn jobs_run_once_and_report_their_exit() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_stateful_service_without_its_lease_stays_pending() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-lease", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxg");
+        let (a, mut rt) = assignment("db-0", "db", "prod", 227, "sleep 1000", "h1");
+        let spec = rt.spec.as_mut().unwrap();
+        spec.stateful = true;
+        spec.volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "data".into(),
+            mount_path: "/data".into(),
+        }];
+        agent.push(set(vec![(a.clone(), rt.clone())]));
+        let snap = agent
+            .wait_for("PENDING for the lease", |s| {
+                s.assignments
+                    .iter()
+                    .any(|a| a.id == "db-0" && a.message == "waiting for volume lease")
+            })
+            .await;
+        assert_eq!(snap.assignments[0].state, State::Pending);
+        tokio::time::sleep(Duration::from_secs(6)).await; // a tick: still fenced
+        assert_eq!(
+            state_of(&agent.handle.status.borrow().clone(), "db-0"),
+            Some(State::Pending)
+        );
+        let owned =
+            zattera_agent::runtime::containers::list(&ctd, &[("dev.zattera/managed", "true")])
+                .await
+                .unwrap();
+        assert!(owned.is_empty(), "nothing is created while fenced");
+
+        // The lease for this node and instance lets it start.
+        rt.volume_lease = Some(zattera_agent::proto::v1::VolumeLease {
+            node_id: String::new(),
+            assignment_id: "db-0".into(),
+            ..Default::default()
+        });
+        agent.push(set(vec![(a, rt)]));
+        agent
+            .wait_for("HEALTHY with the lease", |s| {
+                state_of(s, "db-0") == Some(State::Healthy)
+            })
+            .await;
+        agent.finish().await;
+    })
+    .await;
+}
