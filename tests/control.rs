@@ -428,7 +428,7 @@ struct Node {
     handle: ExecutorHandle,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     net: Arc<NetNode>,
-    _cleanup: NetCleanup,
+    _cleanup: support::NetCleanup,
     _dirs: tempfile::TempDir,
 }
 
@@ -437,20 +437,6 @@ impl Drop for Node {
         for t in &self.tasks {
             t.abort();
         }
-    }
-}
-
-/// Bridges and veths with the test's prefix, its nft table, and mounts
-/// under its run dir.
-struct NetCleanup {
-    prefix: String,
-    table: String,
-    run_dir: PathBuf,
-}
-
-impl Drop for NetCleanup {
-    fn drop(&mut self) {
-        support::remove_host_objects(&self.prefix, &self.table, &self.run_dir);
     }
 }
 
@@ -466,7 +452,7 @@ impl Node {
         let run_dir = dirs.path().join("run");
         let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
         net_cfg.bridge_prefix = prefix.into();
-        let cleanup = NetCleanup {
+        let cleanup = support::NetCleanup {
             prefix: prefix.into(),
             table: net_cfg.nft_table.clone(),
             run_dir: run_dir.clone(),
@@ -847,7 +833,7 @@ async fn the_binary_joins_and_runs_under_control() {
         let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
-        let _cleanup = NetCleanup {
+        let _cleanup = support::NetCleanup {
             prefix: "ztcq".into(),
             table: net_cfg.nft_table.clone(),
             run_dir: run_dir.clone(),

@@ -29,27 +29,13 @@ struct Agent {
     handle: ExecutorHandle,
     task: tokio::task::JoinHandle<()>,
     net: Arc<NetNode>,
-    _cleanup: NetCleanup,
+    _cleanup: support::NetCleanup,
     dirs: tempfile::TempDir,
-}
-
-/// Removes this test's kernel objects even when the test fails: bridges and
-/// veths with its prefix, its nft table, and mounts under its run dir.
-struct NetCleanup {
-    prefix: String,
-    table: String,
-    run_dir: PathBuf,
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         self.task.abort();
-    }
-}
-
-impl Drop for NetCleanup {
-    fn drop(&mut self) {
-        support::remove_host_objects(&self.prefix, &self.table, &self.run_dir);
     }
 }
 
@@ -59,7 +45,7 @@ impl Agent {
         let run_dir = dirs.path().join("run");
         let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
         net_cfg.bridge_prefix = prefix.into();
-        let cleanup = NetCleanup {
+        let cleanup = support::NetCleanup {
             prefix: prefix.into(),
             table: net_cfg.nft_table.clone(),
             run_dir: run_dir.clone(),

@@ -8,27 +8,9 @@ mod support;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::process::Command;
 
-use containerd_client::services::v1::{GetImageRequest, ListRequest};
 use support::{TEST_IMAGE, list_snapshots, rig, with_namespace};
 use zattera_agent::runtime::unpack::snapshot_exists;
-use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
-
-async fn image_exists(ctd: &Containerd, name: &str) -> bool {
-    ctd.images()
-        .get(ctd.request(GetImageRequest { name: name.into() }))
-        .await
-        .is_ok()
-}
-
-async fn lease_count(ctd: &Containerd) -> usize {
-    ctd.leases()
-        .list(ctd.request(ListRequest { filters: vec![] }))
-        .await
-        .expect("list leases")
-        .into_inner()
-        .leases
-        .len()
-}
+use zattera_agent::runtime::{ImageRef, import_archive};
 
 /// `ctr run --rm` of the image: proves the rootfs is unpacked and usable.
 fn ctr_run(socket: &std::path::Path, ns: &str, image: &str, args: &[&str]) -> String {
@@ -59,13 +41,17 @@ async fn oci_archive_imports_unpacks_and_runs() {
         let image = &imported[0];
         assert_eq!(image.names[0].to_string(), TEST_IMAGE);
         assert_eq!(image.blobs_written, 3, "manifest, config and one layer");
-        assert!(image_exists(&ctd, TEST_IMAGE).await);
+        assert!(support::image_exists(&ctd, TEST_IMAGE).await);
         assert!(
             snapshot_exists(&ctd, image.chain_id.as_str())
                 .await
                 .unwrap()
         );
-        assert_eq!(lease_count(&ctd).await, 0, "the import lease is released");
+        assert_eq!(
+            support::lease_count(&ctd).await,
+            0,
+            "the import lease is released"
+        );
 
         let out = ctr_run(
             &rig.socket,
@@ -87,9 +73,9 @@ async fn docker_save_archive_imports_under_a_new_name() {
             .await
             .expect("import");
         assert_eq!(imported[0].names, vec![name.clone()]);
-        assert!(image_exists(&ctd, &name.to_string()).await);
+        assert!(support::image_exists(&ctd, &name.to_string()).await);
         assert!(
-            !image_exists(&ctd, TEST_IMAGE).await,
+            !support::image_exists(&ctd, TEST_IMAGE).await,
             "--name replaces the archive's name"
         );
         let out = ctr_run(
@@ -174,12 +160,12 @@ async fn corrupted_blob_is_refused_and_leaves_no_image() {
             .to_string();
         assert!(err.contains("sha256:"), "error names the blob: {err}");
         assert!(
-            !image_exists(&ctd, TEST_IMAGE).await,
+            !support::image_exists(&ctd, TEST_IMAGE).await,
             "no image record for a bad archive"
         );
         assert!(list_snapshots(&ctd).await.is_empty(), "nothing unpacked");
         assert_eq!(
-            lease_count(&ctd).await,
+            support::lease_count(&ctd).await,
             0,
             "the lease is released on failure"
         );

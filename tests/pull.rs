@@ -8,29 +8,11 @@ mod support;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::{Arc, Mutex};
 
-use containerd_client::services::v1::{GetImageRequest, ListRequest};
 use support::registry::Registry;
 use support::{list_snapshots, rig, with_namespace};
 use zattera_agent::runtime::content;
 use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
-use zattera_agent::runtime::{Containerd, ImageRef};
-
-async fn image_exists(ctd: &Containerd, name: &str) -> bool {
-    ctd.images()
-        .get(ctd.request(GetImageRequest { name: name.into() }))
-        .await
-        .is_ok()
-}
-
-async fn leases(ctd: &Containerd) -> usize {
-    ctd.leases()
-        .list(ctd.request(ListRequest { filters: vec![] }))
-        .await
-        .unwrap()
-        .into_inner()
-        .leases
-        .len()
-}
+use zattera_agent::runtime::ImageRef;
 
 #[tokio::test]
 async fn anonymous_pull_stores_unpacks_and_reports_progress() {
@@ -53,13 +35,13 @@ async fn anonymous_pull_stores_unpacks_and_reports_progress() {
             .await
             .expect("pull");
         assert!(image.unpacked);
-        assert!(image_exists(&ctd, &reference.to_string()).await);
+        assert!(support::image_exists(&ctd, &reference.to_string()).await);
         assert!(
             list_snapshots(&ctd)
                 .await
                 .contains(&image.chain_id.to_string())
         );
-        assert_eq!(leases(&ctd).await, 0);
+        assert_eq!(support::lease_count(&ctd).await, 0);
         let events = events.lock().unwrap().clone();
         assert!(
             matches!(events[0], PullEvent::Resolved { layers: 1, .. }),
@@ -112,7 +94,7 @@ async fn basic_auth_is_required_and_used() {
             .unwrap_err()
             .to_string();
         assert!(err.contains(&reference.to_string()), "{err}");
-        assert!(!image_exists(&ctd, &reference.to_string()).await);
+        assert!(!support::image_exists(&ctd, &reference.to_string()).await);
 
         let right = Credentials::Basic {
             username: "zuser".into(),
@@ -187,7 +169,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
             "{err}"
         );
         assert!(
-            !image_exists(&ctd, &reference.to_string()).await,
+            !support::image_exists(&ctd, &reference.to_string()).await,
             "no image record"
         );
         assert!(
@@ -197,7 +179,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
             "no bad blob"
         );
         assert!(list_snapshots(&ctd).await.is_empty());
-        assert_eq!(leases(&ctd).await, 0);
+        assert_eq!(support::lease_count(&ctd).await, 0);
     })
     .await;
 }
@@ -266,7 +248,7 @@ async fn missing_images_and_dead_registries_name_the_reference() {
                 .to_string();
             assert!(err.contains(&reference.to_string()), "{err}");
         }
-        assert_eq!(leases(&ctd).await, 0);
+        assert_eq!(support::lease_count(&ctd).await, 0);
     })
     .await;
 }

@@ -313,3 +313,36 @@ pub fn remove_host_objects(prefix: &str, table: &str, dir: &std::path::Path) {
         }
     }
 }
+
+/// Removes a test's kernel objects when dropped (see [`remove_host_objects`]).
+#[derive(Debug)]
+pub struct NetCleanup {
+    pub prefix: String,
+    pub table: String,
+    pub run_dir: PathBuf,
+}
+
+impl Drop for NetCleanup {
+    fn drop(&mut self) {
+        remove_host_objects(&self.prefix, &self.table, &self.run_dir);
+    }
+}
+
+/// Whether the namespace has an image record of this name.
+pub async fn image_exists(ctd: &Containerd, name: &str) -> bool {
+    ctd.images()
+        .get(ctd.request(containerd_client::services::v1::GetImageRequest { name: name.into() }))
+        .await
+        .is_ok()
+}
+
+/// How many leases the namespace holds (every operation must release its own).
+pub async fn lease_count(ctd: &Containerd) -> usize {
+    ctd.leases()
+        .list(ctd.request(ListRequest { filters: vec![] }))
+        .await
+        .expect("list leases")
+        .into_inner()
+        .leases
+        .len()
+}
