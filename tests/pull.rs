@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use support::registry::Registry;
 use support::{list_snapshots, rig, with_namespace};
+use zattera_agent::runtime::ImageRef;
 use zattera_agent::runtime::content;
 use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
-use zattera_agent::runtime::ImageRef;
 
 #[tokio::test]
 async fn anonymous_pull_stores_unpacks_and_reports_progress() {
