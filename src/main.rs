@@ -244,7 +244,18 @@ async fn dispatch(cli: Cli) -> Result<()> {
         }
         Command::Status { json } => {
             let config = load_config(&cli.global, None)?;
-            let value = zattera_agent::admin::request(&config.run_dir, "status").await?;
+            let value = match zattera_agent::admin::request(&config.run_dir, "status").await {
+                Ok(v) => v,
+                // The agent is down: what containerd knows is still worth showing.
+                Err(e) => {
+                    tracing::debug!(error = %e, "no agent; reading containerd");
+                    let ctd =
+                        Containerd::connect(&config.containerd_address, config.namespace).await?;
+                    let snapshot =
+                        zattera_agent::executor::offline_status(&ctd, &e.to_string()).await?;
+                    serde_json::to_value(snapshot)?
+                }
+            };
             let text = if json {
                 serde_json::to_string_pretty(&value)? + "\n"
             } else {

@@ -109,6 +109,31 @@ impl AgentProc {
         serde_json::from_slice(&out.stdout).ok()
     }
 
+    /// `status --json` with the agent's containerd settings, so that it can
+    /// fall back to reading containerd when the agent is down.
+    fn status_from_containerd(&self) -> serde_json::Value {
+        let out = Command::new(BIN)
+            .arg("--containerd-address")
+            .arg(&self.socket)
+            .args([
+                "--namespace",
+                &self.ns,
+                "--config",
+                "/dev/null",
+                "--run-dir",
+            ])
+            .arg(self.run_dir())
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
     /// Waits until `n` assignments are all in `state`; returns id → container id.
     fn wait_all(&self, n: usize, state: &str) -> BTreeMap<String, String> {
         let deadline = Instant::now() + Duration::from_secs(90);
@@ -205,6 +230,18 @@ async fn sigkill_mid_reconcile_leaves_nothing_duplicated_or_half_made() {
 
         // A second SIGKILL and restart must not restart healthy containers.
         agent.kill9();
+        // Meanwhile `status` reads containerd directly.
+        let offline = agent.status_from_containerd();
+        assert!(
+            offline["source"]
+                .as_str()
+                .unwrap()
+                .starts_with("containerd only"),
+            "{offline}"
+        );
+        let rows = offline["assignments"].as_array().unwrap();
+        assert_eq!(rows.len(), 5);
+        assert!(rows.iter().all(|r| r["state"] == "RUNNING"), "{offline}");
         agent.start();
         let second = agent.wait_all(5, "HEALTHY");
         assert_eq!(second, first, "the same containers are adopted");

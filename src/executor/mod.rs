@@ -895,6 +895,46 @@ impl Executor {
     }
 }
 
+/// The status as containerd alone shows it, for `status` while the agent
+/// is down (DESIGN decision 8): owned containers and their task states.
+pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapshot, RuntimeError> {
+    let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;
+    let mut rows = Vec::new();
+    for o in listed.iter().filter_map(OwnedContainer::from_container) {
+        let (state, message) = match containers::task_state(ctd, &o.container_id).await? {
+            TaskState::Running { .. } | TaskState::Paused => (State::Running, String::new()),
+            TaskState::Stopped { exit_code: 0 } => {
+                (State::Stopped, "exited with code 0".to_owned())
+            }
+            TaskState::Stopped { exit_code } => {
+                (State::Failed, format!("exited with code {exit_code}"))
+            }
+            TaskState::Absent | TaskState::Created => {
+                (State::Pending, "no task (the agent starts it)".to_owned())
+            }
+        };
+        rows.push(AssignmentStatus {
+            id: o.assignment_id.clone(),
+            project: o.project_id.clone(),
+            app: o.app_name.clone(),
+            environment: o.environment_name.clone(),
+            state,
+            container_id: o.container_id.clone(),
+            ip: o.ip.map(|ip| ip.to_string()).unwrap_or_default(),
+            ports: port_bindings(&o),
+            restarts: 0,
+            message,
+        });
+    }
+    rows.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(StatusSnapshot {
+        node_id: String::new(),
+        source: format!("containerd only (agent not running: {why})"),
+        assignments: rows,
+        errors: Vec::new(),
+    })
+}
+
 /// E-12: port name → host port, skipping unnamed or unpublished ports.
 fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
     o.ports
