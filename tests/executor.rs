@@ -41,6 +41,11 @@ impl Drop for Agent {
 
 impl Agent {
     fn start(ctd: &Containerd, prefix: &str) -> Self {
+        Self::start_as(ctd, prefix, "")
+    }
+
+    /// An agent whose node id is `node_id` (E-4 filters on it).
+    fn start_as(ctd: &Containerd, prefix: &str, node_id: &str) -> Self {
         let dirs = tempfile::tempdir().unwrap();
         let run_dir = dirs.path().join("run");
         let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
@@ -53,7 +58,7 @@ impl Agent {
         let net = Arc::new(NetNode::new(net_cfg).unwrap());
         let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
         let cfg = ExecutorConfig {
-            node_id: String::new(),
+            node_id: node_id.into(),
             host_ip: Ipv4Addr::LOCALHOST,
             data_dir: dirs.path().join("data"),
             run_dir,
@@ -603,6 +608,78 @@ async fn a_stateful_service_without_its_lease_stays_pending() {
                 state_of(s, "db-0") == Some(State::Healthy)
             })
             .await;
+        agent.finish().await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn bad_assignments_are_reported_and_disturb_nothing() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-bad", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start_as(&ctd, "ztxh", "n1");
+        let (good, good_rt) = assignment("good-0", "good", "prod", 228, "sleep 1000", "h1");
+        let (mut elsewhere, elsewhere_rt) =
+            assignment("else-0", "else", "prod", 228, "sleep 1000", "h1");
+        elsewhere.node_id = "n2".into();
+        let (no_image, mut no_image_rt) =
+            assignment("noimg-0", "noimg", "prod", 228, "sleep 1000", "h1");
+        no_image_rt.image_ref = String::new();
+        let (outside, mut outside_rt) =
+            assignment("outside-0", "outside", "prod", 228, "sleep 1000", "h1");
+        outside_rt.subnet_cidr = "192.168.77.0/24".into();
+        let (mut no_payload, _) =
+            assignment("nopayload-0", "nopayload", "prod", 228, "sleep 1000", "h1");
+        no_payload.node_id = "n1".into();
+        let mut s = set(vec![
+            (good, good_rt),
+            (elsewhere, elsewhere_rt),
+            (no_image, no_image_rt),
+            (outside, outside_rt),
+        ]);
+        s.assignments.push(no_payload);
+        agent.push(s);
+
+        let snap = agent
+            .wait_for("the good one HEALTHY and the bad ones FAILED", |s| {
+                state_of(s, "good-0") == Some(State::Healthy)
+                    && ["noimg-0", "outside-0", "nopayload-0"]
+                        .iter()
+                        .all(|id| state_of(s, id) == Some(State::Failed))
+            })
+            .await;
+        let message = |id: &str| {
+            snap.assignments
+                .iter()
+                .find(|a| a.id == id)
+                .unwrap()
+                .message
+                .clone()
+        };
+        assert!(
+            message("noimg-0").starts_with("pull "),
+            "{}",
+            message("noimg-0")
+        );
+        assert!(
+            message("outside-0").contains("192.168.77.0/24"),
+            "{}",
+            message("outside-0")
+        );
+        assert_eq!(
+            message("nopayload-0"),
+            "no runtime payload (image/spec) for assignment"
+        );
+        assert!(
+            state_of(&snap, "else-0").is_none(),
+            "an assignment for another node is not ours"
+        );
+        let owned =
+            zattera_agent::runtime::containers::list(&ctd, &[("dev.zattera/managed", "true")])
+                .await
+                .unwrap();
+        assert_eq!(owned.len(), 1, "only the good instance exists");
         agent.finish().await;
     })
     .await;
