@@ -77,8 +77,13 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         source,
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
-    let (executor, handle) =
-        Executor::new(exec_cfg, ctd, Some(net), Some(Arc::clone(&dns)), batches);
+    let (executor, handle) = Executor::new(
+        exec_cfg,
+        ctd,
+        Some(Arc::clone(&net)),
+        Some(Arc::clone(&dns)),
+        batches,
+    );
     let executor_task = tokio::spawn(executor.run());
 
     let listener = admin::bind(&config.run_dir).with_context(|| {
@@ -104,6 +109,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             // of the latest route snapshot (persisted, so served while
             // control is away).
             let routes = crate::control::services::spawn(&sync).await;
+            tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx)
                 .with_context(|| format!("--control {addr}: the node identity"))?

@@ -74,6 +74,7 @@ pub mod nsfile;
 pub mod ports;
 pub mod subnet;
 pub mod sysctl;
+pub mod vip;
 
 pub use attach::Attachment;
 pub use config::NetConfig;

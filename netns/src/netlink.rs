@@ -248,6 +248,38 @@ impl Netlink {
             .map_err(|e| Error::netlink("add address to", format!("{name} ({ip}/{prefix})"), e))
     }
 
+    /// Removes one IPv4 address from a link; an absent one is not an error.
+    pub async fn remove_address(&self, index: u32, name: &str, ip: Ipv4Addr) -> Result<()> {
+        let msgs: Vec<_> = self
+            .handle
+            .address()
+            .get()
+            .set_link_index_filter(index)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| Error::netlink("list addresses of", name, e))?;
+        for m in msgs {
+            let matches = m.attributes.iter().any(|a| {
+                matches!(a, AddressAttribute::Local(std::net::IpAddr::V4(v))
+                    | AddressAttribute::Address(std::net::IpAddr::V4(v)) if *v == ip)
+            });
+            if matches {
+                match self.handle.address().del(m).execute().await {
+                    Err(e) if !is_not_found(&e) => {
+                        return Err(Error::netlink(
+                            "remove address from",
+                            format!("{name} ({ip})"),
+                            e,
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Links enslaved to the bridge with index `bridge`.
     pub async fn ports_of(&self, bridge: u32) -> Result<Vec<Link>> {
         Ok(self

@@ -21,3 +21,4 @@ pub mod routes;
 pub mod services;
 pub mod sync;
 pub mod tls;
+pub mod vip;

@@ -1,0 +1,63 @@
+//! The interface that holds the service VIPs (runtime.md V-1, V-2): every VIP
+//! of the route snapshot is a /32 on it, so the agent's proxy can listen on
+//! `VIP:port` and containers reach it through their gateway.
+//!
+//! The reference uses a dummy device; kernels without the dummy driver exist
+//! (this CI's), so the VIP holder is a port-less bridge `<prefix>vip` carrying
+//! the alias `zattera:vip` as proof that it is ours. It stays when the last
+//! VIP goes, as the reference's does.
+
+use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
+
+use crate::error::{Error, Result};
+use crate::node::NetNode;
+
+pub const VIP_ALIAS: &str = "zattera:vip";
+
+/// The VIP interface's name for this node's bridge prefix.
+pub fn interface_name(node: &NetNode) -> String {
+    format!("{}vip", node.config().bridge_prefix)
+}
+
+/// Makes the VIP interface carry exactly `vips` (as /32s): missing ones are
+/// added first, unwanted ones removed last (V-2), and the firewall's VIP set
+/// follows.
+pub async fn set_vips(node: &NetNode, vips: &BTreeSet<Ipv4Addr>) -> Result<()> {
+    let nl = node.netlink();
+    let name = interface_name(node);
+    let link = match nl.link(&name).await? {
+        Some(link) if link.alias.as_deref() == Some(VIP_ALIAS) => link,
+        Some(_) => {
+            return Err(Error::Config(format!(
+                "interface {name} exists but is not the agent's VIP interface (no alias {VIP_ALIAS})"
+            )));
+        }
+        None => {
+            nl.create_bridge(&name).await?;
+            let link = nl.link(&name).await?.ok_or_else(|| {
+                Error::Config(format!("interface {name} vanished after creation"))
+            })?;
+            nl.set_alias(&link, VIP_ALIAS).await?;
+            link
+        }
+    };
+    if !link.up {
+        nl.set_up(link.index, &name).await?;
+    }
+    let current: BTreeSet<Ipv4Addr> = nl
+        .ipv4_addresses(link.index, &name)
+        .await?
+        .into_iter()
+        .filter(|(_, prefix)| *prefix == 32)
+        .map(|(ip, _)| ip)
+        .collect();
+    for ip in vips.difference(&current) {
+        nl.add_address(link.index, &name, *ip, 32).await?;
+    }
+    node.set_vips(vips.iter().copied().collect()).await?;
+    for ip in current.difference(vips) {
+        nl.remove_address(link.index, &name, *ip).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,295 @@
+//! The VIP proxy (runtime.md §9): a TCP listener on `VIP:port` for every
+//! internal service port of the route snapshot, splicing each connection to
+//! one healthy endpoint chosen by power of two choices over in-flight counts.
+//!
+//! DNS answers VIPs only, and container IPs are not routable across nodes,
+//! so this is how `<app>.internal` reaches an instance anywhere. Reconcile
+//! order follows V-2: addresses first, then listeners (new ones opened,
+//! endpoint lists of existing ones swapped), then closing, then removing.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use zattera_netns::NetNode;
+
+use crate::proto::cluster::RouteSnapshot;
+
+const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// In-flight connections per endpoint address; never pruned (V-3).
+type InFlight = Arc<Mutex<HashMap<SocketAddr, usize>>>;
+
+struct Listener {
+    endpoints: Arc<RwLock<Vec<SocketAddr>>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What one snapshot asks for: VIPs, and healthy endpoints per `VIP:port`.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Wanted {
+    pub vips: BTreeSet<Ipv4Addr>,
+    pub listeners: BTreeMap<SocketAddr, Vec<SocketAddr>>,
+}
+
+/// V-1: every service with a VIP; a listener per TCP port other than 0.
+pub fn wanted(snapshot: &RouteSnapshot) -> Wanted {
+    let mut w = Wanted::default();
+    for service in &snapshot.internal_services {
+        let Ok(vip) = service.vip.parse::<Ipv4Addr>() else {
+            continue;
+        };
+        w.vips.insert(vip);
+        for port in &service.ports {
+            let Ok(number) = u16::try_from(port.port) else {
+                continue;
+            };
+            if number == 0 || port.protocol.eq_ignore_ascii_case("udp") {
+                continue;
+            }
+            let healthy = port
+                .endpoints
+                .iter()
+                .filter(|e| e.healthy)
+                .filter_map(|e| e.addr.parse::<SocketAddr>().ok())
+                .collect();
+            w.listeners
+                .insert(SocketAddr::new(vip.into(), number), healthy);
+        }
+    }
+    w
+}
+
+/// Power of two choices: two distinct random picks, the one with fewer
+/// connections in flight wins, the first on a tie (V-3).
+pub fn choose(
+    endpoints: &[SocketAddr],
+    in_flight: &HashMap<SocketAddr, usize>,
+    r1: usize,
+    r2: usize,
+) -> Option<SocketAddr> {
+    match endpoints.len() {
+        0 => None,
+        1 => Some(endpoints[0]),
+        n => {
+            let a = endpoints[r1 % n];
+            let mut b = endpoints[r2 % (n - 1)];
+            if b == a {
+                b = endpoints[n - 1];
+            }
+            let load = |e: &SocketAddr| in_flight.get(e).copied().unwrap_or(0);
+            Some(if load(&b) < load(&a) { b } else { a })
+        }
+    }
+}
+
+/// Runs the proxy on every snapshot `routes` delivers, until it closes.
+pub async fn run(net: Arc<NetNode>, mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>) {
+    let in_flight: InFlight = Arc::default();
+    let mut listeners: BTreeMap<SocketAddr, Listener> = BTreeMap::new();
+    loop {
+        let snapshot = routes.borrow_and_update().clone();
+        if let Some(snapshot) = snapshot {
+            let w = wanted(&snapshot);
+            reconcile(&net, &w, &mut listeners, &in_flight).await;
+        }
+        if routes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Applies one snapshot; a failed step is logged and retried with the next.
+async fn reconcile(
+    net: &NetNode,
+    w: &Wanted,
+    listeners: &mut BTreeMap<SocketAddr, Listener>,
+    in_flight: &InFlight,
+) {
+    // 1. Addresses first: a listener cannot bind an address that is not there.
+    let current: BTreeSet<Ipv4Addr> = listeners
+        .keys()
+        .filter_map(|a| match a {
+            SocketAddr::V4(v4) => Some(*v4.ip()),
+            SocketAddr::V6(_) => None,
+        })
+        .collect();
+    let all: BTreeSet<Ipv4Addr> = w.vips.union(&current).copied().collect();
+    if let Err(e) = zattera_netns::vip::set_vips(net, &all).await {
+        tracing::warn!(error = %e, "VIP addresses not set");
+    }
+    // 2. Open missing listeners, swap endpoints of existing ones.
+    for (addr, endpoints) in &w.listeners {
+        if let Some(l) = listeners.get(addr) {
+            if let Ok(mut e) = l.endpoints.write() {
+                e.clone_from(endpoints);
+            }
+            continue;
+        }
+        match TcpListener::bind(addr).await {
+            Ok(socket) => {
+                let shared = Arc::new(RwLock::new(endpoints.clone()));
+                let task = tokio::spawn(accept(socket, Arc::clone(&shared), Arc::clone(in_flight)));
+                listeners.insert(
+                    *addr,
+                    Listener {
+                        endpoints: shared,
+                        task,
+                    },
+                );
+                tracing::info!(%addr, endpoints = endpoints.len(), "VIP listener open");
+            }
+            Err(e) => {
+                tracing::warn!(%addr, error = %e, "VIP listener not open; retried with the next snapshot");
+            }
+        }
+    }
+    // 3. Close listeners no longer wanted, 4. then drop their addresses.
+    listeners.retain(|addr, _| w.listeners.contains_key(addr));
+    if all != w.vips
+        && let Err(e) = zattera_netns::vip::set_vips(net, &w.vips).await
+    {
+        tracing::warn!(error = %e, "stale VIP addresses not removed");
+    }
+}
+
+async fn accept(socket: TcpListener, endpoints: Arc<RwLock<Vec<SocketAddr>>>, in_flight: InFlight) {
+    loop {
+        let Ok((client, _)) = socket.accept().await else {
+            continue;
+        };
+        let candidates = endpoints.read().map(|e| e.clone()).unwrap_or_default();
+        let chosen = {
+            let Ok(counts) = in_flight.lock() else {
+                continue;
+            };
+            choose(
+                &candidates,
+                &counts,
+                rand::random::<u32>() as usize,
+                rand::random::<u32>() as usize,
+            )
+        };
+        // No healthy endpoint: the client is closed at once (V-3).
+        let Some(target) = chosen else { continue };
+        let in_flight = Arc::clone(&in_flight);
+        tokio::spawn(async move {
+            if let Ok(mut counts) = in_flight.lock() {
+                *counts.entry(target).or_default() += 1;
+            }
+            splice(client, target).await;
+            if let Ok(mut counts) = in_flight.lock() {
+                counts
+                    .entry(target)
+                    .and_modify(|c| *c = c.saturating_sub(1));
+            }
+        });
+    }
+}
+
+/// Dials with a 5 s timeout, then copies both ways, half-closing each
+/// direction when it ends.
+async fn splice(mut client: TcpStream, target: SocketAddr) {
+    let Ok(Ok(mut upstream)) = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(target)).await
+    else {
+        return;
+    };
+    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::cluster::{Endpoint, InternalPort, InternalService};
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn power_of_two_choices_prefers_the_lighter_endpoint() {
+        let e = [
+            addr("127.0.0.1:1"),
+            addr("127.0.0.1:2"),
+            addr("127.0.0.1:3"),
+        ];
+        let mut load = HashMap::new();
+        assert_eq!(choose(&[], &load, 0, 0), None);
+        assert_eq!(choose(&e[..1], &load, 5, 7), Some(e[0]));
+        load.insert(e[0], 4);
+        assert_eq!(choose(&e, &load, 0, 1), Some(e[1]), "fewer in flight wins");
+        assert_eq!(
+            choose(&e, &HashMap::new(), 0, 1),
+            Some(e[0]),
+            "a tie keeps the first pick"
+        );
+        for r in 0..10 {
+            let c = choose(&e[..2], &HashMap::new(), r, r).unwrap();
+            assert!(e[..2].contains(&c));
+        }
+    }
+
+    #[test]
+    fn wanted_follows_v1() {
+        let snapshot = RouteSnapshot {
+            internal_services: vec![
+                InternalService {
+                    vip: "10.97.0.5".into(),
+                    ports: vec![
+                        InternalPort {
+                            port: 80,
+                            protocol: "tcp".into(),
+                            endpoints: vec![
+                                Endpoint {
+                                    addr: "127.0.0.1:8080".into(),
+                                    healthy: true,
+                                    ..Endpoint::default()
+                                },
+                                Endpoint {
+                                    addr: "127.0.0.1:8081".into(),
+                                    healthy: false,
+                                    ..Endpoint::default()
+                                },
+                            ],
+                            ..InternalPort::default()
+                        },
+                        InternalPort {
+                            port: 53,
+                            protocol: "UDP".into(),
+                            ..InternalPort::default()
+                        },
+                        InternalPort {
+                            port: 0,
+                            protocol: "tcp".into(),
+                            ..InternalPort::default()
+                        },
+                    ],
+                    ..InternalService::default()
+                },
+                InternalService {
+                    vip: String::new(),
+                    ..InternalService::default()
+                },
+            ],
+            ..RouteSnapshot::default()
+        };
+        let w = wanted(&snapshot);
+        assert_eq!(w.vips, BTreeSet::from([Ipv4Addr::new(10, 97, 0, 5)]));
+        assert_eq!(w.listeners.len(), 1, "UDP and port 0 are skipped");
+        assert_eq!(
+            w.listeners[&addr("10.97.0.5:80")],
+            vec![addr("127.0.0.1:8080")],
+            "only healthy endpoints"
+        );
+    }
+}
