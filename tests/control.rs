@@ -450,15 +450,7 @@ impl Node {
     ) -> Self {
         let dirs = tempfile::tempdir().unwrap();
         let run_dir = dirs.path().join("run");
-        let mut net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
-        net_cfg.bridge_prefix = prefix.into();
-        let cleanup = support::NetCleanup {
-            prefix: prefix.into(),
-            table: net_cfg.nft_table.clone(),
-            run_dir: run_dir.clone(),
-        };
-        let net = Arc::new(NetNode::new(net_cfg).unwrap());
-        let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
+        let (net, dns, cleanup) = support::test_network(ctd, prefix, &run_dir);
         let cfg = ExecutorConfig {
             node_id: node_id.into(),
             host_ip: Ipv4Addr::LOCALHOST,

@@ -208,16 +208,23 @@ impl Netlink {
         }
     }
 
-    pub async fn ipv4_addresses(&self, index: u32, name: &str) -> Result<Vec<(Ipv4Addr, u8)>> {
-        let msgs: Vec<_> = self
-            .handle
+    async fn address_messages(
+        &self,
+        index: u32,
+        name: &str,
+    ) -> Result<Vec<netlink_packet_route::address::AddressMessage>> {
+        self.handle
             .address()
             .get()
             .set_link_index_filter(index)
             .execute()
             .try_collect()
             .await
-            .map_err(|e| Error::netlink("list addresses of", name, e))?;
+            .map_err(|e| Error::netlink("list addresses of", name, e))
+    }
+
+    pub async fn ipv4_addresses(&self, index: u32, name: &str) -> Result<Vec<(Ipv4Addr, u8)>> {
+        let msgs = self.address_messages(index, name).await?;
         let mut out = Vec::new();
         for m in msgs {
             for attr in &m.attributes {
@@ -250,15 +257,7 @@ impl Netlink {
 
     /// Removes one IPv4 address from a link; an absent one is not an error.
     pub async fn remove_address(&self, index: u32, name: &str, ip: Ipv4Addr) -> Result<()> {
-        let msgs: Vec<_> = self
-            .handle
-            .address()
-            .get()
-            .set_link_index_filter(index)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|e| Error::netlink("list addresses of", name, e))?;
+        let msgs = self.address_messages(index, name).await?;
         for m in msgs {
             let matches = m.attributes.iter().any(|a| {
                 matches!(a, AddressAttribute::Local(std::net::IpAddr::V4(v))

@@ -346,3 +346,28 @@ pub async fn lease_count(ctd: &Containerd) -> usize {
         .leases
         .len()
 }
+
+/// A test's own network stack for an executor: networking with its bridge
+/// prefix (and the namespace's nft table) under `run_dir`, a DNS server,
+/// and the guard that removes what they create.
+pub fn test_network(
+    ctd: &Containerd,
+    prefix: &str,
+    run_dir: &std::path::Path,
+) -> (
+    std::sync::Arc<zattera_netns::NetNode>,
+    zattera_dns::DnsServer,
+    NetCleanup,
+) {
+    let mut cfg =
+        zattera_netns::NetConfig::for_namespace(ctd.namespace().as_str(), run_dir).unwrap();
+    cfg.bridge_prefix = prefix.into();
+    let cleanup = NetCleanup {
+        prefix: prefix.into(),
+        table: cfg.nft_table.clone(),
+        run_dir: run_dir.to_path_buf(),
+    };
+    let net = std::sync::Arc::new(zattera_netns::NetNode::new(cfg).unwrap());
+    let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
+    (net, dns, cleanup)
+}
