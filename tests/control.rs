@@ -31,9 +31,12 @@ use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
-    AgentHello, AgentTopRequest, AssignmentRuntime, AssignmentSet, InternalService, RouteSnapshot,
+    AgentHello, AgentTopRequest, AssignmentRuntime, AssignmentSet, Endpoint, InternalPort,
+    InternalService, RouteSnapshot,
 };
-use zattera_agent::proto::v1::{Assignment, AssignmentDesired, InstanceState, Meta, ServiceSpec};
+use zattera_agent::proto::v1::{
+    Assignment, AssignmentDesired, InstanceState, Meta, PortSpec, Protocol, ServiceSpec,
+};
 use zattera_agent::runtime::{Containerd, containers, import_archive};
 use zattera_netns::{NetConfig, NetNode};
 
@@ -869,20 +872,51 @@ async fn the_binary_joins_and_runs_under_control() {
         .unwrap_or_else(|_| panic!("no hello; agent log:\n{}", dump()));
         assert_eq!(hello.node_id, node_id);
 
+        // A web instance and a client in one environment, a stranger in
+        // another.
         let mut set = one("b1", 1, AssignmentDesired::Run);
-        set.runtime.get_mut("b1").unwrap().subnet_cidr = "10.201.182.0/24".into();
+        {
+            let rt = set.runtime.get_mut("b1").unwrap();
+            rt.subnet_cidr = "10.201.182.0/24".into();
+            let spec = rt.spec.as_mut().unwrap();
+            spec.command = "httpd -f -p 80 -h /var/www".into();
+            spec.ports = vec![PortSpec {
+                name: "http".into(),
+                container_port: 80,
+                protocol: Protocol::Http as i32,
+                public_l4_port: 0,
+            }];
+        }
+        for (id, env, slot) in [("c1", "env", 182), ("x1", "env2", 183)] {
+            let mut other = one(id, 1, AssignmentDesired::Run);
+            let mut a = other.assignments.remove(0);
+            a.environment_id = env.into();
+            let mut rt = other.runtime.remove(id).unwrap();
+            rt.subnet_cidr = format!("10.201.{slot}.0/24");
+            set.assignments.push(a);
+            set.runtime.insert(id.into(), rt);
+        }
         cp.push_set(set);
         let healthy = InstanceState::Healthy as i32;
-        cp.wait_for("HEALTHY from the binary", Duration::from_secs(60), |r| {
-            r.states_of("b1").contains(&healthy).then_some(())
-        })
-        .await;
+        for id in ["b1", "c1", "x1"] {
+            cp.wait_for(
+                &format!("HEALTHY {id} from the binary"),
+                Duration::from_secs(60),
+                |r| r.states_of(id).contains(&healthy).then_some(()),
+            )
+            .await;
+        }
         let seen = cp.with(|r| r.states_of("b1"));
         assert_eq!(
             seen.first(),
             Some(&(InstanceState::Pulling as i32)),
             "{seen:?}"
         );
+        let observed = |id: &str| cp.with(|r| r.latest_of(id)).unwrap();
+        let host_port = *observed("b1")
+            .mesh_port_bindings
+            .get("http")
+            .unwrap_or_else(|| panic!("no http binding: {:?}", observed("b1")));
 
         // Route snapshots are persisted under the data dir.
         cp.push_routes(snapshot(3, "10.97.0.3"));
@@ -897,13 +931,30 @@ async fn the_binary_joins_and_runs_under_control() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
 
-        // DNS on the assignment's gateway answers the service VIP of the snapshot
-        // (scope: project id and environment name; here the ids stand in for names).
+        // The web service's VIP, with web's published port as its endpoint
+        // (V-4: even a local instance is reached through its host port).
         let mut vip_snapshot = snapshot(4, "10.97.0.9");
-        vip_snapshot.internal_services[0].fqdn = "svc.env.proj.internal.".into();
-        vip_snapshot.internal_services[0].project_id = "proj".into();
-        vip_snapshot.internal_services[0].environment_id = "env".into();
+        {
+            let svc = &mut vip_snapshot.internal_services[0];
+            svc.fqdn = "svc.env.proj.internal.".into();
+            svc.project_id = "proj".into();
+            svc.environment_id = "env".into();
+            svc.ports = vec![InternalPort {
+                name: "http".into(),
+                port: 80,
+                protocol: "tcp".into(),
+                endpoints: vec![Endpoint {
+                    assignment_id: "b1".into(),
+                    node_id: node_id.clone(),
+                    addr: format!("127.0.0.1:{host_port}"),
+                    healthy: true,
+                    local_hint_node_id_matches: true,
+                }],
+            }];
+        }
         cp.push_routes(vip_snapshot);
+        // DNS on the assignment's gateway answers the service VIP (scope:
+        // project id and environment name; here the ids stand in for names).
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             let out = std::process::Command::new("dig")
@@ -927,6 +978,54 @@ async fn the_binary_joins_and_runs_under_control() {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+
+        // From inside the client: name → VIP → proxy → web's published port.
+        let fifo = dir.path().join("fifos");
+        let get = |target: &str| zattera_agent::runtime::exec::ExecRequest {
+            args: vec![
+                "sh".into(),
+                "-c".into(),
+                format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 3 {target} 80"),
+            ],
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let client = observed("c1").container_id;
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let out =
+                zattera_agent::runtime::exec::exec(&ctd, &client, &fifo, &get("svc.internal"))
+                    .await
+                    .unwrap();
+            if String::from_utf8_lossy(&out.stdout).ends_with("hello from zattera\n") {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "svc.internal:80 never served the client: {out:?}; agent log:\n{}",
+                dump()
+            );
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        // Another environment's container is refused at the VIP (V-6's
+        // deviation: nftables scopes VIPs to their environment's bridges).
+        let stranger = observed("x1").container_id;
+        let out = zattera_agent::runtime::exec::exec(&ctd, &stranger, &fifo, &get("10.97.0.9"))
+            .await
+            .unwrap();
+        assert!(
+            out.stdout.is_empty() && out.exit_code != 0,
+            "another environment reached the VIP: {out:?}"
+        );
+        let table = std::process::Command::new("nft")
+            .args(["list", "set", "inet", &net_cfg.nft_table, "vip_access"])
+            .output()
+            .unwrap();
+        let table = String::from_utf8_lossy(&table.stdout);
+        assert!(
+            table.contains("\"ztcq182\" . 10.97.0.9") && !table.contains("ztcq183"),
+            "{table}"
+        );
 
         // The node API answers a control node on the configured address.
         let name = ServerName::try_from(format!("node-{node_id}")).unwrap();

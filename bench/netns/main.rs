@@ -170,6 +170,7 @@ async fn bench_rules(dir: &Path) {
         .map(|slot| BridgeRules {
             bridge: format!("ztbenchr{slot}"),
             subnet: Subnet::from_slot(slot),
+            scope: format!("zt-bench-{slot}"),
         })
         .collect();
     let published: Vec<PublishedPort> = (0..500u16)

@@ -92,10 +92,11 @@ impl NetConfig {
 
     /// The rules entry of one network, for building a [`crate::FirewallState`]
     /// from the agent's records at start.
-    pub fn bridge_rules(&self, subnet: Subnet) -> crate::firewall::BridgeRules {
+    pub fn bridge_rules(&self, subnet: Subnet, scope: &str) -> crate::firewall::BridgeRules {
         crate::firewall::BridgeRules {
             bridge: self.bridge_name(subnet),
             subnet,
+            scope: scope.to_owned(),
         }
     }
 

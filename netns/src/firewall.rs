@@ -18,8 +18,11 @@
 //! - `forward` (filter): established/related and DNATed flows accepted;
 //!   inside one bridge accepted; between two of our bridges dropped; out of a
 //!   bridge accepted; unsolicited traffic into a bridge dropped.
-//! - `input` (filter): DNS from each bridge to its own gateway, and traffic
-//!   from any bridge to the service VIPs, accepted.
+//! - `input` (filter): DNS from each bridge to its own gateway accepted;
+//!   service VIPs reachable only from the bridges of the VIP's own scope
+//!   (runtime.md V-6's allowed deviation: the reference lets every container
+//!   reach every VIP), refused from the others with a TCP reset or an ICMP
+//!   admin-prohibited, so a client fails at once instead of timing out.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -49,6 +52,17 @@ impl Proto {
 pub struct BridgeRules {
     pub bridge: String,
     pub subnet: Subnet,
+    /// The network's logical name ([`crate::network_name`]): which VIPs its
+    /// containers may reach.
+    pub scope: String,
+}
+
+/// A service VIP and the network scope whose containers may reach it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ScopedVip {
+    pub addr: Ipv4Addr,
+    /// A [`crate::network_name`]; empty means no bridge may reach it yet.
+    pub scope: String,
 }
 
 /// `host_ip:host_port -> container_ip:container_port`. A `host_ip` of
@@ -112,9 +126,28 @@ impl std::str::FromStr for PublishedPort {
 pub struct FirewallState {
     pub bridges: Vec<BridgeRules>,
     pub published: Vec<PublishedPort>,
-    /// Service VIPs on this host (runtime.md §9): input from our bridges to
-    /// them is accepted explicitly, like DNS to the gateways (N-4).
-    pub vips: Vec<Ipv4Addr>,
+    /// Service VIPs on this host (runtime.md §9), each reachable from the
+    /// bridges of its own scope only.
+    pub vips: Vec<ScopedVip>,
+}
+
+impl FirewallState {
+    /// `(bridge, vip)` for every bridge that may reach a VIP: same scope.
+    pub fn vip_access(&self) -> Vec<(String, Ipv4Addr)> {
+        let mut out: Vec<(String, Ipv4Addr)> = self
+            .vips
+            .iter()
+            .flat_map(|v| {
+                self.bridges
+                    .iter()
+                    .filter(move |b| !v.scope.is_empty() && b.scope == v.scope)
+                    .map(move |b| (b.bridge.clone(), v.addr))
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
 }
 
 /// The `nft -f` script that replaces table `inet <table>` with `state`.
@@ -140,12 +173,20 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("  set bridges {\n    type ifname\n");
     push_elements(&mut s, &names);
     s.push_str("  }\n");
-    let mut vips: Vec<Ipv4Addr> = state.vips.clone();
+    let mut vips: Vec<Ipv4Addr> = state.vips.iter().map(|v| v.addr).collect();
     vips.sort();
     vips.dedup();
     let vips: Vec<String> = vips.iter().map(Ipv4Addr::to_string).collect();
     s.push_str("  set vips {\n    type ipv4_addr\n");
     push_elements(&mut s, &vips);
+    s.push_str("  }\n");
+    let access: Vec<String> = state
+        .vip_access()
+        .iter()
+        .map(|(bridge, vip)| format!("\"{bridge}\" . {vip}"))
+        .collect();
+    s.push_str("  set vip_access {\n    type ifname . ipv4_addr\n");
+    push_elements(&mut s, &access);
     s.push_str("  }\n");
 
     for proto in [Proto::Tcp, Proto::Udp] {
@@ -227,7 +268,9 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
 
     s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
-    s.push_str("    iifname @bridges ip daddr @vips accept\n");
+    s.push_str("    iifname . ip daddr @vip_access accept\n");
+    s.push_str("    iifname @bridges ip daddr @vips meta l4proto tcp reject with tcp reset\n");
+    s.push_str("    iifname @bridges ip daddr @vips reject with icmpx type admin-prohibited\n");
     for b in &bridges {
         for p in ["udp", "tcp"] {
             let _ = writeln!(
@@ -272,10 +315,18 @@ mod tests {
     #[test]
     fn renders_one_atomic_replacement_of_our_table_only() {
         let state = FirewallState {
-            bridges: vec![BridgeRules {
-                bridge: "ztbr5".into(),
-                subnet: Subnet::from_slot(5),
-            }],
+            bridges: vec![
+                BridgeRules {
+                    bridge: "ztbr5".into(),
+                    subnet: Subnet::from_slot(5),
+                    scope: "zt-p-prod".into(),
+                },
+                BridgeRules {
+                    bridge: "ztbr6".into(),
+                    subnet: Subnet::from_slot(6),
+                    scope: "zt-p-staging".into(),
+                },
+            ],
             published: vec![
                 PublishedPort {
                     proto: Proto::Tcp,
@@ -295,10 +346,25 @@ mod tests {
             vips: Vec::new(),
         };
         let mut state = state;
-        state.vips = vec![Ipv4Addr::new(10, 97, 0, 5)];
+        state.vips = vec![
+            ScopedVip {
+                addr: Ipv4Addr::new(10, 97, 0, 5),
+                scope: "zt-p-prod".into(),
+            },
+            ScopedVip {
+                addr: Ipv4Addr::new(10, 97, 0, 6),
+                scope: String::new(),
+            },
+        ];
         let script = render("zattera_t", &state);
-        assert!(script.contains("elements = { 10.97.0.5 }"));
-        assert!(script.contains("iifname @bridges ip daddr @vips accept"));
+        assert!(script.contains("elements = { 10.97.0.5, 10.97.0.6 }"));
+        // Only prod's bridge may reach prod's VIP; nobody the unscoped one.
+        assert!(
+            script.contains("elements = { \"ztbr5\" . 10.97.0.5 }"),
+            "{script}"
+        );
+        assert!(script.contains("iifname . ip daddr @vip_access accept"));
+        assert!(script.contains("iifname @bridges ip daddr @vips meta l4proto tcp reject"));
         assert!(script.starts_with("table inet zattera_t\ndelete table inet zattera_t\n"));
         assert!(!script.contains("flush ruleset"));
         assert!(script.contains("127.0.0.1 . 8080 : 10.201.5.2 . 80"));

@@ -79,7 +79,7 @@ pub mod vip;
 pub use attach::Attachment;
 pub use config::NetConfig;
 pub use error::{Error, Result};
-pub use firewall::{BridgeRules, FirewallState, Proto, PublishedPort};
+pub use firewall::{BridgeRules, FirewallState, Proto, PublishedPort, ScopedVip};
 pub use ipam::{IpRecord, Ipam};
 pub use network::{Network, network_name};
 pub use node::NetNode;

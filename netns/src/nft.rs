@@ -19,6 +19,8 @@ pub struct Current {
     pub bridges: Vec<String>,
     pub published: Vec<PublishedPort>,
     pub vips: Vec<Ipv4Addr>,
+    /// `(bridge, vip)` pairs of the `vip_access` set.
+    pub vip_access: Vec<(String, Ipv4Addr)>,
 }
 
 /// The agent's nftables table.
@@ -90,6 +92,7 @@ impl Nft {
                 .iter()
                 .filter_map(|v| v.parse().ok())
                 .collect(),
+            vip_access: pair_elements(&doc, "vip_access"),
         }))
     }
 
@@ -175,6 +178,23 @@ fn set_elements(doc: &Value, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// The `ifname . ipv4_addr` elements of one of our sets.
+fn pair_elements(doc: &Value, name: &str) -> Vec<(String, Ipv4Addr)> {
+    items(doc)
+        .iter()
+        .filter_map(|i| i.get("set"))
+        .filter(|set| set.get("name").and_then(Value::as_str) == Some(name))
+        .filter_map(|set| set.get("elem").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|e| {
+            let parts = e.get("concat").and_then(Value::as_array)?;
+            let name = parts.first().and_then(Value::as_str)?;
+            let ip = parts.get(1).and_then(Value::as_str)?.parse().ok()?;
+            Some((name.to_owned(), ip))
+        })
+        .collect()
+}
+
 /// Reads the elements of our `pub_*` / `puball_*` maps out of `nft -j` output.
 fn parse_published(doc: &Value) -> Vec<PublishedPort> {
     let mut out = Vec::new();
@@ -244,6 +264,7 @@ mod tests {
             {"map": {"name": "pub_tcp", "elem": [[{"concat": ["127.0.0.1", 8080]}, {"concat": ["10.201.5.2", 80]}]]}},
             {"map": {"name": "puball_udp", "elem": [[9090, {"concat": ["10.201.5.3", 53]}]]}},
             {"set": {"name": "bridges", "elem": ["ztbr5", "ztbr6"]}},
+            {"set": {"name": "vip_access", "elem": [{"concat": ["ztbr5", "10.97.0.5"]}]}},
             {"map": {"name": "other", "elem": [[1, 2]]}}]}"#,
         )
         .unwrap();
@@ -254,5 +275,9 @@ mod tests {
         assert!(got[1].host_ip.is_unspecified());
         assert_eq!((got[1].host_port, got[1].container_port), (9090, 53));
         assert_eq!(super::set_elements(&doc, "bridges"), ["ztbr5", "ztbr6"]);
+        assert_eq!(
+            super::pair_elements(&doc, "vip_access"),
+            [("ztbr5".to_owned(), std::net::Ipv4Addr::new(10, 97, 0, 5))]
+        );
     }
 }

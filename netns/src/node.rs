@@ -9,7 +9,7 @@ use crate::attach::{self, Attachment};
 use crate::config::{NetConfig, OwnedName};
 use crate::conntrack;
 use crate::error::{Error, Result};
-use crate::firewall::{BridgeRules, FirewallState, Proto, PublishedPort};
+use crate::firewall::{BridgeRules, FirewallState, Proto, PublishedPort, ScopedVip};
 use crate::netlink::Netlink;
 use crate::network::{self, Network};
 use crate::nft::Nft;
@@ -73,12 +73,12 @@ impl NetNode {
             sysctl::enable_forwarding()?;
             sysctl::enable_route_localnet(&name)?;
             self.update_rules(|s| {
-                if !s.bridges.iter().any(|b| b.bridge == name) {
-                    s.bridges.push(BridgeRules {
-                        bridge: name.clone(),
-                        subnet,
-                    });
-                }
+                s.bridges.retain(|b| b.bridge != name);
+                s.bridges.push(BridgeRules {
+                    bridge: name.clone(),
+                    subnet,
+                    scope: scope.to_owned(),
+                });
             })
             .await
         }
@@ -153,8 +153,9 @@ impl NetNode {
         attach::detach(&self.cfg, &self.nl, container_id, ip).await
     }
 
-    /// Replaces the service VIPs that bridges may reach and rebuilds the table.
-    pub async fn set_vips(&self, vips: Vec<Ipv4Addr>) -> Result<()> {
+    /// Replaces the service VIPs, each reachable from the bridges of its
+    /// scope only, and rebuilds the table.
+    pub async fn set_vips(&self, vips: Vec<ScopedVip>) -> Result<()> {
         self.update_rules(|s| s.vips = vips).await
     }
 
@@ -186,18 +187,46 @@ impl NetNode {
     async fn load<'a>(&self, slot: &'a mut Option<FirewallState>) -> Result<&'a mut FirewallState> {
         if slot.is_none() {
             let current = self.nft.current().await?.unwrap_or_default();
-            let bridges = current
-                .bridges
-                .into_iter()
-                .filter_map(|bridge| match self.cfg.parse_ifname(&bridge) {
-                    Some(OwnedName::Bridge(subnet)) => Some(BridgeRules { bridge, subnet }),
-                    _ => None,
+            let mut bridges = Vec::new();
+            for bridge in current.bridges {
+                let Some(OwnedName::Bridge(subnet)) = self.cfg.parse_ifname(&bridge) else {
+                    continue;
+                };
+                // The scope lives on the bridge itself (its alias).
+                let scope = match network::lookup(&self.nl, &bridge, subnet).await {
+                    Ok(Some(net)) => net.scope,
+                    Ok(None) | Err(_) => String::new(),
+                };
+                bridges.push(BridgeRules {
+                    bridge,
+                    subnet,
+                    scope,
+                });
+            }
+            // A VIP's scope is that of a bridge allowed to reach it; one no
+            // bridge reaches stays unscoped until the VIP owner sets it again.
+            let vips = current
+                .vips
+                .iter()
+                .map(|addr| ScopedVip {
+                    addr: *addr,
+                    scope: current
+                        .vip_access
+                        .iter()
+                        .filter(|(_, ip)| ip == addr)
+                        .find_map(|(name, _)| {
+                            bridges
+                                .iter()
+                                .find(|b| &b.bridge == name)
+                                .map(|b| b.scope.clone())
+                        })
+                        .unwrap_or_default(),
                 })
                 .collect();
             *slot = Some(FirewallState {
                 bridges,
                 published: current.published,
-                vips: current.vips,
+                vips,
             });
         }
         Ok(slot.get_or_insert_with(FirewallState::default))

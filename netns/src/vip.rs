@@ -7,7 +7,7 @@
 //! the alias `zattera:vip` as proof that it is ours. It stays when the last
 //! VIP goes, as the reference's does.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
 use crate::error::{Error, Result};
@@ -20,10 +20,12 @@ pub fn interface_name(node: &NetNode) -> String {
     format!("{}vip", node.config().bridge_prefix)
 }
 
-/// Makes the VIP interface carry exactly `vips` (as /32s): missing ones are
-/// added first, unwanted ones removed last (V-2), and the firewall's VIP set
-/// follows.
-pub async fn set_vips(node: &NetNode, vips: &BTreeSet<Ipv4Addr>) -> Result<()> {
+/// Makes the VIP interface carry exactly the VIPs of `scoped` (as /32s):
+/// missing ones are added first, unwanted ones removed last (V-2). The
+/// firewall follows: a VIP is reachable from the bridges of its scope (a
+/// [`crate::network_name`]) only.
+pub async fn set_vips(node: &NetNode, scoped: &BTreeMap<Ipv4Addr, String>) -> Result<()> {
+    let vips: BTreeSet<Ipv4Addr> = scoped.keys().copied().collect();
     let nl = node.netlink();
     let name = interface_name(node);
     let link = match nl.link(&name).await? {
@@ -55,8 +57,17 @@ pub async fn set_vips(node: &NetNode, vips: &BTreeSet<Ipv4Addr>) -> Result<()> {
     for ip in vips.difference(&current) {
         nl.add_address(link.index, &name, *ip, 32).await?;
     }
-    node.set_vips(vips.iter().copied().collect()).await?;
-    for ip in current.difference(vips) {
+    node.set_vips(
+        scoped
+            .iter()
+            .map(|(addr, scope)| crate::ScopedVip {
+                addr: *addr,
+                scope: scope.clone(),
+            })
+            .collect(),
+    )
+    .await?;
+    for ip in current.difference(&vips) {
         nl.remove_address(link.index, &name, *ip).await?;
     }
     Ok(())

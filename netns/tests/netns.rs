@@ -20,7 +20,7 @@ use support::{
 };
 use zattera_netns::inventory;
 use zattera_netns::{
-    Error, HostPorts, Ipam, NetConfig, NetNode, Proto, PublishedPort, Subnet, nsfile,
+    Error, HostPorts, Ipam, NetConfig, NetNode, Proto, PublishedPort, ScopedVip, Subnet, nsfile,
 };
 
 fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
@@ -819,9 +819,12 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
         node.ensure_network("zt-p-r2", s2).await.unwrap();
         node.set_published(vec![published]).await.unwrap();
         // Data only: no traffic is sent to this address.
-        node.set_vips(vec![Ipv4Addr::new(10, 97, 0, 5)])
-            .await
-            .unwrap();
+        node.set_vips(vec![ScopedVip {
+            addr: Ipv4Addr::new(10, 97, 0, 5),
+            scope: "zt-p-r1".into(),
+        }])
+        .await
+        .unwrap();
     }
     // A new process: it ensures only the second network.
     let node = w.node();
@@ -831,7 +834,19 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
     names.sort();
     assert_eq!(names, vec![w.cfg.bridge_name(s1), w.cfg.bridge_name(s2)]);
     assert_eq!(rules.published, vec![published]);
-    assert_eq!(rules.vips, vec![Ipv4Addr::new(10, 97, 0, 5)]);
+    // The VIP keeps its scope: the restarted node read it back from the
+    // bridge that may reach it.
+    assert_eq!(
+        rules.vips,
+        vec![ScopedVip {
+            addr: Ipv4Addr::new(10, 97, 0, 5),
+            scope: "zt-p-r1".into(),
+        }]
+    );
+    assert_eq!(
+        rules.vip_access(),
+        vec![(w.cfg.bridge_name(s1), Ipv4Addr::new(10, 97, 0, 5))]
+    );
     assert_eq!(node.nft().published().await.unwrap(), vec![published]);
     let table = node.nft().list().await.unwrap().unwrap();
     assert!(

@@ -35,10 +35,11 @@ impl Drop for Listener {
     }
 }
 
-/// What one snapshot asks for: VIPs, and healthy endpoints per `VIP:port`.
+/// What one snapshot asks for: VIPs with the network scope that may reach
+/// them, and healthy endpoints per `VIP:port`.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Wanted {
-    pub vips: BTreeSet<Ipv4Addr>,
+    pub vips: BTreeMap<Ipv4Addr, String>,
     pub listeners: BTreeMap<SocketAddr, Vec<SocketAddr>>,
 }
 
@@ -49,7 +50,11 @@ pub fn wanted(snapshot: &RouteSnapshot) -> Wanted {
         let Ok(vip) = service.vip.parse::<Ipv4Addr>() else {
             continue;
         };
-        w.vips.insert(vip);
+        // The bridges of the service's own environment (V-6).
+        w.vips.insert(
+            vip,
+            zattera_netns::network_name(&service.project_id, &service.environment_id),
+        );
         for port in &service.ports {
             let Ok(number) = u16::try_from(port.port) else {
                 continue;
@@ -124,7 +129,12 @@ async fn reconcile(
             SocketAddr::V6(_) => None,
         })
         .collect();
-    let all: BTreeSet<Ipv4Addr> = w.vips.union(&current).copied().collect();
+    // VIPs on their way out stay until their listeners close, reachable
+    // from nobody.
+    let mut all = w.vips.clone();
+    for ip in current {
+        all.entry(ip).or_default();
+    }
     if let Err(e) = zattera_netns::vip::set_vips(net, &all).await {
         tracing::warn!(error = %e, "VIP addresses not set");
     }
@@ -245,6 +255,8 @@ mod tests {
             internal_services: vec![
                 InternalService {
                     vip: "10.97.0.5".into(),
+                    project_id: "01JPROJECTXYZ".into(),
+                    environment_id: "01JENVIRONMENT42".into(),
                     ports: vec![
                         InternalPort {
                             port: 80,
@@ -284,7 +296,15 @@ mod tests {
             ..RouteSnapshot::default()
         };
         let w = wanted(&snapshot);
-        assert_eq!(w.vips, BTreeSet::from([Ipv4Addr::new(10, 97, 0, 5)]));
+        // Scoped to the bridges of its environment, named as the executor
+        // names them.
+        assert_eq!(
+            w.vips,
+            BTreeMap::from([(
+                Ipv4Addr::new(10, 97, 0, 5),
+                "zt-01jproje-01jenvironme".to_owned()
+            )])
+        );
         assert_eq!(w.listeners.len(), 1, "UDP and port 0 are skipped");
         assert_eq!(
             w.listeners[&addr("10.97.0.5:80")],

@@ -31,6 +31,7 @@ use zattera_agent::proto::cluster::{
     AgentMessage, AssignmentSet, ControlMessage, JoinRequest, JoinResponse, RouteSnapshot,
     WatchRoutesRequest, control_message,
 };
+use zattera_agent::proto::v1::AssignmentObserved;
 
 /// A cluster CA made for one test.
 pub struct TestCa {
@@ -156,6 +157,14 @@ impl Record {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The newest status report of `assignment`.
+    pub fn latest_of(&self, assignment: &str) -> Option<AssignmentObserved> {
+        self.frames.iter().rev().find_map(|(_, f)| match &f.body {
+            Some(Body::Status(b)) => b.observed.get(assignment).cloned(),
+            _ => None,
+        })
     }
 }
 
