@@ -108,7 +108,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
-            let routes = crate::control::services::spawn(&sync).await;
+            let routes = crate::control::services::spawn(&sync, config.node_api_listen).await;
             tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx)

@@ -5,7 +5,7 @@
 //! wins over the defaults. An unknown key is an error that names the key and
 //! the file, so a typo never silently falls back to a default.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -19,6 +19,9 @@ pub const DEFAULT_RUN_DIR: &str = "/run/zattera";
 pub const DEFAULT_CONTAINERD_ADDRESS: &str = "/run/containerd/containerd.sock";
 pub const DEFAULT_NAMESPACE: &str = "zattera";
 pub const DEFAULT_HOST_IP: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+/// The node API (`AgentLocalService`) on every address, port 8444 (wire.md §0.4).
+pub const DEFAULT_NODE_API_LISTEN: SocketAddr =
+    SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 8444);
 
 /// Every key the config file (and the command line) may set. All optional:
 /// this is one layer of settings, merged with [`Settings::overlay`].
@@ -46,6 +49,9 @@ pub struct Settings {
     /// Standalone subnet slots, `FIRST-LAST` of 10.201.X.0/24 (default 0-255).
     #[serde(alias = "subnet_pool")]
     pub subnet_pool: Option<String>,
+    /// Where the node API listens when a control plane is used.
+    #[serde(alias = "node_api_listen")]
+    pub node_api_listen: Option<SocketAddr>,
 }
 
 impl Settings {
@@ -87,6 +93,7 @@ impl Settings {
             node_id: top.node_id.or(self.node_id),
             bridge_prefix: top.bridge_prefix.or(self.bridge_prefix),
             subnet_pool: top.subnet_pool.or(self.subnet_pool),
+            node_api_listen: top.node_api_listen.or(self.node_api_listen),
         }
     }
 
@@ -121,6 +128,7 @@ impl Settings {
             run_dir: self.run_dir.unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
             host_ip: self.host_ip.unwrap_or(DEFAULT_HOST_IP),
             node_id: self.node_id.filter(|n| !n.is_empty()),
+            node_api_listen: self.node_api_listen.unwrap_or(DEFAULT_NODE_API_LISTEN),
         })
     }
 }
@@ -139,6 +147,7 @@ pub struct Config {
     pub bridge_prefix: Option<String>,
     /// Inclusive range of subnet slots standalone networks are taken from.
     pub subnet_pool: (u8, u8),
+    pub node_api_listen: SocketAddr,
 }
 
 fn parse_pool(text: &str) -> Option<(u8, u8)> {
@@ -180,6 +189,7 @@ mod tests {
             run-dir = "/r"
             host-ip = "192.0.2.7"
             node-id = "n1"
+            node-api-listen = "127.0.0.1:9444"
             "#,
         )
         .unwrap();
@@ -192,6 +202,12 @@ mod tests {
         assert_eq!(c.run_dir, Path::new("/r"));
         assert_eq!(c.host_ip.to_string(), "192.0.2.7");
         assert_eq!(c.node_id.as_deref(), Some("n1"));
+        assert_eq!(c.node_api_listen.to_string(), "127.0.0.1:9444");
+        assert_eq!(
+            Settings::default().resolve().unwrap().node_api_listen,
+            DEFAULT_NODE_API_LISTEN
+        );
+        assert!(parse("node-api-listen = \"8444\"").is_err());
     }
 
     #[test]

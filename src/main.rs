@@ -92,6 +92,9 @@ struct RunArgs {
     /// Subnet slots for standalone networks, FIRST-LAST of 10.201.X.0/24 [default: 0-255]
     #[arg(long, value_name = "FIRST-LAST")]
     subnet_pool: Option<String>,
+    /// Address of the node API served to the control plane (mTLS) [default: 0.0.0.0:8444]
+    #[arg(long, value_name = "ADDR")]
+    node_api_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -177,6 +180,7 @@ fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
         node_id: run.and_then(|r| r.node_id.clone()),
         bridge_prefix: run.and_then(|r| r.bridge_prefix.clone()),
         subnet_pool: run.and_then(|r| r.subnet_pool.clone()),
+        node_api_listen: run.and_then(|r| r.node_api_listen),
     };
     Ok(file.overlay(flags).resolve()?)
 }

@@ -849,7 +849,7 @@ async fn the_binary_joins_and_runs_under_control() {
             .arg("--data-dir")
             .arg(&data)
             .args(["run", "--bridge-prefix", "ztcq", "--control", &cp.address()])
-            .env("ZATTERA_NODE_API_LISTEN", &api_addr)
+            .args(["--node-api-listen", &api_addr])
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(log)

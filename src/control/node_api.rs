@@ -29,9 +29,6 @@ use crate::proto::v1::{LogLine, LogQuery, StatsQuery, StatsResponse};
 
 use super::tls::{self, ClientAuth, NodeTls, PeerIdentity, TlsError};
 
-/// The reference's port for the node API.
-pub const DEFAULT_PORT: u16 = 8444;
-
 #[derive(Debug, thiserror::Error)]
 pub enum NodeApiError {
     #[error(transparent)]

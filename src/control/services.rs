@@ -8,25 +8,16 @@ use tokio::sync::watch;
 
 use crate::proto::cluster::RouteSnapshot;
 
-use super::node_api::{DEFAULT_PORT, NodeApi};
+use super::node_api::NodeApi;
 use super::routes::{self, RoutesConfig};
 use super::sync::SyncConfig;
 
-/// Overrides the node API's listen address (`0.0.0.0:8444` by default),
-/// e.g. for several agents on one host.
-pub const NODE_API_ENV: &str = "ZATTERA_NODE_API_LISTEN";
-
-/// Starts the node API and the route watch for the node `sync` describes.
-/// Neither failing stops the agent: the sync stream matters more.
-pub async fn spawn(sync: &SyncConfig) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
-    let listen = std::env::var(NODE_API_ENV)
-        .ok()
-        .and_then(|v| {
-            v.parse::<SocketAddr>()
-                .map_err(|e| tracing::error!(%v, error = %e, "{NODE_API_ENV}: not an address"))
-                .ok()
-        })
-        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)));
+/// Starts the node API on `listen` and the route watch for the node `sync`
+/// describes. Neither failing stops the agent: the sync stream matters more.
+pub async fn spawn(
+    sync: &SyncConfig,
+    listen: SocketAddr,
+) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
     match NodeApi::bind(listen, &sync.tls).await {
         Ok(api) => {
             tracing::info!(%listen, "node API listening");
