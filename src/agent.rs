@@ -62,6 +62,8 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         (None, Some(dir)) => format!("manifests {}", dir.display()),
         (None, None) => "none (no --manifests and no --control)".to_owned(),
     };
+    let cgroup_parent = format!("/zattera/{}", config.namespace);
+    let ctd_for_metrics = ctd.clone();
     let exec_cfg = ExecutorConfig {
         node_id: control.as_ref().map_or_else(
             || config.node_id.clone().unwrap_or_default(),
@@ -71,7 +73,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         data_dir: config.data_dir.clone(),
         run_dir: config.run_dir.clone(),
         logger_binary,
-        cgroup_parent: format!("/zattera/{}", config.namespace),
+        cgroup_parent: cgroup_parent.clone(),
         parallelism: 4,
         standalone,
         source,
@@ -111,7 +113,14 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             let routes = crate::control::services::spawn(&sync, config.node_api_listen).await;
             tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
-            crate::control::sync::spawn(sync, handle.desired.clone(), rx)
+            let (samples, _sampler) = crate::metrics::Sampler {
+                ctd: ctd_for_metrics.clone(),
+                cgroup_parent: cgroup_parent.clone(),
+                status: handle.status.clone(),
+                every: crate::metrics::SAMPLE_EVERY,
+            }
+            .spawn();
+            crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
                 .with_context(|| format!("--control {addr}: the node identity"))?
         }
         (None, Some(dir)) => tokio::spawn(feed_from_manifests(

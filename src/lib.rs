@@ -12,6 +12,7 @@ pub mod control;
 pub mod executor;
 pub mod health;
 pub mod logshim;
+pub mod metrics;
 pub mod proto;
 pub mod runtime;
 pub mod source;

@@ -265,7 +265,13 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
     let (data, node_id) = joined(&cp).await;
     let (desired_tx, mut desired_rx) = watch::channel(None);
     let (batches, batches_rx) = mpsc::channel(64);
-    let task = sync::spawn(sync_config(&cp, data.path()), desired_tx, batches_rx).unwrap();
+    let task = sync::spawn(
+        sync_config(&cp, data.path()),
+        desired_tx,
+        batches_rx,
+        zattera_agent::metrics::none(),
+    )
+    .unwrap();
     let _abort = AbortOnDrop(task);
 
     // Hello first, with the certificate's node id and version 0.
@@ -364,7 +370,7 @@ fn start_sync(cp: &ControlPlane, data: &Path, node_id: &str, tls: NodeTls) -> Ab
     cfg.tls = tls;
     let (desired_tx, _) = watch::channel(None);
     let (_, batches_rx) = mpsc::channel(1);
-    AbortOnDrop(sync::spawn(cfg, desired_tx, batches_rx).unwrap())
+    AbortOnDrop(sync::spawn(cfg, desired_tx, batches_rx, zattera_agent::metrics::none()).unwrap())
 }
 
 #[tokio::test]
@@ -474,11 +480,23 @@ impl Node {
             Some(batches_tx),
         );
         let exec_task = tokio::spawn(exec.run());
-        let sync_task =
-            sync::spawn(sync_config(cp, data), handle.desired.clone(), batches_rx).unwrap();
+        let (samples, sampler_task) = zattera_agent::metrics::Sampler {
+            ctd: ctd.clone(),
+            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
+            status: handle.status.clone(),
+            every: Duration::from_millis(300),
+        }
+        .spawn();
+        let sync_task = sync::spawn(
+            sync_config(cp, data),
+            handle.desired.clone(),
+            batches_rx,
+            samples,
+        )
+        .unwrap();
         Self {
             handle,
-            tasks: vec![exec_task, sync_task],
+            tasks: vec![exec_task, sampler_task, sync_task],
             net,
             _cleanup: cleanup,
             _dirs: dirs,
@@ -566,6 +584,17 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
                 .any(|a| a.id == "a1" && a.state == State::Healthy)
         })
         .await;
+        // Heartbeats carry the instance's resource sample (M-6).
+        let sample = cp
+            .wait_for("a heartbeat sample of a1", WAIT, |r| {
+                r.frames.iter().rev().find_map(|(_, f)| match &f.body {
+                    Some(Body::Heartbeat(h)) => h.instances.get("a1").cloned(),
+                    _ => None,
+                })
+            })
+            .await;
+        assert!(sample.memory_bytes > 0, "{sample:?}");
+        assert!(sample.cpu_percent >= 0.0, "{sample:?}");
 
         // Control restarts mid-stream: the agent comes back and resends
         // the latest report, so control's view heals.

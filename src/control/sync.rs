@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::executor::status::Observation;
+use crate::metrics::InstanceSamples;
 use crate::proto::cluster::agent_message::Body;
 use crate::proto::cluster::agent_sync_service_client::AgentSyncServiceClient;
 use crate::proto::cluster::control_message::Body as ControlBody;
@@ -84,18 +85,20 @@ pub enum SessionError {
 }
 
 /// Starts the client: it owns the executor's batch receiver and feeds
-/// `desired` until the task is aborted.
+/// `desired` until the task is aborted. Heartbeats carry the latest of
+/// `samples` ([`crate::metrics`]).
 pub fn spawn(
     cfg: SyncConfig,
     desired: watch::Sender<Option<AssignmentSet>>,
     batches: mpsc::Receiver<Vec<Observation>>,
+    samples: watch::Receiver<InstanceSamples>,
 ) -> Result<tokio::task::JoinHandle<()>, TlsError> {
     // Built once: a bad key or certificate is a startup error, not a retry.
     let client = Arc::new(tls::node_client(&cfg.tls)?);
     tls::server_name_of(&cfg.control_addr)?;
     let (max_batches, max_entries) = cfg.queue_limits;
     let queue = queue::spawn(queue::StatusQueue::new(max_batches, max_entries), batches);
-    Ok(tokio::spawn(run(cfg, client, desired, queue)))
+    Ok(tokio::spawn(run(cfg, client, desired, queue, samples)))
 }
 
 async fn run(
@@ -103,11 +106,13 @@ async fn run(
     client: Arc<ClientConfig>,
     desired: watch::Sender<Option<AssignmentSet>>,
     queue: QueueHandle,
+    samples: watch::Receiver<InstanceSamples>,
 ) {
     let mut state = Session {
         cfg,
         desired,
         queue,
+        samples,
         version: 0,
     };
     let mut cpu = CpuMeter::default();
@@ -131,6 +136,7 @@ struct Session {
     cfg: SyncConfig,
     desired: watch::Sender<Option<AssignmentSet>>,
     queue: QueueHandle,
+    samples: watch::Receiver<InstanceSamples>,
     /// Highest AssignmentSet version applied by this process.
     version: u64,
 }
@@ -161,8 +167,11 @@ impl Session {
             out_tx,
             ack_rx,
             self.queue.clone(),
-            self.cfg.heartbeat,
-            self.cfg.data_dir.clone(),
+            Heartbeats {
+                every: self.cfg.heartbeat,
+                data_dir: self.cfg.data_dir.clone(),
+                samples: self.samples.clone(),
+            },
             cpu,
         );
         let reader = async {
@@ -206,23 +215,30 @@ fn frame(body: Body) -> AgentMessage {
     AgentMessage { body: Some(body) }
 }
 
+/// What a heartbeat is built from.
+struct Heartbeats {
+    every: Duration,
+    /// Its filesystem is the one reported.
+    data_dir: PathBuf,
+    samples: watch::Receiver<InstanceSamples>,
+}
+
 /// The single writer of a session: heartbeats (one right after the hello,
 /// S-12, then every interval), status batches and acks.
 async fn writer(
     out: mpsc::Sender<AgentMessage>,
     mut acks: mpsc::Receiver<u64>,
     queue: QueueHandle,
-    every: Duration,
-    data_dir: PathBuf,
+    beats: Heartbeats,
     cpu: &mut CpuMeter,
 ) -> Result<(), SessionError> {
-    let mut tick = tokio::time::interval(every);
+    let mut tick = tokio::time::interval(beats.every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Kept across iterations: dropping a take mid-flight could lose a batch.
     let mut take = Box::pin(next_batch(queue.clone()));
     loop {
         let body = tokio::select! {
-            _ = tick.tick() => Body::Heartbeat(heartbeat(cpu, &data_dir)),
+            _ = tick.tick() => Body::Heartbeat(heartbeat(cpu, &beats)),
             Some(version) = acks.recv() => Body::Ack(AssignmentsAck { version }),
             batch = &mut take => {
                 take = Box::pin(next_batch(queue.clone()));
@@ -239,9 +255,9 @@ async fn next_batch(queue: QueueHandle) -> Option<StatusBatch> {
     queue.next_batch().await
 }
 
-fn heartbeat(cpu: &mut CpuMeter, data_dir: &std::path::Path) -> Heartbeat {
+fn heartbeat(cpu: &mut CpuMeter, beats: &Heartbeats) -> Heartbeat {
     let (memory_used_bytes, memory_total_bytes) = host::memory();
-    let (disk_used_bytes, disk_total_bytes) = host::disk(data_dir);
+    let (disk_used_bytes, disk_total_bytes) = host::disk(&beats.data_dir);
     Heartbeat {
         time: Some(SystemTime::now().into()),
         cpu_percent: cpu.sample(),
@@ -249,9 +265,8 @@ fn heartbeat(cpu: &mut CpuMeter, data_dir: &std::path::Path) -> Heartbeat {
         memory_total_bytes,
         disk_used_bytes,
         disk_total_bytes,
-        // No metrics sampler yet (M-6): the maps stay absent, as before the
-        // reference's first sampler tick.
-        instances: std::collections::HashMap::new(),
+        instances: (**beats.samples.borrow()).clone(),
+        // This node runs no ingress proxy.
         proxy: std::collections::HashMap::new(),
     }
 }
