@@ -588,7 +588,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         let sample = cp
             .wait_for("a heartbeat sample of a1", WAIT, |r| {
                 r.frames.iter().rev().find_map(|(_, f)| match &f.body {
-                    Some(Body::Heartbeat(h)) => h.instances.get("a1").cloned(),
+                    Some(Body::Heartbeat(h)) => h.instances.get("a1").copied(),
                     _ => None,
                 })
             })
