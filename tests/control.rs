@@ -7,6 +7,8 @@
 
 #[path = "support/control.rs"]
 mod control_plane;
+#[path = "support/garbage.rs"]
+mod garbage;
 mod support;
 
 use std::collections::HashMap;
@@ -36,6 +38,7 @@ use zattera_agent::proto::cluster::{
 };
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, InstanceState, Meta, PortSpec, Protocol, ServiceSpec,
+    VolumeLease, VolumeMount,
 };
 use zattera_agent::runtime::{Containerd, containers, import_archive};
 use zattera_netns::{NetConfig, NetNode};
@@ -632,6 +635,142 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
             .await;
         let left = containers::list(&ctd, &[]).await.unwrap();
         assert!(left.is_empty(), "containers left: {left:?}");
+        let _ = node.net.remove_rules().await;
+    })
+    .await;
+}
+
+/// Bad input through the stream: a lease naming another node, a payload
+/// without an image, and then a malformed frame from control. Each is
+/// reported, and the healthy instance is never touched.
+#[tokio::test]
+async fn bad_input_through_the_stream_disturbs_nothing() {
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-bad", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import the test image");
+        let mut cp = ControlPlane::start(&[SECRET]).await;
+        let (data, node_id) = joined(&cp).await;
+        let mut node = Node::start(&ctd, "ztcb", &cp, data.path(), &node_id);
+        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+
+        let mut set = one("good", 1, AssignmentDesired::Run);
+        set.runtime.get_mut("good").unwrap().subnet_cidr = "10.201.184.0/24".into();
+        let mut add = |id: &str, edit: &dyn Fn(&mut AssignmentRuntime)| {
+            let mut extra = one(id, 1, AssignmentDesired::Run);
+            let mut rt = extra.runtime.remove(id).unwrap();
+            rt.subnet_cidr = "10.201.184.0/24".into();
+            edit(&mut rt);
+            set.assignments.push(extra.assignments.remove(0));
+            set.runtime.insert(id.into(), rt);
+        };
+        add("leased-elsewhere", &|rt| {
+            let spec = rt.spec.as_mut().unwrap();
+            spec.stateful = true;
+            spec.volumes = vec![VolumeMount {
+                volume_name: "data".into(),
+                mount_path: "/data".into(),
+            }];
+            rt.volume_lease = Some(VolumeLease {
+                node_id: "some-other-node".into(),
+                assignment_id: "leased-elsewhere".into(),
+                expires_at: None,
+            });
+        });
+        add("no-image", &|rt| rt.image_ref.clear());
+        cp.push_set(set);
+
+        let healthy = InstanceState::Healthy as i32;
+        cp.wait_for("HEALTHY good", Duration::from_secs(60), |r| {
+            r.states_of("good").contains(&healthy).then_some(())
+        })
+        .await;
+        let pending = cp
+            .wait_for("PENDING for the foreign lease", WAIT, |r| {
+                r.latest_of("leased-elsewhere")
+                    .filter(|o| o.state == InstanceState::Pending as i32)
+            })
+            .await;
+        assert!(
+            pending.message.contains("leased to another node (some-other-node)"),
+            "{pending:?}"
+        );
+        assert!(pending.container_id.is_empty(), "{pending:?}");
+        let failed = cp
+            .wait_for("FAILED for the missing image", WAIT, |r| {
+                r.latest_of("no-image")
+                    .filter(|o| o.state == InstanceState::Failed as i32)
+            })
+            .await;
+        assert!(!failed.message.is_empty(), "{failed:?}");
+        let good = cp.with(|r| r.latest_of("good")).unwrap();
+        let pid_of = |cid: String| {
+            let ctd = ctd.clone();
+            async move {
+                match containers::task_state(&ctd, &cid).await.unwrap() {
+                    containers::TaskState::Running { pid } => pid,
+                    other => panic!("good is not running: {other:?}"),
+                }
+            }
+        };
+        let pid = pid_of(good.container_id.clone()).await;
+        // Only the good instance has a container.
+        let listed = containers::list(&ctd, &[]).await.unwrap();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+
+        // A control node that answers with a frame that does not decode.
+        cp.stop().await;
+        let evil = garbage::GarbageControl::start(cp.addr, &cp.ca).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+        while evil.counts().1 == 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the agent never reached the malformed control node"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // The agent drops that session and dials again: a second hello.
+        while evil.counts().0 < 2 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the agent did not reconnect after the malformed frame: {:?}",
+                evil.counts()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        evil.stop().await;
+        cp.restart().await;
+        let sessions = cp.with(|r| r.sessions.len());
+        cp.wait_for("a session after the malformed one", Duration::from_secs(60), |r| {
+            (r.frames.iter().any(|(s, f)| {
+                *s == sessions
+                    && matches!(&f.body, Some(Body::Status(b)) if b.observed.get("good").is_some_and(|o| o.state == healthy))
+            }))
+            .then_some(())
+        })
+        .await;
+        // The same container, the same process: nothing was restarted.
+        assert_eq!(
+            cp.with(|r| r.latest_of("good")).unwrap().container_id,
+            good.container_id
+        );
+        assert_eq!(pid_of(good.container_id.clone()).await, pid);
+        node.wait_status("good still healthy", |s| {
+            s.assignments
+                .iter()
+                .any(|a| a.id == "good" && a.state == State::Healthy)
+        })
+        .await;
+        cp.push_set(AssignmentSet {
+            version: 9,
+            ..AssignmentSet::default()
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !containers::list(&ctd, &[]).await.unwrap().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "containers left");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         let _ = node.net.remove_rules().await;
     })
     .await;
