@@ -10,6 +10,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/zattera/cluster/v1/routes.proto",
     ];
     tonic_prost_build::configure()
+        // Ordered maps: equal sets compare without hashing, and whatever
+        // is derived from a map (env order, labels) is deterministic.
+        .btree_map(".")
         .file_descriptor_set_path(out.join("zattera_descriptor.bin"))
         .compile_protos(&files, &["proto"])?;
     println!("cargo:rerun-if-changed=proto");

@@ -9,7 +9,7 @@
 //! ([`crate::runtime::stats`]). A container that cannot be sampled is
 //! skipped (M-4).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +25,7 @@ use crate::runtime::{Containerd, stats};
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
 
 /// The latest samples, assignment id → sample.
-pub type InstanceSamples = Arc<HashMap<String, InstanceSample>>;
+pub type InstanceSamples = Arc<BTreeMap<String, InstanceSample>>;
 
 /// A receiver that never gets a sample: for a node without a sampler.
 pub fn none() -> watch::Receiver<InstanceSamples> {
@@ -62,7 +62,7 @@ impl Sampler {
         loop {
             tick.tick().await;
             let snapshot = self.status.borrow().clone();
-            let mut samples = HashMap::new();
+            let mut samples = BTreeMap::new();
             let mut current = HashMap::new();
             for a in snapshot
                 .assignments

@@ -11,7 +11,7 @@ mod control_plane;
 mod garbage;
 mod support;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -237,14 +237,14 @@ fn one(id: &str, version: u64, desired: AssignmentDesired) -> AssignmentSet {
             command: "sleep 3600".into(),
             ..ServiceSpec::default()
         }),
-        env: HashMap::new(),
+        env: BTreeMap::new(),
         subnet_cidr: "10.201.181.0/24".into(),
         volume_lease: None,
     };
     AssignmentSet {
         version,
         assignments: vec![a],
-        runtime: HashMap::from([(id.to_owned(), rt)]),
+        runtime: BTreeMap::from([(id.to_owned(), rt)]),
     }
 }
 
@@ -321,8 +321,31 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
     assert!(seen.is_sorted(), "states out of order: {seen:?}");
 
     // A lower version still wins: control's counter is not monotonic.
-    cp.push_set(one("a1", 3, AssignmentDesired::Run));
+    let mut lower = one("a1", 3, AssignmentDesired::Run);
+    lower.assignments[0].config_hash = "h2".into();
+    cp.push_set(lower.clone());
     desired_version(&mut desired_rx, 3).await;
+    // A repeat that differs only by version and control's echo of our
+    // reports is stored and acked, without waking the executor.
+    let mut repeat = lower;
+    repeat.version = 9;
+    repeat.assignments[0].observed = Some(zattera_agent::proto::v1::AssignmentObserved {
+        state: running,
+        ..Default::default()
+    });
+    cp.push_set(repeat);
+    cp.wait_for("ack 9", WAIT, |r| {
+        r.frames
+            .iter()
+            .any(|(_, f)| matches!(&f.body, Some(Body::Ack(a)) if a.version == 9))
+            .then_some(())
+    })
+    .await;
+    assert!(
+        !desired_rx.has_changed().unwrap(),
+        "a repeat woke the executor"
+    );
+    assert_eq!(desired_rx.borrow().as_ref().map(|s| s.version), Some(9));
 
     // Control goes away; a report made meanwhile waits in the queue.
     cp.stop().await;
@@ -337,7 +360,7 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
             hello_of(r, 1)
         })
         .await;
-    assert_eq!(hello.assignment_version, 7, "the highest version applied");
+    assert_eq!(hello.assignment_version, 9, "the highest version received");
     let healthy = InstanceState::Healthy as i32;
     cp.wait_for("HEALTHY after the reconnect", WAIT, |r| {
         r.frames

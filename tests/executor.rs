@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -144,7 +144,7 @@ fn assignment(
             command: command.into(),
             ..ServiceSpec::default()
         }),
-        env: HashMap::from([("ZATTERA_APP".into(), app.into())]),
+        env: BTreeMap::from([("ZATTERA_APP".into(), app.into())]),
         subnet_cidr: format!("10.201.{slot}.0/24"),
         volume_lease: None,
     };

@@ -12,7 +12,7 @@
 //! re-queues them after each hello, so a report lost with a broken session
 //! is resent (control's last-write-wins makes that safe).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -30,7 +30,7 @@ pub const DEFAULT_ENTRIES: usize = 4096;
 #[derive(Debug, Default)]
 struct Batch {
     order: VecDeque<String>,
-    map: HashMap<String, AssignmentObserved>,
+    map: BTreeMap<String, AssignmentObserved>,
 }
 
 impl Batch {

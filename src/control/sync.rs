@@ -23,6 +23,7 @@ use crate::proto::cluster::control_message::Body as ControlBody;
 use crate::proto::cluster::{
     AgentHello, AgentMessage, AssignmentSet, AssignmentsAck, Heartbeat, StatusBatch,
 };
+use crate::proto::v1::Assignment;
 
 use super::backoff::Backoff;
 use super::host::{self, CpuMeter};
@@ -193,22 +194,65 @@ impl Session {
     }
 
     /// S-6: record the version, hand the set over, ack best-effort.
+    ///
+    /// Control re-pushes the whole set on every cluster change, its own
+    /// status commits included, so most pushes repeat the last one but for
+    /// the echo of our reports. Such a repeat is stored without waking the
+    /// executor for a pass that would change nothing (its 5 s tick still
+    /// runs, on the stored set).
     async fn apply(&mut self, set: AssignmentSet, ack: &mpsc::Sender<u64>) {
         let version = set.version;
         self.version = self.version.max(version);
-        let ids: HashSet<String> = set
-            .assignments
-            .iter()
-            .filter_map(|a| a.meta.as_ref().map(|m| m.id.clone()))
-            .collect();
-        tracing::info!(version, assignments = ids.len(), "assignment set received");
-        self.queue.retain(ids).await;
         // The latest set always wins, even with a lower version (S-11).
-        self.desired.send_replace(Some(set));
+        let changed = self.desired.send_if_modified(|current| {
+            let changed = !current
+                .as_ref()
+                .is_some_and(|cur| same_assignments(cur, &set));
+            *current = Some(set);
+            changed
+        });
+        if changed {
+            let ids: HashSet<String> = self
+                .desired
+                .borrow()
+                .iter()
+                .flat_map(|s| &s.assignments)
+                .filter_map(|a| a.meta.as_ref().map(|m| m.id.clone()))
+                .collect();
+            tracing::info!(version, assignments = ids.len(), "assignment set received");
+            self.queue.retain(ids).await;
+        } else {
+            tracing::debug!(version, "assignment set unchanged");
+        }
         if ack.try_send(version).is_err() {
             tracing::debug!(version, "ack dropped: outgoing queue full");
         }
     }
+}
+
+/// Whether two sets ask the executor for the same thing: the same runtime
+/// payloads and the same assignments, leaving out the version and what
+/// control echoes of our own reports (`observed`, `mesh_port_bindings`,
+/// `meta.updated_at`).
+pub fn same_assignments(a: &AssignmentSet, b: &AssignmentSet) -> bool {
+    let same = |x: &Assignment, y: &Assignment| {
+        x.meta.as_ref().map(|m| &m.id) == y.meta.as_ref().map(|m| &m.id)
+            && x.node_id == y.node_id
+            && x.project_id == y.project_id
+            && x.app_id == y.app_id
+            && x.environment_id == y.environment_id
+            && x.release_id == y.release_id
+            && x.deployment_id == y.deployment_id
+            && x.desired == y.desired
+            && x.config_hash == y.config_hash
+            && x.job_id == y.job_id
+    };
+    a.assignments.len() == b.assignments.len()
+        && a.assignments
+            .iter()
+            .zip(&b.assignments)
+            .all(|(x, y)| same(x, y))
+        && a.runtime == b.runtime
 }
 
 fn frame(body: Body) -> AgentMessage {
@@ -267,6 +311,50 @@ fn heartbeat(cpu: &mut CpuMeter, beats: &Heartbeats) -> Heartbeat {
         disk_total_bytes,
         instances: (**beats.samples.borrow()).clone(),
         // This node runs no ingress proxy.
-        proxy: std::collections::HashMap::new(),
+        proxy: std::collections::BTreeMap::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::cluster::AssignmentRuntime;
+    use crate::proto::v1::{AssignmentObserved, Meta};
+
+    fn set(version: u64, hash: &str, observed: i32) -> AssignmentSet {
+        AssignmentSet {
+            version,
+            assignments: vec![Assignment {
+                meta: Some(Meta {
+                    id: "a1".into(),
+                    ..Meta::default()
+                }),
+                config_hash: hash.into(),
+                observed: Some(AssignmentObserved {
+                    state: observed,
+                    ..AssignmentObserved::default()
+                }),
+                ..Assignment::default()
+            }],
+            runtime: std::collections::BTreeMap::from([(
+                "a1".into(),
+                AssignmentRuntime {
+                    image_ref: "img".into(),
+                    ..AssignmentRuntime::default()
+                },
+            )]),
+        }
+    }
+
+    #[test]
+    fn echoes_of_our_reports_and_versions_are_not_changes() {
+        assert!(same_assignments(&set(1, "h1", 1), &set(7, "h1", 4)));
+        assert!(!same_assignments(&set(1, "h1", 1), &set(1, "h2", 1)));
+        let mut other_image = set(1, "h1", 1);
+        other_image.runtime.get_mut("a1").unwrap().image_ref = "img2".into();
+        assert!(!same_assignments(&set(1, "h1", 1), &other_image));
+        let mut more = set(1, "h1", 1);
+        more.assignments.push(Assignment::default());
+        assert!(!same_assignments(&set(1, "h1", 1), &more));
     }
 }

@@ -10,6 +10,7 @@
 //! bring-ups, run in parallel with a bound, never overlapping each other.
 
 pub mod backoff;
+pub mod diff;
 pub mod files;
 pub mod instance;
 pub mod labels;
@@ -274,21 +275,9 @@ impl Executor {
     }
 
     /// The desired set for this node (E-4), by assignment id.
-    fn desired(&self) -> Option<BTreeMap<String, (Assignment, Option<AssignmentRuntime>)>> {
+    fn desired(&self) -> Option<diff::Desired> {
         let set = self.desired_rx.borrow().clone()?;
-        let node = &self.h.cfg.node_id;
-        let mut runtime = set.runtime;
-        Some(
-            set.assignments
-                .into_iter()
-                .filter(|a| a.node_id.is_empty() || node.is_empty() || a.node_id == *node)
-                .filter_map(|a| {
-                    let id = a.meta.as_ref()?.id.clone();
-                    let rt = runtime.remove(&id);
-                    Some((id, (a, rt)))
-                })
-                .collect(),
-        )
+        Some(diff::desired_for(set, &self.h.cfg.node_id))
     }
 
     /// One pass: classify, STOP, RUN, report, wire health, tidy networks.
@@ -303,39 +292,11 @@ impl Executor {
                 return;
             }
         };
-        let mut by_assignment: BTreeMap<String, Vec<OwnedContainer>> = BTreeMap::new();
-        for o in listed {
-            by_assignment
-                .entry(o.assignment_id.clone())
-                .or_default()
-                .push(o);
-        }
-
         // Classify (E-5); duplicates of one assignment are removed (E-2 deviation).
-        let mut batch = Vec::new();
-        let mut removals: Vec<OwnedContainer> = Vec::new();
-        self.owned.clear();
-        for (id, containers) in by_assignment {
-            match desired.get(&id) {
-                None => removals.extend(containers),
-                Some((a, _)) if a.desired != AssignmentDesired::Run as i32 => {
-                    for c in &containers {
-                        batch
-                            .push(Observation::new(&id, State::Stopped).container(&c.container_id));
-                    }
-                    removals.extend(containers);
-                }
-                Some((a, _)) => {
-                    for c in containers {
-                        if c.config_hash == a.config_hash && !self.owned.contains_key(&id) {
-                            self.owned.insert(id.clone(), c);
-                        } else {
-                            removals.push(c);
-                        }
-                    }
-                }
-            }
-        }
+        let classified = diff::classify(&desired, listed);
+        let mut batch = classified.stopped;
+        let removals = classified.removals;
+        self.owned = classified.owned;
 
         // STOP pass: every removal ends before any creation starts (E-6).
         for r in &removals {

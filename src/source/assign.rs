@@ -25,7 +25,7 @@
 //!   (the first container port) unless the user set it, `ZATTERA_ENV` and
 //!   `ZATTERA_APP`, which override the user's.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use prost::Message as _;
@@ -81,7 +81,7 @@ pub fn env_instances(m: &AppManifest, env: &Name, spec: &EnvSpec, subnet: Subnet
     };
     let vars = injected_env(m, env, spec);
     let subnet_cidr = subnet.to_string();
-    let fixed: HashMap<String, u32> = spec
+    let fixed: BTreeMap<String, u32> = spec
         .ports
         .iter()
         .filter_map(|p| Some((p.name.to_string(), u32::from(p.host_port?))))
@@ -91,7 +91,7 @@ pub fn env_instances(m: &AppManifest, env: &Name, spec: &EnvSpec, subnet: Subnet
             let bindings = if index == 0 {
                 fixed.clone()
             } else {
-                HashMap::new()
+                BTreeMap::new()
             };
             let hash = config_hash(&HashInput {
                 project: m.project.as_str(),
@@ -203,7 +203,7 @@ pub fn service_spec(spec: &EnvSpec, m: &AppManifest) -> ServiceSpec {
         cron: Vec::new(),
         stop_grace: Some(duration(spec.stop_grace)),
         command: spec.command.clone().unwrap_or_default(),
-        placement_constraints: HashMap::new(),
+        placement_constraints: BTreeMap::new(),
         rate_limit: None,
     }
 }
@@ -229,7 +229,7 @@ struct HashInput<'a> {
     spec: &'a ServiceSpec,
     env: &'a BTreeMap<String, String>,
     subnet: &'a str,
-    host_ports: &'a HashMap<String, u32>,
+    host_ports: &'a BTreeMap<String, u32>,
 }
 
 fn config_hash(input: &HashInput<'_>) -> String {
@@ -439,7 +439,7 @@ mount_path = "/data"
         // The fixed host port is requested by instance 0 only.
         assert_eq!(
             got[0].assignment.mesh_port_bindings,
-            HashMap::from([("http".to_owned(), 8080)])
+            BTreeMap::from([("http".to_owned(), 8080)])
         );
         assert!(got[1].assignment.mesh_port_bindings.is_empty());
         assert_ne!(got[0].assignment.config_hash, got[1].assignment.config_hash);

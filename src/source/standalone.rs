@@ -20,7 +20,7 @@
 //! that can be built. Logging them is the caller's job (they repeat on every
 //! load while the file stays broken).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -62,7 +62,7 @@ pub struct StandaloneSource {
     /// Subnets that new environments must not take (see [`Self::reserve_subnets`]).
     reserved: BTreeSet<Subnet>,
     version: u64,
-    last: Option<(Vec<Assignment>, HashMap<String, AssignmentRuntime>)>,
+    last: Option<(Vec<Assignment>, BTreeMap<String, AssignmentRuntime>)>,
 }
 
 impl StandaloneSource {
@@ -230,7 +230,7 @@ impl StandaloneSource {
             }
         }
         instances.sort_by(|a, b| a.id().cmp(b.id()));
-        let runtime: HashMap<String, AssignmentRuntime> = instances
+        let runtime: BTreeMap<String, AssignmentRuntime> = instances
             .iter()
             .map(|i| (i.id().to_owned(), i.runtime.clone()))
             .collect();
