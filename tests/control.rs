@@ -1182,6 +1182,24 @@ async fn the_binary_joins_and_runs_under_control() {
             ..Default::default()
         };
         let client = observed("c1").container_id;
+        // Inside the container, the name answers the VIP.
+        let lookup = zattera_agent::runtime::exec::exec(
+            &ctd,
+            &client,
+            &fifo,
+            &zattera_agent::runtime::exec::ExecRequest {
+                args: vec!["nslookup".into(), "svc.internal".into()],
+                timeout: Duration::from_secs(10),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let answer = String::from_utf8_lossy(&lookup.stdout);
+        assert!(
+            lookup.exit_code == 0 && answer.contains("Address: 10.97.0.9"),
+            "nslookup svc.internal in the client: {lookup:?} {answer}"
+        );
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             let out =
