@@ -110,7 +110,12 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
-            let routes = crate::control::services::spawn(&sync, config.node_api_listen).await;
+            let node = crate::control::node_api::NodeContext {
+                ctd: ctd_for_metrics.clone(),
+                desired: handle.desired.subscribe(),
+                data_dir: config.data_dir.clone(),
+            };
+            let routes = crate::control::services::spawn(&sync, config.node_api_listen, node).await;
             tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             let (samples, _sampler) = crate::metrics::Sampler {

@@ -34,11 +34,11 @@ use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalService
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
     AgentHello, AgentTopRequest, AssignmentRuntime, AssignmentSet, Endpoint, InternalPort,
-    InternalService, RouteSnapshot,
+    InternalService, RouteSnapshot, TcpChunk,
 };
 use zattera_agent::proto::v1::{
-    Assignment, AssignmentDesired, InstanceState, Meta, PortSpec, Protocol, ServiceSpec,
-    VolumeLease, VolumeMount,
+    Assignment, AssignmentDesired, InstanceState, LogQuery, LogSelector, Meta, PortSpec, Protocol,
+    ServiceSpec, VolumeLease, VolumeMount,
 };
 use zattera_agent::runtime::{Containerd, containers, import_archive};
 use zattera_netns::{NetConfig, NetNode};
@@ -923,7 +923,7 @@ async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
     let cp = ControlPlane::start(&[SECRET]).await;
     let (data, node_id) = joined(&cp).await;
     let node = IdentityDir::new(data.path()).load_tls().unwrap();
-    let api = NodeApi::bind("127.0.0.1:0".parse().unwrap(), &node)
+    let api = NodeApi::bind("127.0.0.1:0".parse().unwrap(), &node, None)
         .await
         .unwrap();
     let addr = api.local_addr().unwrap().to_string();
@@ -1084,6 +1084,10 @@ async fn the_binary_joins_and_runs_under_control() {
             a.environment_id = env.into();
             let mut rt = other.runtime.remove(id).unwrap();
             rt.subnet_cidr = format!("10.201.{slot}.0/24");
+            // Output for QueryLogs: two lines, then one a second.
+            rt.spec.as_mut().unwrap().command =
+                "echo hello-from-c1; echo oops-from-c1 >&2; while true; do echo tick; sleep 1; done"
+                    .into();
             set.assignments.push(a);
             set.runtime.insert(id.into(), rt);
         }
@@ -1236,15 +1240,136 @@ async fn the_binary_joins_and_runs_under_control() {
             "{table}"
         );
 
-        // The node API answers a control node on the configured address.
+        // The node API serves a control node on the configured address.
         let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
-        let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let err = call_top(&api_addr, &name, control).await.unwrap_err();
-        assert_eq!(
-            err.as_ref().map(|e| e.0),
-            Some(tonic::Code::Unimplemented),
-            "{err:?}"
+        let control = || client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
+        let mut api = AgentLocalServiceClient::new(
+            tls::connect_as(&api_addr, name.clone(), control())
+                .await
+                .unwrap(),
         );
+        // Top: web's processes, ps -ef style.
+        let web = observed("b1").container_id;
+        let top = api
+            .top(AgentTopRequest {
+                container_id: web.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            top.titles.last().map(String::as_str),
+            Some("CMD"),
+            "{top:?}"
+        );
+        assert!(
+            top.processes.iter().any(|p| p
+                .fields
+                .last()
+                .is_some_and(|c| c.contains("httpd -f -p 80"))),
+            "{top:?}"
+        );
+        let empty = api
+            .top(AgentTopRequest {
+                container_id: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(empty.code(), tonic::Code::InvalidArgument);
+
+        // QueryLogs: the client's history, both streams, in order.
+        let query = |limit: u32, follow: bool| LogQuery {
+            selector: Some(LogSelector {
+                instance_id: "c1".into(),
+                ..LogSelector::default()
+            }),
+            limit,
+            follow,
+            ..LogQuery::default()
+        };
+        let mut history = api.query_logs(query(0, false)).await.unwrap().into_inner();
+        let mut lines = Vec::new();
+        while let Some(l) = history.message().await.unwrap() {
+            lines.push(l);
+        }
+        assert!(lines.len() >= 2, "{lines:?}");
+        assert_eq!(lines[0].line, "hello-from-c1");
+        assert_eq!(lines[0].instance_id, "c1");
+        assert!(
+            lines.iter().any(|l| l.line == "oops-from-c1"
+                && l.source == zattera_agent::proto::v1::LogSource::Stderr as i32),
+            "{lines:?}"
+        );
+        // With follow, new lines keep coming after the newest one.
+        let mut follow = api.query_logs(query(1, true)).await.unwrap().into_inner();
+        let first = follow.message().await.unwrap().unwrap();
+        let at =
+            |l: &zattera_agent::proto::v1::LogLine| l.time.as_ref().map(|t| (t.seconds, t.nanos));
+        let next = tokio::time::timeout(WAIT, async {
+            loop {
+                let l = follow.message().await.unwrap().unwrap();
+                if at(&l) > at(&first) {
+                    return l;
+                }
+            }
+        })
+        .await
+        .expect("no new line while following");
+        assert_eq!(next.line, "tick");
+        drop(follow);
+        // Another instance's selector: nothing, at once.
+        let mut none = api
+            .query_logs(LogQuery {
+                selector: Some(LogSelector {
+                    instance_id: "nobody".into(),
+                    ..LogSelector::default()
+                }),
+                ..LogQuery::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(none.message().await.unwrap().is_none());
+
+        // ProxyTCP: control's port-forward leg to web's published port.
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(TcpChunk {
+            dial_addr: format!("127.0.0.1:{host_port}"),
+            data: b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+        })
+        .await
+        .unwrap();
+        let mut back = api
+            .proxy_tcp(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut body = Vec::new();
+        while let Some(chunk) = back.message().await.unwrap() {
+            body.extend(chunk.data);
+        }
+        drop(tx);
+        assert!(
+            String::from_utf8_lossy(&body).ends_with("hello from zattera\n"),
+            "{}",
+            String::from_utf8_lossy(&body)
+        );
+        // Never a dial to another machine (TEST-NET-1: refused before dialing).
+        let (tx, rx) = mpsc::channel(1);
+        tx.send(TcpChunk {
+            dial_addr: "192.0.2.1:80".into(),
+            data: Vec::new(),
+        })
+        .await
+        .unwrap();
+        let refused = match api
+            .proxy_tcp(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+        {
+            Err(s) => s,
+            Ok(r) => r.into_inner().message().await.unwrap_err(),
+        };
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
 
         // An empty set removes everything.
         cp.push_set(AssignmentSet {

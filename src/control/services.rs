@@ -8,17 +8,18 @@ use tokio::sync::watch;
 
 use crate::proto::cluster::RouteSnapshot;
 
-use super::node_api::NodeApi;
+use super::node_api::{NodeApi, NodeContext};
 use super::routes::{self, RoutesConfig};
 use super::sync::SyncConfig;
 
-/// Starts the node API on `listen` and the route watch for the node `sync`
+/// Starts the node API on `listen` (serving `node`) and the route watch for the node `sync`
 /// describes. Neither failing stops the agent: the sync stream matters more.
 pub async fn spawn(
     sync: &SyncConfig,
     listen: SocketAddr,
+    node: NodeContext,
 ) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
-    match NodeApi::bind(listen, &sync.tls).await {
+    match NodeApi::bind(listen, &sync.tls, Some(node)).await {
         Ok(api) => {
             tracing::info!(%listen, "node API listening");
             tokio::spawn(async move {

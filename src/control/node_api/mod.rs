@@ -3,17 +3,27 @@
 //!
 //! Stricter than the reference (DESIGN.md decision 7): the TLS handshake
 //! requires a client certificate chaining to the cluster CA, and every call
-//! requires a `zattera://node/` identity in it. No capability has landed
-//! yet, so every method answers UNIMPLEMENTED naming the missing capability,
-//! which is what control expects from a node lacking an RPC.
+//! requires a `zattera://node/` identity in it.
+//!
+//! Served: `QueryLogs` ([`logs`]), `Top` ([`top`]) and `ProxyTCP`
+//! ([`proxy`]). The others answer UNIMPLEMENTED naming the missing
+//! capability, which is what control expects from a node lacking an RPC.
+
+pub mod logs;
+pub mod proxy;
+pub mod top;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
+
+use tokio::sync::watch;
 
 use futures::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::proto::cluster::AssignmentSet;
 use crate::proto::cluster::agent_local_service_server::{
     AgentLocalService, AgentLocalServiceServer,
 };
@@ -26,6 +36,7 @@ use crate::proto::cluster::{
     VolumeOpProgress,
 };
 use crate::proto::v1::{LogLine, LogQuery, StatsQuery, StatsResponse};
+use crate::runtime::Containerd;
 
 use super::tls::{self, ClientAuth, NodeTls, PeerIdentity, TlsError};
 
@@ -40,21 +51,36 @@ pub enum NodeApiError {
     },
 }
 
+/// What the served methods read: the node's containerd, the executor's
+/// current set, and the data dir (logs live under it).
+#[derive(Debug, Clone)]
+pub struct NodeContext {
+    pub ctd: Containerd,
+    pub desired: watch::Receiver<Option<AssignmentSet>>,
+    pub data_dir: PathBuf,
+}
+
 /// A bound node API server; [`Self::serve`] runs it.
 #[derive(Debug)]
 pub struct NodeApi {
     listener: tokio::net::TcpListener,
     tls: Arc<rustls::ServerConfig>,
+    node: Option<NodeContext>,
 }
 
 impl NodeApi {
     /// Binds `addr` with the node certificate; clients must present one of
-    /// the cluster CA.
-    pub async fn bind(addr: SocketAddr, node: &NodeTls) -> Result<Self, NodeApiError> {
+    /// the cluster CA. Without `node` (no runtime) every method declines.
+    pub async fn bind(
+        addr: SocketAddr,
+        tls_identity: &NodeTls,
+        node: Option<NodeContext>,
+    ) -> Result<Self, NodeApiError> {
+        let node_tls = tls_identity;
         let tls = tls::server(
-            &node.cert_pem,
-            &node.key_pem,
-            ClientAuth::Required(&node.ca_pem),
+            &node_tls.cert_pem,
+            &node_tls.key_pem,
+            ClientAuth::Required(&node_tls.ca_pem),
         )?;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -62,6 +88,7 @@ impl NodeApi {
         Ok(Self {
             listener,
             tls: Arc::new(tls),
+            node,
         })
     }
 
@@ -72,14 +99,27 @@ impl NodeApi {
     /// Serves until the task is dropped.
     pub async fn serve(self) -> Result<(), tonic::transport::Error> {
         tonic::transport::Server::builder()
-            .add_service(AgentLocalServiceServer::new(Service))
+            .add_service(AgentLocalServiceServer::new(Service { node: self.node }))
             .serve_with_incoming(tls::incoming(self.listener, self.tls))
             .await
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Service;
+#[derive(Debug, Clone)]
+struct Service {
+    node: Option<NodeContext>,
+}
+
+impl Service {
+    /// The caller, checked, and the node context the method needs.
+    fn serving<T>(&self, req: &Request<T>, capability: &str) -> Result<&NodeContext, Status> {
+        let caller = authorize(req)?;
+        tracing::debug!(%caller, capability, "node API call");
+        self.node.as_ref().ok_or_else(|| {
+            Status::unimplemented(format!("{capability}: this node has no container runtime"))
+        })
+    }
+}
 
 /// The caller must be a node of the cluster (its certificate's URI SAN).
 fn authorize<T>(req: &Request<T>) -> Result<String, Status> {
@@ -102,7 +142,7 @@ fn declined<T, R>(req: &Request<T>, capability: &str) -> Result<R, Status> {
     )))
 }
 
-type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+pub(crate) type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl AgentLocalService for Service {
@@ -118,7 +158,10 @@ impl AgentLocalService for Service {
         &self,
         req: Request<LogQuery>,
     ) -> Result<Response<Self::QueryLogsStream>, Status> {
-        declined(&req, "log query (QueryLogs)")
+        let node = self.serving(&req, "log query (QueryLogs)")?;
+        let stream =
+            logs::query_logs(&node.ctd, &node.data_dir, &node.desired, req.into_inner()).await?;
+        Ok(Response::new(stream))
     }
     async fn exec(
         &self,
@@ -130,7 +173,9 @@ impl AgentLocalService for Service {
         &self,
         req: Request<AgentTopRequest>,
     ) -> Result<Response<AgentTopResponse>, Status> {
-        declined(&req, "process listing (Top)")
+        let node = self.serving(&req, "process listing (Top)")?;
+        let id = req.into_inner().container_id;
+        Ok(Response::new(top::top(&node.ctd, &id).await?))
     }
     async fn stats(&self, req: Request<StatsQuery>) -> Result<Response<StatsResponse>, Status> {
         declined(&req, "metrics store (Stats)")
@@ -139,7 +184,9 @@ impl AgentLocalService for Service {
         &self,
         req: Request<Streaming<TcpChunk>>,
     ) -> Result<Response<Self::ProxyTCPStream>, Status> {
-        declined(&req, "port forwarding (ProxyTCP)")
+        let caller = authorize(&req)?;
+        tracing::debug!(%caller, "node API ProxyTCP");
+        Ok(Response::new(proxy::proxy_tcp(req.into_inner()).await?))
     }
     async fn run_build(
         &self,
