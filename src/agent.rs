@@ -114,6 +114,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
                 ctd: ctd_for_metrics.clone(),
                 desired: handle.desired.subscribe(),
                 data_dir: config.data_dir.clone(),
+                run_dir: config.run_dir.clone(),
             };
             let routes = crate::control::services::spawn(&sync, config.node_api_listen, node).await;
             tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));

@@ -274,9 +274,8 @@ async fn run_probe(
             }
             let req = ExecRequest {
                 args: vec!["/bin/sh".into(), "-c".into(), command.clone()],
-                env: vec![],
-                cwd: String::new(),
                 timeout,
+                ..ExecRequest::default()
             };
             exec(&exec_ctx.ctd, container_id, &exec_ctx.fifo_dir, &req)
                 .await

@@ -268,8 +268,8 @@ async fn exec_returns_exit_codes_and_both_streams() {
         let run = |args: &[&str], timeout_ms: u64| ExecRequest {
             args: args.iter().map(|a| (*a).to_owned()).collect(),
             env: vec!["EXTRA=yes".into()],
-            cwd: String::new(),
             timeout: Duration::from_millis(timeout_ms),
+            ..ExecRequest::default()
         };
         let ok = exec(&ctd, "exec-1", &fifo_dir, &run(&["true"], 10_000))
             .await

@@ -33,8 +33,9 @@ use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
-    AgentHello, AgentTopRequest, AssignmentRuntime, AssignmentSet, Endpoint, InternalPort,
-    InternalService, RouteSnapshot, TcpChunk,
+    AgentExecInput, AgentExecStart, AgentHello, AgentTerminalSize, AgentTopRequest,
+    AssignmentRuntime, AssignmentSet, Endpoint, InternalPort, InternalService, RouteSnapshot,
+    TcpChunk,
 };
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, InstanceState, LogQuery, LogSelector, Meta, PortSpec, Protocol,
@@ -977,6 +978,38 @@ async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
     assert_eq!(err.0, tonic::Code::PermissionDenied, "{err:?}");
 }
 
+/// Runs one Exec session: `first`, then `more` frames, then a half-close.
+/// Returns stdout, stderr and the exit code of the final frame.
+async fn run_exec(
+    api: &mut AgentLocalServiceClient<tonic::transport::Channel>,
+    first: AgentExecInput,
+    more: &[AgentExecInput],
+) -> (String, String, Option<i32>) {
+    let frames: Vec<AgentExecInput> = std::iter::once(first).chain(more.iter().cloned()).collect();
+    let mut out = tokio::time::timeout(WAIT, api.exec(tokio_stream::iter(frames)))
+        .await
+        .expect("Exec did not answer")
+        .unwrap()
+        .into_inner();
+    let (mut stdout, mut stderr, mut code) = (Vec::new(), Vec::new(), None);
+    while let Some(frame) = tokio::time::timeout(WAIT, out.message())
+        .await
+        .expect("Exec output stalled")
+        .unwrap()
+    {
+        stdout.extend(frame.stdout);
+        stderr.extend(frame.stderr);
+        if frame.exited {
+            code = Some(frame.exit_code);
+        }
+    }
+    (
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+        code,
+    )
+}
+
 /// The agent binary, killed (and its cgroup parents removed) on drop.
 struct AgentBin {
     child: std::process::Child,
@@ -1330,6 +1363,87 @@ async fn the_binary_joins_and_runs_under_control() {
             .unwrap()
             .into_inner();
         assert!(none.message().await.unwrap().is_none());
+
+        // Exec: stdin in the first frame, both streams, the exit code.
+        let start = |cmd: &[&str], tty: bool| AgentExecStart {
+            container_id: client.clone(),
+            command: cmd.iter().map(|s| (*s).to_owned()).collect(),
+            tty,
+            initial_size: tty.then_some(AgentTerminalSize {
+                cols: 100,
+                rows: 40,
+            }),
+        };
+        let got = run_exec(
+            &mut api,
+            AgentExecInput {
+                start: Some(start(
+                    &["sh", "-c", "read x; echo got-$x; echo err >&2; exit 3"],
+                    false,
+                )),
+                stdin: b"hello\n".to_vec(),
+                resize: None,
+            },
+            &[],
+        )
+        .await;
+        assert_eq!(
+            got,
+            ("got-hello\n".into(), "err\n".into(), Some(3)),
+            "{got:?}"
+        );
+        // Later stdin frames, then a half-close: the process sees EOF and ends.
+        let later = AgentExecInput {
+            stdin: b"abc".to_vec(),
+            ..AgentExecInput::default()
+        };
+        let got = run_exec(
+            &mut api,
+            AgentExecInput {
+                start: Some(start(&["cat"], false)),
+                ..AgentExecInput::default()
+            },
+            &[later],
+        )
+        .await;
+        assert_eq!(got, ("abc".into(), String::new(), Some(0)), "{got:?}");
+        // A terminal of the asked size.
+        let got = run_exec(
+            &mut api,
+            AgentExecInput {
+                start: Some(start(&["stty", "size"], true)),
+                ..AgentExecInput::default()
+            },
+            &[],
+        )
+        .await;
+        assert_eq!(got.0.trim(), "40 100", "{got:?}");
+        assert_eq!(got.2, Some(0));
+        // A runtime failure is reported in the last frame, and the call is OK.
+        let mut gone = start(&["true"], false);
+        gone.container_id = "no-such-container".into();
+        let got = run_exec(
+            &mut api,
+            AgentExecInput {
+                start: Some(gone),
+                ..AgentExecInput::default()
+            },
+            &[],
+        )
+        .await;
+        assert_eq!(got.2, Some(126), "{got:?}");
+        assert!(got.1.contains("no-such-container"), "{got:?}");
+        let mut no_id = start(&["true"], false);
+        no_id.container_id.clear();
+        let err = api
+            .exec(tokio_stream::iter(vec![AgentExecInput {
+                start: Some(no_id),
+                ..AgentExecInput::default()
+            }]))
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
 
         // ProxyTCP: control's port-forward leg to web's published port.
         let (tx, rx) = mpsc::channel(4);

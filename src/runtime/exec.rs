@@ -29,6 +29,8 @@ const SIGKILL: u32 = 9;
 #[derive(Debug, Clone, Default)]
 pub struct ExecRequest {
     pub args: Vec<String>,
+    /// Initial terminal size `(cols, rows)` when run on a terminal.
+    pub console_size: Option<(u32, u32)>,
     /// Extra `KEY=value` entries on top of the container's environment.
     pub env: Vec<String>,
     /// Working directory; the container's when empty.
@@ -58,31 +60,7 @@ pub async fn exec(
             "exec in {id}: no command given"
         )));
     }
-    let container = containers::get(ctd, id)
-        .await?
-        .ok_or_else(|| RuntimeError::Invalid(format!("exec in {id}: no such container")))?;
-    let spec: oci_spec::runtime::Spec = container
-        .spec
-        .as_ref()
-        .map(|any| serde_json::from_slice(&any.value))
-        .transpose()
-        .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: container spec: {e}")))?
-        .ok_or_else(|| RuntimeError::Invalid(format!("exec in {id}: container has no spec")))?;
-    let mut process = spec.process().clone().ok_or_else(|| {
-        RuntimeError::Invalid(format!("exec in {id}: container spec has no process"))
-    })?;
-    process.set_args(Some(req.args.clone()));
-    process.set_terminal(Some(false));
-    if !req.cwd.is_empty() {
-        process.set_cwd(PathBuf::from(&req.cwd));
-    }
-    if !req.env.is_empty() {
-        let mut env = process.env().clone().unwrap_or_default();
-        env.extend(req.env.iter().cloned());
-        process.set_env(Some(env));
-    }
-    let process_json = serde_json::to_vec(&process)
-        .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: encoding process: {e}")))?;
+    let process_json = process_for(ctd, id, req, false).await?;
 
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -109,6 +87,51 @@ pub async fn exec(
         stdout,
         stderr,
     })
+}
+
+/// The container's own process spec (user, env, capabilities) with `req`'s
+/// args, cwd and extra env, as the JSON containerd's Exec takes.
+pub(super) async fn process_for(
+    ctd: &Containerd,
+    id: &str,
+    req: &ExecRequest,
+    terminal: bool,
+) -> Result<Vec<u8>, RuntimeError> {
+    let container = containers::get(ctd, id)
+        .await?
+        .ok_or_else(|| RuntimeError::Invalid(format!("exec in {id}: no such container")))?;
+    let spec: oci_spec::runtime::Spec = container
+        .spec
+        .as_ref()
+        .map(|any| serde_json::from_slice(&any.value))
+        .transpose()
+        .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: container spec: {e}")))?
+        .ok_or_else(|| RuntimeError::Invalid(format!("exec in {id}: container has no spec")))?;
+    let mut process = spec.process().clone().ok_or_else(|| {
+        RuntimeError::Invalid(format!("exec in {id}: container spec has no process"))
+    })?;
+    process.set_args(Some(req.args.clone()));
+    process.set_terminal(Some(terminal));
+    if let (true, Some((cols, rows))) = (terminal, req.console_size) {
+        // Set before the process starts: resizing afterwards would race
+        // its first look at the terminal.
+        let size = oci_spec::runtime::BoxBuilder::default()
+            .width(u64::from(cols))
+            .height(u64::from(rows))
+            .build()
+            .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: console size: {e}")))?;
+        process.set_console_size(Some(size));
+    }
+    if !req.cwd.is_empty() {
+        process.set_cwd(PathBuf::from(&req.cwd));
+    }
+    if !req.env.is_empty() {
+        let mut env = process.env().clone().unwrap_or_default();
+        env.extend(req.env.iter().cloned());
+        process.set_env(Some(env));
+    }
+    serde_json::to_vec(&process)
+        .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: encoding process: {e}")))
 }
 
 async fn run(

@@ -15,6 +15,7 @@ pub mod digest;
 mod error;
 pub mod events;
 pub mod exec;
+pub mod exec_session;
 pub mod images;
 pub mod lease;
 mod names;

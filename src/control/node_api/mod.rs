@@ -5,10 +5,11 @@
 //! requires a client certificate chaining to the cluster CA, and every call
 //! requires a `zattera://node/` identity in it.
 //!
-//! Served: `QueryLogs` ([`logs`]), `Top` ([`top`]) and `ProxyTCP`
-//! ([`proxy`]). The others answer UNIMPLEMENTED naming the missing
+//! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]) and
+//! `ProxyTCP` ([`proxy`]). The others answer UNIMPLEMENTED naming the missing
 //! capability, which is what control expects from a node lacking an RPC.
 
+pub mod exec;
 pub mod logs;
 pub mod proxy;
 pub mod top;
@@ -52,12 +53,14 @@ pub enum NodeApiError {
 }
 
 /// What the served methods read: the node's containerd, the executor's
-/// current set, and the data dir (logs live under it).
+/// current set, the data dir (logs live under it) and the run dir (exec
+/// FIFOs).
 #[derive(Debug, Clone)]
 pub struct NodeContext {
     pub ctd: Containerd,
     pub desired: watch::Receiver<Option<AssignmentSet>>,
     pub data_dir: PathBuf,
+    pub run_dir: PathBuf,
 }
 
 /// A bound node API server; [`Self::serve`] runs it.
@@ -167,7 +170,8 @@ impl AgentLocalService for Service {
         &self,
         req: Request<Streaming<AgentExecInput>>,
     ) -> Result<Response<Self::ExecStream>, Status> {
-        declined(&req, "exec (Exec)")
+        let node = self.serving(&req, "exec (Exec)")?;
+        Ok(Response::new(exec::exec(node, req.into_inner()).await?))
     }
     async fn top(
         &self,

@@ -1,0 +1,106 @@
+//! `Exec`: an interactive process in a container, for `zattera exec`.
+//!
+//! The first frame carries `start` (and maybe early stdin); later frames
+//! carry stdin and terminal resizes. When the caller half-closes, stdin is
+//! closed and the process may finish (the safer reading of wire.md; the
+//! reference kills it). When the caller goes away, the process is killed.
+//! Output frames follow the process; the last frame has `exited` and the
+//! code. A runtime failure is reported in the last frame, on stderr, with
+//! code 126, and the call still ends OK.
+
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Status, Streaming};
+
+use crate::proto::cluster::{AgentExecInput, AgentExecOutput};
+use crate::runtime::exec_session::{self, ExecEvent, SessionRequest};
+
+use super::{NodeContext, Out};
+
+/// The code of a process that could not be started.
+const NOT_STARTED: i32 = 126;
+
+pub async fn exec(
+    node: &NodeContext,
+    mut inbound: Streaming<AgentExecInput>,
+) -> Result<Out<AgentExecOutput>, Status> {
+    let first = inbound
+        .message()
+        .await?
+        .ok_or_else(|| Status::invalid_argument("Exec: the stream ended before start"))?;
+    let start = first
+        .start
+        .ok_or_else(|| Status::invalid_argument("Exec: the first frame has no start"))?;
+    if start.container_id.is_empty() {
+        return Err(Status::invalid_argument(
+            "Exec: start.container_id is empty",
+        ));
+    }
+    let req = SessionRequest {
+        args: if start.command.is_empty() {
+            vec!["/bin/sh".to_owned()]
+        } else {
+            start.command
+        },
+        tty: start.tty,
+        size: start.initial_size.map(|s| (s.cols, s.rows)),
+    };
+    let (tx, rx) = mpsc::channel::<Result<AgentExecOutput, Status>>(16);
+    let fifo_dir = node.run_dir.join("exec");
+    match exec_session::start(&node.ctd, &start.container_id, &fifo_dir, &req).await {
+        Err(e) => {
+            let _ = tx
+                .send(Ok(AgentExecOutput {
+                    stderr: format!("{e}\n").into_bytes(),
+                    exited: true,
+                    exit_code: NOT_STARTED,
+                    ..AgentExecOutput::default()
+                }))
+                .await;
+        }
+        Ok((mut session, mut events)) => {
+            if !first.stdin.is_empty() {
+                session.write(first.stdin);
+            }
+            tokio::spawn(async move {
+                let mut input_open = true;
+                loop {
+                    tokio::select! {
+                        frame = inbound.message(), if input_open => match frame {
+                            Ok(Some(f)) => {
+                                if !f.stdin.is_empty() {
+                                    session.write(f.stdin);
+                                }
+                                if let Some(size) = f.resize {
+                                    session.resize(size.cols, size.rows).await;
+                                }
+                            }
+                            Ok(None) => {
+                                input_open = false;
+                                session.close_stdin().await;
+                            }
+                            // The caller is gone: dropping the session kills.
+                            Err(_) => return,
+                        },
+                        event = events.recv() => {
+                            let (frame, last) = match event {
+                                Some(ExecEvent::Stdout(b)) => (AgentExecOutput { stdout: b, ..AgentExecOutput::default() }, false),
+                                Some(ExecEvent::Stderr(b)) => (AgentExecOutput { stderr: b, ..AgentExecOutput::default() }, false),
+                                Some(ExecEvent::Exited(code)) => (AgentExecOutput {
+                                    exited: true,
+                                    exit_code: i32::try_from(code).unwrap_or(i32::MAX),
+                                    ..AgentExecOutput::default()
+                                }, true),
+                                None => return,
+                            };
+                            if tx.send(Ok(frame)).await.is_err() || last {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    }
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
