@@ -16,3 +16,4 @@ pub mod metrics;
 pub mod proto;
 pub mod runtime;
 pub mod source;
+pub mod volumes;

@@ -33,9 +33,9 @@ use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
-    AgentExecInput, AgentExecStart, AgentHello, AgentTerminalSize, AgentTopRequest,
-    AssignmentRuntime, AssignmentSet, Endpoint, InternalPort, InternalService, RouteSnapshot,
-    TcpChunk,
+    AgentExecInput, AgentExecStart, AgentHello, AgentListFilesRequest, AgentReadFileRequest,
+    AgentRemoveVolumeRequest, AgentTerminalSize, AgentTopRequest, AssignmentRuntime, AssignmentSet,
+    Endpoint, InternalPort, InternalService, RouteSnapshot, TcpChunk,
 };
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, InstanceState, LogQuery, LogSelector, Meta, PortSpec, Protocol,
@@ -1008,6 +1008,131 @@ async fn run_exec(
         String::from_utf8_lossy(&stderr).into_owned(),
         code,
     )
+}
+
+/// The volume browser: listing, reading and removing stay inside the
+/// volume, and errors never show host paths.
+#[tokio::test]
+async fn node_api_volume_files_stay_inside_the_volume() {
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-vol", |ctd, _rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (data, node_id) = joined(&cp).await;
+        let node_tls = IdentityDir::new(data.path()).load_tls().unwrap();
+        let root = data.path().join("volumes/zt-01JENVIR-data/_data");
+        std::fs::create_dir_all(root.join("sub/deeper")).unwrap();
+        std::fs::write(root.join("b.txt"), "bee").unwrap();
+        std::fs::write(root.join("a.bin"), vec![7u8; 200_000]).unwrap();
+        std::fs::write(data.path().join("host-secret"), "do not show").unwrap();
+        std::os::unix::fs::symlink(data.path().join("host-secret"), root.join("leak")).unwrap();
+        let (_tx, desired) = watch::channel(None);
+        let api = NodeApi::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &node_tls,
+            Some(zattera_agent::control::node_api::NodeContext {
+                ctd: ctd.clone(),
+                desired,
+                data_dir: data.path().to_owned(),
+                run_dir: data.path().join("run"),
+            }),
+        )
+        .await
+        .unwrap();
+        let addr = api.local_addr().unwrap().to_string();
+        let _server = AbortOnDrop(tokio::spawn(async move {
+            let _ = api.serve().await;
+        }));
+        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+        let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
+        let mut api =
+            AgentLocalServiceClient::new(tls::connect_as(&addr, name, control).await.unwrap());
+        let list = |path: &str| AgentListFilesRequest {
+            environment_id: "01JENVIRONMENT".into(),
+            volume_name: "data".into(),
+            path: path.into(),
+        };
+        let listing = api.list_volume_files(list("/")).await.unwrap().into_inner();
+        let names: Vec<&str> = listing.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["sub", "a.bin", "b.txt", "leak"],
+            "directories first"
+        );
+        assert!(!listing.truncated);
+        assert_eq!(listing.files[0].mode, "drwxr-xr-x");
+        assert_eq!(listing.files[1].size_bytes, 200_000);
+        assert!(listing.files[3].mode.starts_with('L'));
+        let deeper = api
+            .list_volume_files(list("sub/../sub"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(deeper.files.len(), 1);
+
+        let read = |path: &str| AgentReadFileRequest {
+            environment_id: "01JENVIRONMENT".into(),
+            volume_name: "data".into(),
+            path: path.into(),
+        };
+        let mut chunks = api
+            .read_volume_file(read("/a.bin"))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut bytes = Vec::new();
+        let mut frames = 0;
+        while let Some(c) = chunks.message().await.unwrap() {
+            assert!(c.data.len() <= 64 * 1024);
+            bytes.extend(c.data);
+            frames += 1;
+        }
+        assert_eq!((bytes.len(), frames), (200_000, 4));
+
+        // Escapes and bad input, each with its code and no host path.
+        let host = data.path().display().to_string();
+        let leak = api.read_volume_file(read("leak")).await.unwrap_err();
+        assert_eq!(leak.code(), tonic::Code::InvalidArgument, "{leak:?}");
+        let climbed = api
+            .read_volume_file(read("../../../host-secret"))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            climbed.code(),
+            tonic::Code::NotFound,
+            "`..` stops at the root: {climbed:?}"
+        );
+        let dir = api.read_volume_file(read("sub")).await.unwrap_err();
+        assert_eq!(dir.code(), tonic::Code::InvalidArgument);
+        let mut bad_name = list("/");
+        bad_name.volume_name = "../zt-01JENVIR-data".into();
+        let bad = api.list_volume_files(bad_name).await.unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        let mut other = list("/");
+        other.volume_name = "nothing".into();
+        let missing = api.list_volume_files(other).await.unwrap_err();
+        assert_eq!(missing.code(), tonic::Code::NotFound);
+        for e in [&leak, &climbed, &dir, &bad, &missing] {
+            assert!(!e.message().contains(&host), "host path in {e:?}");
+        }
+
+        // RemoveVolume deletes the volume, the host file the link named stays.
+        api.remove_volume(AgentRemoveVolumeRequest {
+            environment_id: "01JENVIRONMENT".into(),
+            volume_name: "data".into(),
+        })
+        .await
+        .unwrap();
+        assert!(!data.path().join("volumes/zt-01JENVIR-data").exists());
+        assert!(data.path().join("host-secret").exists());
+        // Removing it again is fine.
+        api.remove_volume(AgentRemoveVolumeRequest {
+            environment_id: "01JENVIRONMENT".into(),
+            volume_name: "data".into(),
+        })
+        .await
+        .unwrap();
+    })
+    .await;
 }
 
 /// The agent binary, killed (and its cgroup parents removed) on drop.

@@ -100,16 +100,9 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
     // Volumes seen empty now get the image's content at their path (C-8).
     let mut fresh_volumes = Vec::new();
     for v in &spec_input.volumes {
-        let name = format!(
-            "zt-{}-{}",
-            plan.assignment
-                .environment_id
-                .chars()
-                .take(8)
-                .collect::<String>(),
-            v.volume_name
-        );
-        let dir = h.cfg.data_dir.join("volumes").join(&name).join("_data");
+        let name = crate::volumes::local_name(&plan.assignment.environment_id, &v.volume_name)
+            .map_err(|e| Failure(format!("ensure volume: {e}")))?;
+        let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);
         std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
         let empty = std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none());
         if empty {

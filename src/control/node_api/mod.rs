@@ -5,14 +5,16 @@
 //! requires a client certificate chaining to the cluster CA, and every call
 //! requires a `zattera://node/` identity in it.
 //!
-//! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]) and
-//! `ProxyTCP` ([`proxy`]). The others answer UNIMPLEMENTED naming the missing
+//! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
+//! `ProxyTCP` ([`proxy`]), and `ListVolumeFiles`, `ReadVolumeFile`,
+//! `RemoveVolume` ([`volume_files`]). The others answer UNIMPLEMENTED naming the missing
 //! capability, which is what control expects from a node lacking an RPC.
 
 pub mod exec;
 pub mod logs;
 pub mod proxy;
 pub mod top;
+pub mod volume_files;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -220,13 +222,17 @@ impl AgentLocalService for Service {
         &self,
         req: Request<AgentListFilesRequest>,
     ) -> Result<Response<AgentListFilesResponse>, Status> {
-        declined(&req, "volume files (ListVolumeFiles)")
+        let node = self.serving(&req, "volume files (ListVolumeFiles)")?;
+        let listing = volume_files::list(&node.data_dir, req.into_inner()).await?;
+        Ok(Response::new(listing))
     }
     async fn read_volume_file(
         &self,
         req: Request<AgentReadFileRequest>,
     ) -> Result<Response<Self::ReadVolumeFileStream>, Status> {
-        declined(&req, "volume files (ReadVolumeFile)")
+        let node = self.serving(&req, "volume files (ReadVolumeFile)")?;
+        let chunks = volume_files::read(&node.data_dir, req.into_inner()).await?;
+        Ok(Response::new(chunks))
     }
     async fn write_volume_file(
         &self,
@@ -238,7 +244,10 @@ impl AgentLocalService for Service {
         &self,
         req: Request<AgentRemoveVolumeRequest>,
     ) -> Result<Response<AgentRemoveVolumeResponse>, Status> {
-        declined(&req, "volumes (RemoveVolume)")
+        let node = self.serving(&req, "volumes (RemoveVolume)")?;
+        let r = req.into_inner();
+        volume_files::remove(&node.data_dir, &r.environment_id, &r.volume_name).await?;
+        Ok(Response::new(AgentRemoveVolumeResponse {}))
     }
     async fn upgrade_binary(
         &self,
