@@ -107,25 +107,36 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             let Some((sync, _, rx)) = control.take() else {
                 anyhow::bail!("--control {addr}: the sync client was not prepared");
             };
-            // With a control plane, internal names answer the service VIPs
-            // of the latest route snapshot (persisted, so served while
-            // control is away).
-            let node = crate::control::node_api::NodeContext {
-                ctd: ctd_for_metrics.clone(),
-                desired: handle.desired.subscribe(),
-                data_dir: config.data_dir.clone(),
-                run_dir: config.run_dir.clone(),
-            };
-            let routes = crate::control::services::spawn(&sync, config.node_api_listen, node).await;
-            tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
-            tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
+            // The sampler feeds heartbeats and the store behind `Stats`.
+            let stats = Arc::new(std::sync::Mutex::new(
+                crate::metrics::store::Store::default(),
+            ));
             let (samples, _sampler) = crate::metrics::Sampler {
                 ctd: ctd_for_metrics.clone(),
                 cgroup_parent: cgroup_parent.clone(),
                 status: handle.status.clone(),
                 every: crate::metrics::SAMPLE_EVERY,
+                store: Some(crate::metrics::StoreFeed {
+                    store: Arc::clone(&stats),
+                    node_id: sync.node_id.clone(),
+                    data_dir: config.data_dir.clone(),
+                }),
             }
             .spawn();
+            let node = crate::control::node_api::NodeContext {
+                ctd: ctd_for_metrics.clone(),
+                desired: handle.desired.subscribe(),
+                data_dir: config.data_dir.clone(),
+                run_dir: config.run_dir.clone(),
+                node_id: sync.node_id.clone(),
+                stats: Some(stats),
+            };
+            // With a control plane, internal names answer the service VIPs
+            // of the latest route snapshot (persisted, so served while
+            // control is away).
+            let routes = crate::control::services::spawn(&sync, config.node_api_listen, node).await;
+            tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
+            tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
                 .with_context(|| format!("--control {addr}: the node identity"))?
         }

@@ -512,6 +512,7 @@ impl Node {
             cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
             status: handle.status.clone(),
             every: Duration::from_millis(300),
+            store: None,
         }
         .spawn();
         let sync_task = sync::spawn(
@@ -1034,6 +1035,8 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                 desired,
                 data_dir: data.path().to_owned(),
                 run_dir: data.path().join("run"),
+                node_id: node_id.clone(),
+                stats: None,
             }),
         )
         .await
@@ -1435,6 +1438,30 @@ async fn the_binary_joins_and_runs_under_control() {
             .unwrap_err();
         assert_eq!(empty.code(), tonic::Code::InvalidArgument);
 
+        // Stats: the node's series from the sampler's first sample.
+        let stats = api
+            .stats(zattera_agent::proto::v1::StatsQuery::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let metrics: Vec<&str> = stats.series.iter().map(|s| s.metric.as_str()).collect();
+        for m in [
+            "cpu_percent",
+            "disk_total_bytes",
+            "memory_total_bytes",
+            "net_rx_bytes",
+        ] {
+            assert!(metrics.contains(&m), "{m} missing: {metrics:?}");
+        }
+        assert!(metrics.is_sorted(), "{metrics:?}");
+        let memory = stats
+            .series
+            .iter()
+            .find(|s| s.metric == "memory_total_bytes")
+            .unwrap();
+        assert_eq!(memory.labels.get("node"), Some(&node_id));
+        assert!(memory.points[0].value > 0.0);
+
         // QueryLogs: the client's history, both streams, in order.
         let query = |limit: u32, follow: bool| LogQuery {
             selector: Some(LogSelector {
@@ -1451,8 +1478,15 @@ async fn the_binary_joins_and_runs_under_control() {
             lines.push(l);
         }
         assert!(lines.len() >= 2, "{lines:?}");
-        assert_eq!(lines[0].line, "hello-from-c1");
-        assert_eq!(lines[0].instance_id, "c1");
+        // The two streams are captured apart, so only each one's own order
+        // is certain: stdout starts with the greeting.
+        let stdout: Vec<&str> = lines
+            .iter()
+            .filter(|l| l.source == zattera_agent::proto::v1::LogSource::Stdout as i32)
+            .map(|l| l.line.as_str())
+            .collect();
+        assert_eq!(stdout.first(), Some(&"hello-from-c1"), "{lines:?}");
+        assert!(lines.iter().all(|l| l.instance_id == "c1"));
         assert!(
             lines.iter().any(|l| l.line == "oops-from-c1"
                 && l.source == zattera_agent::proto::v1::LogSource::Stderr as i32),

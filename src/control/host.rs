@@ -73,6 +73,29 @@ pub fn disk(path: &Path) -> (u64, u64) {
     (total.saturating_sub(free), total)
 }
 
+/// Cumulative (received, sent) bytes over every host interface, loopback
+/// included (M-2), from `/proc/net/dev`.
+pub fn net_totals() -> (u64, u64) {
+    std::fs::read_to_string("/proc/net/dev").map_or((0, 0), |s| parse_net_dev(&s))
+}
+
+fn parse_net_dev(text: &str) -> (u64, u64) {
+    text.lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':'))
+        .map(|(_, counters)| {
+            let f: Vec<u64> = counters
+                .split_whitespace()
+                .map(|v| v.parse().unwrap_or(0))
+                .collect();
+            (
+                f.first().copied().unwrap_or(0),
+                f.get(8).copied().unwrap_or(0),
+            )
+        })
+        .fold((0, 0), |(r, t), (a, b)| (r + a, t + b))
+}
+
 /// Logical CPUs x 1000, as join capacity wants it.
 pub fn cpu_millis() -> u32 {
     let n = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
@@ -94,6 +117,8 @@ mod tests {
         assert_eq!(parse_stat(stat), Some((150, 1000)));
         let mem = "MemTotal:       1000 kB\nMemFree:         100 kB\nBuffers:          50 kB\nCached:          200 kB\nSReclaimable:     50 kB\n";
         assert_eq!(parse_meminfo(mem), (600 * 1024, 1000 * 1024));
+        let dev = "Inter-|   Receive\n face |bytes\n    lo: 100 1 0 0 0 0 0 0 100 1 0 0 0 0 0 0\n  eth0: 5 1 0 0 0 0 0 0 7 1 0 0 0 0 0 0\n";
+        assert_eq!(parse_net_dev(dev), (105, 107));
     }
 
     #[test]

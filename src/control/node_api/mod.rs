@@ -6,8 +6,8 @@
 //! requires a `zattera://node/` identity in it.
 //!
 //! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
-//! `ProxyTCP` ([`proxy`]), and `ListVolumeFiles`, `ReadVolumeFile`,
-//! `RemoveVolume` ([`volume_files`]). The others answer UNIMPLEMENTED naming the missing
+//! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]), and
+//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]). The others answer UNIMPLEMENTED naming the missing
 //! capability, which is what control expects from a node lacking an RPC.
 
 pub mod exec;
@@ -55,14 +55,16 @@ pub enum NodeApiError {
 }
 
 /// What the served methods read: the node's containerd, the executor's
-/// current set, the data dir (logs live under it) and the run dir (exec
-/// FIFOs).
+/// current set, the data dir (logs live under it), the run dir (exec
+/// FIFOs), and the metrics store.
 #[derive(Debug, Clone)]
 pub struct NodeContext {
     pub ctd: Containerd,
     pub desired: watch::Receiver<Option<AssignmentSet>>,
     pub data_dir: PathBuf,
     pub run_dir: PathBuf,
+    pub node_id: String,
+    pub stats: Option<Arc<std::sync::Mutex<crate::metrics::store::Store>>>,
 }
 
 /// A bound node API server; [`Self::serve`] runs it.
@@ -184,7 +186,19 @@ impl AgentLocalService for Service {
         Ok(Response::new(top::top(&node.ctd, &id).await?))
     }
     async fn stats(&self, req: Request<StatsQuery>) -> Result<Response<StatsResponse>, Status> {
-        declined(&req, "metrics store (Stats)")
+        let node = self.serving(&req, "metrics store (Stats)")?;
+        let store = node
+            .stats
+            .as_ref()
+            .ok_or_else(|| Status::unimplemented("Stats: this node keeps no metrics"))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let answer = store
+            .lock()
+            .map_err(|_| Status::internal("Stats: the metrics store is unusable"))?
+            .query(req.get_ref(), &node.node_id, now);
+        Ok(Response::new(answer))
     }
     async fn proxy_tcp(
         &self,

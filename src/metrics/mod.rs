@@ -1,6 +1,8 @@
 //! The metrics sampler (runtime.md §11): one sample at start, then one every
-//! 15 s, of every owned container whose task runs. Heartbeats carry the
-//! latest published map (M-6), keyed by assignment id.
+//! 15 s, of the node and of every owned container whose task runs.
+//! Heartbeats carry the latest published instance map (M-6), keyed by
+//! assignment id; every sample also goes into the [`store`] that answers
+//! the node API's `Stats`.
 //!
 //! CPU is the recommended deviation of M-7: the rate between two samples of
 //! the same container (percent of one core), 0 on a container's first
@@ -9,10 +11,12 @@
 //! ([`crate::runtime::stats`]). A container that cannot be sampled is
 //! skipped (M-4).
 
+pub mod store;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 
@@ -41,6 +45,17 @@ pub struct Sampler {
     pub cgroup_parent: String,
     pub status: watch::Receiver<Arc<StatusSnapshot>>,
     pub every: Duration,
+    /// Where every sample is kept for `Stats`, with the node's id and data
+    /// dir (whose filesystem is the node's disk).
+    pub store: Option<StoreFeed>,
+}
+
+/// The store a sampler feeds, and what node-scope points need.
+#[derive(Debug, Clone)]
+pub struct StoreFeed {
+    pub store: Arc<Mutex<store::Store>>,
+    pub node_id: String,
+    pub data_dir: PathBuf,
 }
 
 impl Sampler {
@@ -57,6 +72,8 @@ impl Sampler {
 
     async fn run(self, out: watch::Sender<InstanceSamples>) {
         let mut previous: HashMap<String, stats::Sample> = HashMap::new();
+        // Its own CPU baseline, not the heartbeat's (M-8 deviation).
+        let mut cpu = crate::control::host::CpuMeter::default();
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -96,7 +113,51 @@ impl Sampler {
             }
             // Baselines of containers that went away go with them.
             previous = current;
+            if let Some(feed) = &self.store {
+                record(feed, cpu.sample(), &samples);
+            }
             out.send_replace(Arc::new(samples));
         }
     }
+}
+
+/// Writes one round of samples: the node's now, and the instances'.
+fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, InstanceSample>) {
+    use crate::control::host;
+    use store::Scope;
+    let at = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX));
+    let (mem_used, mem_total) = host::memory();
+    let (disk_used, disk_total) = host::disk(&feed.data_dir);
+    let (rx, tx) = host::net_totals();
+    #[allow(clippy::cast_precision_loss)]
+    let node = [
+        ("cpu_percent", cpu_percent),
+        ("memory_used_bytes", mem_used as f64),
+        ("memory_total_bytes", mem_total as f64),
+        ("disk_used_bytes", disk_used as f64),
+        ("disk_total_bytes", disk_total as f64),
+        ("net_rx_bytes", rx as f64),
+        ("net_tx_bytes", tx as f64),
+    ];
+    let Ok(mut store) = feed.store.lock() else {
+        return;
+    };
+    for (metric, value) in node {
+        store.record(at, Scope::Node, &feed.node_id, metric, value);
+    }
+    for (id, s) in instances {
+        #[allow(clippy::cast_precision_loss)]
+        let points = [
+            ("cpu_percent", s.cpu_percent),
+            ("memory_bytes", s.memory_bytes as f64),
+            ("net_rx_bytes", s.net_rx_bytes as f64),
+            ("net_tx_bytes", s.net_tx_bytes as f64),
+        ];
+        for (metric, value) in points {
+            store.record(at, Scope::Instance, id, metric, value);
+        }
+    }
+    store.forget_stale(at);
 }
