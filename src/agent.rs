@@ -63,6 +63,9 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         (None, None) => "none (no --manifests and no --control)".to_owned(),
     };
     let cgroup_parent = format!("/zattera/{}", config.namespace);
+    // Resolved now: once an upgrade renames a new file over it, the running
+    // image's path reads "(deleted)".
+    let upgrade_binary = logger_binary.clone();
     let ctd_for_metrics = ctd.clone();
     let exec_cfg = ExecutorConfig {
         node_id: control.as_ref().map_or_else(
@@ -130,6 +133,12 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
                 run_dir: config.run_dir.clone(),
                 node_id: sync.node_id.clone(),
                 stats: Some(stats),
+                upgrade: crate::control::node_api::upgrade::UpgradeConfig {
+                    base_url: config.upgrade_base_url.clone(),
+                    binary: upgrade_binary.clone(),
+                    args: std::env::args().collect(),
+                    restart: true,
+                },
             };
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while

@@ -52,6 +52,9 @@ pub struct Settings {
     /// Where the node API listens when a control plane is used.
     #[serde(alias = "node_api_listen")]
     pub node_api_listen: Option<SocketAddr>,
+    /// URL prefix the node API's UpgradeBinary may download from (`*` = any).
+    #[serde(alias = "upgrade_base_url")]
+    pub upgrade_base_url: Option<String>,
 }
 
 impl Settings {
@@ -94,6 +97,7 @@ impl Settings {
             bridge_prefix: top.bridge_prefix.or(self.bridge_prefix),
             subnet_pool: top.subnet_pool.or(self.subnet_pool),
             node_api_listen: top.node_api_listen.or(self.node_api_listen),
+            upgrade_base_url: top.upgrade_base_url.or(self.upgrade_base_url),
         }
     }
 
@@ -129,6 +133,7 @@ impl Settings {
             host_ip: self.host_ip.unwrap_or(DEFAULT_HOST_IP),
             node_id: self.node_id.filter(|n| !n.is_empty()),
             node_api_listen: self.node_api_listen.unwrap_or(DEFAULT_NODE_API_LISTEN),
+            upgrade_base_url: self.upgrade_base_url.filter(|u| !u.is_empty()),
         })
     }
 }
@@ -148,6 +153,7 @@ pub struct Config {
     /// Inclusive range of subnet slots standalone networks are taken from.
     pub subnet_pool: (u8, u8),
     pub node_api_listen: SocketAddr,
+    pub upgrade_base_url: Option<String>,
 }
 
 fn parse_pool(text: &str) -> Option<(u8, u8)> {

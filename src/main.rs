@@ -95,6 +95,9 @@ struct RunArgs {
     /// Address of the node API served to the control plane (mTLS) [default: 0.0.0.0:8444]
     #[arg(long, value_name = "ADDR")]
     node_api_listen: Option<std::net::SocketAddr>,
+    /// URL prefix self-upgrades may come from (`*` = any); none: upgrades refused
+    #[arg(long, value_name = "URL")]
+    upgrade_base_url: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -181,6 +184,7 @@ fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
         bridge_prefix: run.and_then(|r| r.bridge_prefix.clone()),
         subnet_pool: run.and_then(|r| r.subnet_pool.clone()),
         node_api_listen: run.and_then(|r| r.node_api_listen),
+        upgrade_base_url: run.and_then(|r| r.upgrade_base_url.clone()),
     };
     Ok(file.overlay(flags).resolve()?)
 }

@@ -34,8 +34,9 @@ use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalService
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
     AgentExecInput, AgentExecStart, AgentHello, AgentListFilesRequest, AgentReadFileRequest,
-    AgentRemoveVolumeRequest, AgentTerminalSize, AgentTopRequest, AssignmentRuntime, AssignmentSet,
-    Endpoint, InternalPort, InternalService, RouteSnapshot, TcpChunk,
+    AgentRemoveVolumeRequest, AgentTerminalSize, AgentTopRequest, AgentUpgradeRequest,
+    AssignmentRuntime, AssignmentSet, Endpoint, InternalPort, InternalService, RouteSnapshot,
+    TcpChunk,
 };
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, InstanceState, LogQuery, LogSelector, Meta, PortSpec, Protocol,
@@ -1037,6 +1038,12 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                 run_dir: data.path().join("run"),
                 node_id: node_id.clone(),
                 stats: None,
+                upgrade: zattera_agent::control::node_api::upgrade::UpgradeConfig {
+                    base_url: None,
+                    binary: data.path().join("bin/zattera-agent"),
+                    args: Vec::new(),
+                    restart: false,
+                },
             }),
         )
         .await
@@ -1658,6 +1665,225 @@ async fn the_binary_joins_and_runs_under_control() {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "containers left: {left:?}; agent log:\n{}",
+                dump()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+}
+
+/// Serves `body` at `path` over plain HTTP on loopback, 404 elsewhere.
+async fn serve_file(path: &'static str, body: Vec<u8>) -> (String, AbortOnDrop) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let body = Arc::new(body);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let body = Arc::clone(&body);
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&req);
+                let found = line.starts_with(&format!("GET {path} "));
+                let head = if found {
+                    format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                } else {
+                    "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        .to_owned()
+                };
+                let _ = conn.write_all(head.as_bytes()).await;
+                if found {
+                    let _ = conn.write_all(&body).await;
+                }
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    (addr, AbortOnDrop(task))
+}
+
+/// UpgradeBinary end to end: refusals install nothing; a good download
+/// replaces the binary, the agent re-executes itself (same pid), reconnects,
+/// and its container keeps running untouched.
+#[tokio::test]
+async fn the_binary_upgrades_itself_and_keeps_its_containers() {
+    use sha2::Digest;
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-upg", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import the test image");
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let dir = tempfile::tempdir().unwrap();
+        let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
+        let (token, addr) = (cp.ca.token(SECRET), cp.address());
+        let d = data.clone();
+        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
+            .await
+            .unwrap();
+        assert!(ok, "join: {stderr}");
+        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+        // The agent runs from a copy: the upgrade replaces that file only.
+        let binary = dir.path().join("bin/zattera-agent");
+        std::fs::create_dir_all(binary.parent().unwrap()).unwrap();
+        std::fs::copy(env!("CARGO_BIN_EXE_zattera-agent"), &binary).unwrap();
+        let original = std::fs::read(&binary).unwrap();
+        // An ELF runs the same with bytes appended: the marker shows which
+        // file is installed.
+        let mut upgraded = original.clone();
+        upgraded.extend_from_slice(b"\nzattera-upgrade-marker\n");
+        let digest = hex::encode(sha2::Sha256::digest(&upgraded));
+        let (http, _http) = serve_file("/releases/zattera-agent", upgraded.clone()).await;
+
+        let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        let _cleanup = support::NetCleanup {
+            prefix: "ztcu".into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let api_addr = free_port_addr().await;
+        let log_path = dir.path().join("agent.log");
+        let child = std::process::Command::new(&binary)
+            .arg("--containerd-address")
+            .arg(&rig.socket)
+            .args([
+                "--namespace",
+                ctd.namespace().as_str(),
+                "--config",
+                "/dev/null",
+            ])
+            .arg("--run-dir")
+            .arg(&run_dir)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["run", "--bridge-prefix", "ztcu", "--control", &cp.address()])
+            .args(["--node-api-listen", &api_addr])
+            .args(["--upgrade-base-url", &format!("http://{http}/releases/")])
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .unwrap();
+        let agent_pid = child.id();
+        let _agent = AgentBin {
+            child,
+            cgroup: format!("zattera/{}", ctd.namespace()),
+        };
+        let dump = move || std::fs::read_to_string(&log_path).unwrap_or_default();
+        cp.wait_for("the hello", Duration::from_secs(30), |r| hello_of(r, 0))
+            .await;
+        let mut set = one("u1", 1, AssignmentDesired::Run);
+        set.runtime.get_mut("u1").unwrap().subnet_cidr = "10.201.185.0/24".into();
+        cp.push_set(set);
+        let healthy = InstanceState::Healthy as i32;
+        cp.wait_for("HEALTHY u1", Duration::from_secs(60), |r| {
+            r.states_of("u1").contains(&healthy).then_some(())
+        })
+        .await;
+        let cid = cp.with(|r| r.latest_of("u1")).unwrap().container_id;
+        let task_pid = || {
+            let ctd = ctd.clone();
+            let cid = cid.clone();
+            async move {
+                match containers::task_state(&ctd, &cid).await.unwrap() {
+                    containers::TaskState::Running { pid } => pid,
+                    other => panic!("u1 is not running: {other:?}"),
+                }
+            }
+        };
+        let before = task_pid().await;
+
+        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+        let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
+        let mut api =
+            AgentLocalServiceClient::new(tls::connect_as(&api_addr, name, control).await.unwrap());
+        let request = |url: String, sha256: &str| AgentUpgradeRequest {
+            version: "9.9.9".into(),
+            url,
+            sha256: sha256.into(),
+        };
+        let good_url = format!("http://{http}/releases/zattera-agent");
+        let refusals = [
+            (
+                request(String::new(), &digest),
+                tonic::Code::InvalidArgument,
+            ),
+            (
+                request(format!("http://{http}/elsewhere/zattera-agent"), &digest),
+                tonic::Code::PermissionDenied,
+            ),
+            (
+                request(good_url.clone(), &"0".repeat(64)),
+                tonic::Code::DataLoss,
+            ),
+        ];
+        for (req, code) in refusals {
+            let err = api.upgrade_binary(req).await.unwrap_err();
+            assert_eq!(err.code(), code, "{err:?}");
+            assert_eq!(
+                std::fs::read(&binary).unwrap(),
+                original,
+                "{err:?} installed something"
+            );
+        }
+
+        let sessions = cp.with(|r| r.sessions.len());
+        let reply = api
+            .upgrade_binary(request(good_url, &digest.to_uppercase()))
+            .await
+            .unwrap_or_else(|e| panic!("upgrade: {e:?}; agent log:\n{}", dump()))
+            .into_inner();
+        assert_eq!(reply.staged_version, "9.9.9");
+        assert_eq!(reply.previous_version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(std::fs::read(&binary).unwrap(), upgraded);
+        // The same process re-executes the new file and says hello again.
+        cp.wait_for("a hello after the restart", Duration::from_secs(40), |r| {
+            hello_of(r, sessions)
+        })
+        .await;
+        let exe = std::fs::read_link(format!("/proc/{agent_pid}/exe")).unwrap();
+        assert_eq!(exe, binary, "the agent runs the installed file");
+        cp.wait_for(
+            "HEALTHY u1 after the restart",
+            Duration::from_secs(40),
+            |r| {
+                r.frames
+                    .iter()
+                    .any(|(s, f)| {
+                        *s >= sessions
+                            && matches!(&f.body, Some(Body::Status(b))
+                            if b.observed.get("u1").is_some_and(|o| o.state == healthy))
+                    })
+                    .then_some(())
+            },
+        )
+        .await;
+        assert_eq!(task_pid().await, before, "the container was restarted");
+        assert_eq!(cp.with(|r| r.latest_of("u1")).unwrap().container_id, cid);
+
+        cp.push_set(AssignmentSet {
+            version: 5,
+            ..AssignmentSet::default()
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !containers::list(&ctd, &[]).await.unwrap().is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "containers left; agent log:\n{}",
                 dump()
             );
             tokio::time::sleep(Duration::from_millis(200)).await;

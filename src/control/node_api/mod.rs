@@ -6,14 +6,16 @@
 //! requires a `zattera://node/` identity in it.
 //!
 //! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
-//! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]), and
-//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]). The others answer UNIMPLEMENTED naming the missing
+//! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
+//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`])
+//! and `UpgradeBinary` ([`upgrade`]). The others answer UNIMPLEMENTED naming the missing
 //! capability, which is what control expects from a node lacking an RPC.
 
 pub mod exec;
 pub mod logs;
 pub mod proxy;
 pub mod top;
+pub mod upgrade;
 pub mod volume_files;
 
 use std::net::SocketAddr;
@@ -65,6 +67,7 @@ pub struct NodeContext {
     pub run_dir: PathBuf,
     pub node_id: String,
     pub stats: Option<Arc<std::sync::Mutex<crate::metrics::store::Store>>>,
+    pub upgrade: upgrade::UpgradeConfig,
 }
 
 /// A bound node API server; [`Self::serve`] runs it.
@@ -267,6 +270,9 @@ impl AgentLocalService for Service {
         &self,
         req: Request<AgentUpgradeRequest>,
     ) -> Result<Response<AgentUpgradeResponse>, Status> {
-        declined(&req, "self-upgrade (UpgradeBinary)")
+        let node = self.serving(&req, "self-upgrade (UpgradeBinary)")?;
+        Ok(Response::new(
+            upgrade::upgrade(&node.upgrade, req.into_inner()).await?,
+        ))
     }
 }
