@@ -95,6 +95,11 @@ impl NodeApi {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| NodeApiError::Bind { addr, source })?;
+        if let Some(n) = &node {
+            // Exec sessions do not outlive the process that served them:
+            // FIFOs left by a crash are stale.
+            let _ = std::fs::remove_dir_all(n.run_dir.join("exec"));
+        }
         Ok(Self {
             listener,
             tls: Arc::new(tls),

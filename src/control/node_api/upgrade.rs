@@ -114,8 +114,10 @@ async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
     let unavailable = |e: &dyn std::fmt::Display| {
         Status::unavailable(format!("UpgradeBinary: downloading {url}: {e}"))
     };
+    // A stalled server fails the call instead of holding it forever.
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
+        .read_timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| unavailable(&e))?;
     let mut resp = client.get(url).send().await.map_err(|e| unavailable(&e))?;
