@@ -57,8 +57,8 @@ def rootfs_layer():
         for applet in sorted(set(applets)):
             if applet != "busybox":
                 add_link(tar, f"bin/{applet}", "busybox")
-        add_file(tar, "etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-        add_file(tar, "etc/group", b"root:x:0:\nnogroup:x:65534:\n")
+        add_file(tar, "etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\napp:x:1000:1000:app:/:/bin/sh\n")
+        add_file(tar, "etc/group", b"root:x:0:\nnogroup:x:65534:\napp:x:1000:\nwww:x:33:app\n")
         add_file(tar, "var/www/index.html", b"hello from zattera\n")
     return buf.getvalue()
 
@@ -156,7 +156,33 @@ def build(out_dir, ref):
         for blob in (config, manifest, other_config, other_manifest, multi_index, gz):
             add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
     os.replace(multi_path + ".tmp", multi_path)
+    # The same rootfs with `User: app`: a named user resolved from the
+    # image's /etc/passwd and /etc/group.
+    user_ref = ref.rsplit(":", 1)[0] + ":user"
+    user_config = canonical({**json.loads(config), "config": {**json.loads(config)["config"], "User": "app"}})
+    user_manifest = canonical({**json.loads(manifest), "config": {
+        "mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(user_config), "size": len(user_config)}})
+    user_index = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": sha(user_manifest),
+            "size": len(user_manifest),
+            "annotations": {"io.containerd.image.name": user_ref, "org.opencontainers.image.ref.name": "user"},
+        }],
+    })
+    user_path = os.path.join(out_dir, "busybox-user-oci.tar")
+    with tarfile.open(user_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
+        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
+        add_file(tar, "index.json", user_index)
+        add_dir(tar, "blobs")
+        add_dir(tar, "blobs/sha256")
+        for blob in (user_config, user_manifest, gz):
+            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
+    os.replace(user_path + ".tmp", user_path)
     print(f"{oci_path}: {ref} manifest {sha(manifest)}")
+    print(f"{user_path}: {user_ref}")
     print(f"{docker_path}: {ref}")
     print(f"{multi_path}: index {sha(multi_index)} ({host_arch}, {other_arch})")
 

@@ -79,7 +79,7 @@ fi
 
 # --- test images -------------------------------------------------------------
 IMAGES="$RIG_DIR/images"
-if [ ! -s "$IMAGES/busybox-multi-oci.tar" ] || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ] || [ "$HERE/mkimage.py" -nt "$IMAGES/busybox-oci.tar" ]; then
+if [ ! -s "$IMAGES/busybox-multi-oci.tar" ] || [ ! -s "$IMAGES/busybox-user-oci.tar" ] || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ] || [ "$HERE/mkimage.py" -nt "$IMAGES/busybox-oci.tar" ]; then
   say "building test images in $IMAGES"
   python3 "$HERE/mkimage.py" "$IMAGES" >&2
 fi

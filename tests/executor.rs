@@ -555,6 +555,48 @@ async fn jobs_run_once_and_report_their_exit() {
     .await;
 }
 
+/// C-5: an image's `User: app` is resolved against the image's own
+/// /etc/passwd and /etc/group, supplementary groups included.
+#[tokio::test]
+async fn image_user_names_are_resolved_from_the_image() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "exec-user", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("busybox-user-oci.tar"), None)
+            .await
+            .expect("import the user test image");
+        let mut agent = Agent::start(&ctd, "ztxi");
+        let (a, mut rt) = assignment("named-0", "named", "prod", 229, "sleep 1000", "h1");
+        rt.image_ref = "docker.io/zattera/busybox:user".into();
+        agent.push(set(vec![(a, rt)]));
+        let snap = agent
+            .wait_for("named-0 healthy", |s| {
+                state_of(s, "named-0") == Some(State::Healthy)
+            })
+            .await;
+        let cid = snap.assignments[0].container_id.clone();
+        let fifo = agent.dirs.path().join("fifos");
+        let out = zattera_agent::runtime::exec::exec(
+            &ctd,
+            &cid,
+            &fifo,
+            &zattera_agent::runtime::exec::ExecRequest {
+                args: vec!["id".into()],
+                timeout: Duration::from_secs(10),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+        let id = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            id.starts_with("uid=1000(app) gid=1000(app)") && id.contains("33(www)"),
+            "{id}"
+        );
+        agent.finish().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_stateful_service_without_its_lease_stays_pending() {
     let Some(rig) = rig() else { return };

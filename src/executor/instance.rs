@@ -165,13 +165,7 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
             .collect();
         env_pairs.sort_unstable();
         let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs);
-        let (uid, gid) =
-            parse_numeric_user(cfg.user().as_deref().unwrap_or_default()).ok_or_else(|| {
-                Failure(format!(
-                    "create: user {:?} is not numeric (names are not resolved yet)",
-                    cfg.user()
-                ))
-            })?;
+        let user = image_user(h, &image, cfg.user().as_deref().unwrap_or_default()).await?;
         let stop_signal = spec::stop_signal(cfg.stop_signal().as_deref())
             .map_err(|e| Failure(format!("create: {e}")))?;
         let stop_grace = spec_input
@@ -185,11 +179,7 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
             args,
             env,
             cwd: cfg.working_dir().clone().unwrap_or_default(),
-            user: spec::ProcessUser {
-                uid,
-                gid,
-                additional_gids: vec![],
-            },
+            user,
             mounts: mounts.clone(),
             cpu_millis: resources.cpu_millis,
             memory_mb: resources.memory_mb,
@@ -346,29 +336,31 @@ fn read_host_resolv() -> String {
     }
 }
 
-/// `uid[:gid]` in numbers; empty is root. Names need the image's passwd
-/// file, which is not read yet.
-fn parse_numeric_user(user: &str) -> Option<(u32, u32)> {
-    let user = user.trim();
-    if user.is_empty() || user == "root" {
-        return Some((0, 0));
+/// The image's `User` as ids (C-5): root without one; otherwise resolved
+/// against the image's own passwd and group files.
+async fn image_user(
+    h: &Handles,
+    image: &crate::runtime::LocalImage,
+    user: &str,
+) -> Result<spec::ProcessUser, Failure> {
+    if user.trim().is_empty() {
+        return Ok(spec::ProcessUser::default());
     }
-    let (u, g) = user.split_once(':').unwrap_or((user, ""));
-    let uid = u.parse().ok()?;
-    let gid = if g.is_empty() { uid } else { g.parse().ok()? };
-    Some((uid, gid))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_numeric_user;
-
-    #[test]
-    fn numeric_users() {
-        assert_eq!(parse_numeric_user(""), Some((0, 0)));
-        assert_eq!(parse_numeric_user("root"), Some((0, 0)));
-        assert_eq!(parse_numeric_user("1000"), Some((1000, 1000)));
-        assert_eq!(parse_numeric_user("1000:50"), Some((1000, 50)));
-        assert_eq!(parse_numeric_user("nginx"), None);
-    }
+    let scratch = h.cfg.run_dir.join("scratch");
+    let files = crate::runtime::rootfs::read_image_files(
+        &h.ctd,
+        &image.chain_id.to_string(),
+        &["etc/passwd", "etc/group"],
+        &scratch,
+    )
+    .await
+    .map_err(|e| Failure(format!("create: user {user:?}: {e}")))?;
+    let text = |i: usize| {
+        files
+            .get(i)
+            .and_then(Option::as_ref)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+    };
+    crate::runtime::user::resolve(user, text(0).as_deref(), text(1).as_deref())
+        .map_err(|e| Failure(format!("create: {e}")))
 }

@@ -25,6 +25,7 @@ pub mod rootfs;
 pub mod spec;
 pub mod stats;
 pub mod unpack;
+pub mod user;
 
 pub use connection::Containerd;
 pub use digest::Digest;

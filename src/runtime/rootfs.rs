@@ -8,11 +8,14 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
-use containerd_client::services::v1::snapshots::MountsRequest;
+use containerd_client::services::v1::snapshots::{
+    MountsRequest, RemoveSnapshotRequest, ViewSnapshotRequest,
+};
 use nix::mount::{MntFlags, MsFlags};
 
 use super::connection::Containerd;
 use super::error::RuntimeError;
+use super::lease::Lease;
 use super::unpack::SNAPSHOTTER;
 
 /// Copies `inside` (an absolute path in the container's rootfs) into the
@@ -68,6 +71,85 @@ pub async fn copy_up(
     .map_err(|e| fail("task", &e))?;
     let _ = fs::remove_dir(&target);
     result.map_err(|e| fail("copy", &e))
+}
+
+/// Files larger than this are not read from an image.
+const MAX_IMAGE_FILE: u64 = 1024 * 1024;
+
+/// Reads small files (`etc/passwd`, …) from the rootfs of the image whose
+/// top snapshot is `chain_id`, through a read-only view (C-5). A file that
+/// is absent, too big, or resolves outside the rootfs (a symlink leading
+/// out) reads as `None`. `scratch` is a private directory for the mount.
+pub async fn read_image_files(
+    ctd: &Containerd,
+    chain_id: &str,
+    paths: &[&str],
+    scratch: &Path,
+) -> Result<Vec<Option<Vec<u8>>>, RuntimeError> {
+    let lease = Lease::create(ctd, "view", std::time::Duration::from_secs(60)).await?;
+    let key = format!("{}-view", lease.id());
+    let viewed = ctd
+        .snapshots()
+        .view(ctd.leased_request(
+            ViewSnapshotRequest {
+                snapshotter: SNAPSHOTTER.into(),
+                key: key.clone(),
+                parent: chain_id.into(),
+                labels: std::collections::HashMap::new(),
+            },
+            lease.id(),
+        ))
+        .await;
+    let result = match viewed {
+        Ok(r) => {
+            let mounts = r.into_inner().mounts;
+            let target = scratch.join(&key);
+            let paths: Vec<String> = paths.iter().map(|p| (*p).to_owned()).collect();
+            tokio::task::spawn_blocking(move || {
+                let read = read_mounted(&mounts, &target, &paths);
+                let _ = fs::remove_dir(&target);
+                read
+            })
+            .await
+            .map_err(|e| RuntimeError::Invalid(format!("reading the image rootfs: {e}")))?
+            .map_err(|e| RuntimeError::Invalid(format!("reading the image rootfs: {e}")))
+        }
+        Err(s) => Err(RuntimeError::grpc(format!("view of snapshot {chain_id}"))(
+            s,
+        )),
+    };
+    let _ = ctd
+        .snapshots()
+        .remove(ctd.request(RemoveSnapshotRequest {
+            snapshotter: SNAPSHOTTER.into(),
+            key,
+        }))
+        .await;
+    let _ = lease.release(ctd).await;
+    result
+}
+
+fn read_mounted(
+    mounts: &[containerd_client::types::Mount],
+    target: &Path,
+    paths: &[String],
+) -> Result<Vec<Option<Vec<u8>>>, String> {
+    fs::create_dir_all(target).map_err(|e| format!("scratch dir: {e}"))?;
+    for m in mounts {
+        mount_one(m, target).map_err(|e| format!("mounting ({}): {e}", m.r#type))?;
+    }
+    let read = paths
+        .iter()
+        .map(|p| {
+            let real = crate::volumes::resolve(target, p).ok()?;
+            let meta = fs::metadata(&real).ok()?;
+            (meta.is_file() && meta.len() <= MAX_IMAGE_FILE)
+                .then(|| fs::read(&real).ok())
+                .flatten()
+        })
+        .collect();
+    nix::mount::umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmounting: {e}"))?;
+    Ok(read)
 }
 
 fn mount_one(m: &containerd_client::types::Mount, target: &Path) -> nix::Result<()> {
