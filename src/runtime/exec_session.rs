@@ -117,11 +117,14 @@ pub async fn start(
         std::thread::spawn(move || pump_output(&path, err, &tx))
     })
     .collect();
-    let stdin_file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&fifos.stdin)
-        .map_err(|e| RuntimeError::Invalid(format!("{context}: stdin: {e}")))?;
+    let stdin_file = match OpenOptions::new().read(true).write(true).open(&fifos.stdin) {
+        Ok(f) => f,
+        Err(e) => {
+            release(&fifos, &readers).await;
+            cleanup(ctd, id, &exec_id, &dir).await;
+            return Err(RuntimeError::Invalid(format!("{context}: stdin: {e}")));
+        }
+    };
     let (stdin_tx, stdin_rx) = std::sync::mpsc::channel::<Vec<u8>>();
     std::thread::spawn(move || pump_input(stdin_file, &stdin_rx));
 
@@ -134,8 +137,9 @@ pub async fn start(
         .await
     {
         drop(stdin_tx);
+        // Readers waiting for a writer are let go before the FIFOs go.
+        release(&fifos, &readers).await;
         cleanup(ctd, id, &exec_id, &dir).await;
-        release(&fifos);
         return Err(RuntimeError::grpc(context)(s));
     }
 
@@ -298,14 +302,22 @@ fn pump_input(mut file: File, rx: &std::sync::mpsc::Receiver<Vec<u8>>) {
 }
 
 /// Unblocks output readers whose writer never came (the exec failed to
-/// start): a writer that opens and closes gives them EOF.
-fn release(fifos: &Fifos) {
+/// start): a writer that opens and closes gives them EOF. A non-blocking
+/// open for writing succeeds only once the reader waits in open, so it is
+/// retried for a while.
+async fn release(fifos: &Fifos, readers: &[std::thread::JoinHandle<()>]) {
     use std::os::unix::fs::OpenOptionsExt;
-    for path in std::iter::once(&fifos.stdout).chain(fifos.stderr.as_ref()) {
-        let _ = OpenOptions::new()
-            .write(true)
-            .custom_flags(nix::libc::O_NONBLOCK)
-            .open(path);
+    for _ in 0..100 {
+        if readers.iter().all(std::thread::JoinHandle::is_finished) {
+            return;
+        }
+        for path in std::iter::once(&fifos.stdout).chain(fifos.stderr.as_ref()) {
+            let _ = OpenOptions::new()
+                .write(true)
+                .custom_flags(nix::libc::O_NONBLOCK)
+                .open(path);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
 

@@ -10,7 +10,7 @@
 //! lines written while the agent was down are there too.
 
 use std::collections::VecDeque;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -185,15 +185,26 @@ fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLin
     files.push(stream.path.clone());
     let mut offset = (0, 0);
     for file in files {
-        let Ok(text) = std::fs::read(&file) else {
+        let Ok(f) = std::fs::File::open(&file) else {
             continue;
         };
-        if file == stream.path {
-            let ino = std::fs::metadata(&file).map_or(0, |m| m.ino());
-            offset = (ino, text.len() as u64);
-        }
-        for raw in String::from_utf8_lossy(&text).lines() {
-            let Some(l) = parse_cri(raw) else { continue };
+        let ino = f.metadata().map_or(0, |m| m.ino());
+        let mut reader = BufReader::new(f);
+        let mut consumed: u64 = 0;
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            let n = match reader.read_until(b'\n', &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            // A line still being written is left to the follower.
+            if buf.last() != Some(&b'\n') {
+                break;
+            }
+            consumed += n as u64;
+            let raw = String::from_utf8_lossy(&buf[..n - 1]);
+            let Some(l) = parse_cri(&raw) else { continue };
             let Some(line) = asm.push(&l) else { continue };
             if window.contains(l.time) {
                 if keep.len() == limit {
@@ -201,6 +212,9 @@ fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLin
                 }
                 keep.push_back(log_line(&stream.instance_id, l.source, l.time, line));
             }
+        }
+        if file == stream.path {
+            offset = (ino, consumed);
         }
     }
     (keep, offset)
