@@ -1673,8 +1673,9 @@ async fn the_binary_joins_and_runs_under_control() {
     .await;
 }
 
-/// Serves `body` at `path` over plain HTTP on loopback, 404 elsewhere.
-async fn serve_file(path: &'static str, body: Vec<u8>) -> (String, AbortOnDrop) {
+/// Serves the file `body` at `path` over plain HTTP on loopback, 404
+/// elsewhere.
+async fn serve_file(path: &'static str, body: PathBuf) -> (String, AbortOnDrop) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -1696,18 +1697,16 @@ async fn serve_file(path: &'static str, body: Vec<u8>) -> (String, AbortOnDrop) 
                 }
                 let line = String::from_utf8_lossy(&req);
                 let found = line.starts_with(&format!("GET {path} "));
+                let len = std::fs::metadata(body.as_path()).map_or(0, |m| m.len());
                 let head = if found {
-                    format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                        body.len()
-                    )
+                    format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
                 } else {
                     "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                         .to_owned()
                 };
                 let _ = conn.write_all(head.as_bytes()).await;
-                if found {
-                    let _ = conn.write_all(&body).await;
+                if found && let Ok(mut file) = tokio::fs::File::open(body.as_path()).await {
+                    let _ = tokio::io::copy(&mut file, &mut conn).await;
                 }
                 let _ = conn.shutdown().await;
             });
@@ -1722,6 +1721,7 @@ async fn serve_file(path: &'static str, body: Vec<u8>) -> (String, AbortOnDrop) 
 #[tokio::test]
 async fn the_binary_upgrades_itself_and_keeps_its_containers() {
     use sha2::Digest;
+    use std::io::Write;
     let Some(rig) = support::rig() else { return };
     support::with_namespace(&rig, "ctl-upg", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None)
@@ -1741,12 +1741,23 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         let binary = dir.path().join("bin/zattera-agent");
         std::fs::create_dir_all(binary.parent().unwrap()).unwrap();
         std::fs::copy(env!("CARGO_BIN_EXE_zattera-agent"), &binary).unwrap();
-        let original = std::fs::read(&binary).unwrap();
         // An ELF runs the same with bytes appended: the marker shows which
-        // file is installed.
-        let mut upgraded = original.clone();
-        upgraded.extend_from_slice(b"\nzattera-upgrade-marker\n");
-        let digest = hex::encode(sha2::Sha256::digest(&upgraded));
+        // file is installed. Files, not memory: a debug build is ~300 MB.
+        let upgraded = dir.path().join("upgraded");
+        std::fs::copy(&binary, &upgraded).unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&upgraded)
+            .unwrap()
+            .write_all(b"\nzattera-upgrade-marker\n")
+            .unwrap();
+        let file_digest = |p: &Path| {
+            let mut h = sha2::Sha256::new();
+            std::io::copy(&mut std::fs::File::open(p).unwrap(), &mut h).unwrap();
+            hex::encode(h.finalize())
+        };
+        let original = file_digest(&binary);
+        let digest = file_digest(&upgraded);
         let (http, _http) = serve_file("/releases/zattera-agent", upgraded.clone()).await;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
@@ -1835,7 +1846,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
             let err = api.upgrade_binary(req).await.unwrap_err();
             assert_eq!(err.code(), code, "{err:?}");
             assert_eq!(
-                std::fs::read(&binary).unwrap(),
+                file_digest(&binary),
                 original,
                 "{err:?} installed something"
             );
@@ -1849,7 +1860,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
             .into_inner();
         assert_eq!(reply.staged_version, "9.9.9");
         assert_eq!(reply.previous_version, env!("CARGO_PKG_VERSION"));
-        assert_eq!(std::fs::read(&binary).unwrap(), upgraded);
+        assert_eq!(file_digest(&binary), digest);
         // The same process re-executes the new file and says hello again.
         cp.wait_for("a hello after the restart", Duration::from_secs(40), |r| {
             hello_of(r, sessions)
