@@ -8,8 +8,9 @@
 //! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
 //! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`])
-//! and `UpgradeBinary` ([`upgrade`]). The others answer UNIMPLEMENTED naming the missing
-//! capability, which is what control expects from a node lacking an RPC.
+//! and `UpgradeBinary` ([`upgrade`]). The others (builds, volume snapshots,
+//! `WriteVolumeFile`) answer UNIMPLEMENTED naming the missing capability,
+//! which is what control expects from a node lacking an RPC.
 
 pub mod exec;
 pub mod logs;
@@ -23,9 +24,8 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::watch;
-
 use futures::Stream;
+use tokio::sync::watch;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::proto::cluster::AssignmentSet;
@@ -83,14 +83,13 @@ impl NodeApi {
     /// the cluster CA. Without `node` (no runtime) every method declines.
     pub async fn bind(
         addr: SocketAddr,
-        tls_identity: &NodeTls,
+        identity: &NodeTls,
         node: Option<NodeContext>,
     ) -> Result<Self, NodeApiError> {
-        let node_tls = tls_identity;
         let tls = tls::server(
-            &node_tls.cert_pem,
-            &node_tls.key_pem,
-            ClientAuth::Required(&node_tls.ca_pem),
+            &identity.cert_pem,
+            &identity.key_pem,
+            ClientAuth::Required(&identity.ca_pem),
         )?;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
