@@ -252,3 +252,54 @@ async fn missing_images_and_dead_registries_name_the_reference() {
     })
     .await;
 }
+
+/// A disk that fills mid-pull: the pull fails naming the reference and the
+/// cause, and leaves no image record, no lease and no partial ingest
+/// holding the space.
+#[tokio::test]
+async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
+    use containerd_client::services::v1::ListStatusesRequest;
+    let Some(rig) = rig() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.tar");
+    // Two incompressible 12 MiB layers for a 16 MiB content store.
+    let made = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/bench/runtime/mkbig.py"
+        ))
+        .arg(rig.oci_archive())
+        .arg(&big)
+        .args(["2", "12"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "mkbig: {made:?}");
+    let registry = Registry::start(None);
+    let reference: ImageRef = registry.push(&big, None, "zattera/big:1").parse().unwrap();
+    let private = support::private::PrivateContainerd::start_with_content_limit(16);
+    let ctd = zattera_agent::runtime::Containerd::connect(
+        &private.socket,
+        support::unique_namespace("pull-full"),
+    )
+    .await
+    .unwrap();
+    let err = Puller::new(ctd.clone(), vec![])
+        .ensure(&reference, &Credentials::Anonymous, None)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&reference.to_string()) && err.contains("no space left"),
+        "{err}"
+    );
+    assert!(!support::image_exists(&ctd, &reference.to_string()).await);
+    assert_eq!(support::lease_count(&ctd).await, 0);
+    let ingests = ctd
+        .content()
+        .list_statuses(ctd.request(ListStatusesRequest { filters: vec![] }))
+        .await
+        .unwrap()
+        .into_inner()
+        .statuses;
+    assert!(ingests.is_empty(), "partial ingests left: {ingests:?}");
+}

@@ -149,21 +149,26 @@ where
     }
     .await;
 
-    let written = match feeder.await {
-        Ok(Ok(n)) => n,
-        Ok(Err(io)) => {
-            return Err(RuntimeError::Invalid(format!(
-                "{context}: reading source: {io}"
-            )));
-        }
-        Err(join) => return Err(RuntimeError::Invalid(format!("{context}: {join}"))),
-    };
-    if !result? {
-        return Err(RuntimeError::Invalid(format!(
+    let outcome = match (feeder.await, result) {
+        (Ok(Err(io)), _) => Err(RuntimeError::Invalid(format!(
+            "{context}: reading source: {io}"
+        ))),
+        (Err(join), _) => Err(RuntimeError::Invalid(format!("{context}: {join}"))),
+        (_, Err(e)) => Err(e),
+        (Ok(Ok(_)), Ok(true)) => Ok(()),
+        (Ok(Ok(written)), Ok(false)) => Err(RuntimeError::Invalid(format!(
             "{context}: containerd did not commit it ({written} of {total} bytes sent)"
-        )));
+        ))),
+    };
+    if outcome.is_err() {
+        // A partial ingest holds its bytes until written again: on a full
+        // disk that space is what everything else needs.
+        let _ = ctd
+            .content()
+            .abort(ctd.request(AbortRequest { r#ref: reference }))
+            .await;
     }
-    Ok(())
+    outcome
 }
 
 /// Merges `labels` into a blob's labels (GC references, uncompressed digests).

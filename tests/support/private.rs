@@ -14,11 +14,22 @@ pub struct PrivateContainerd {
     pub socket: PathBuf,
     state: PathBuf,
     child: Option<Child>,
+    /// A small tmpfs under the content store, unmounted on drop.
+    content_tmpfs: Option<PathBuf>,
     _root: tempfile::TempDir,
 }
 
 impl PrivateContainerd {
+    /// One whose content store is a tmpfs of `mib` MiB: a disk that fills.
+    pub fn start_with_content_limit(mib: u32) -> Self {
+        Self::start_inner(Some(mib))
+    }
+
     pub fn start() -> Self {
+        Self::start_inner(None)
+    }
+
+    fn start_inner(content_mib: Option<u32>) -> Self {
         let root = tempfile::tempdir().unwrap();
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let state = PathBuf::from(format!("/run/zt-ctd-{}-{n}", std::process::id()));
@@ -36,11 +47,25 @@ impl PrivateContainerd {
             ),
         )
         .unwrap();
+        let content_tmpfs = content_mib.map(|mib| {
+            let dir = root.path().join("root/io.containerd.content.v1.content");
+            std::fs::create_dir_all(&dir).unwrap();
+            nix::mount::mount(
+                Some("tmpfs"),
+                &dir,
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some(format!("size={mib}m,mode=0700").as_str()),
+            )
+            .expect("mount the content store tmpfs");
+            dir
+        });
         let mut this = Self {
             config,
             socket,
             state,
             child: None,
+            content_tmpfs,
             _root: root,
         };
         this.up();
@@ -79,6 +104,9 @@ impl PrivateContainerd {
 impl Drop for PrivateContainerd {
     fn drop(&mut self) {
         self.down();
+        if let Some(dir) = &self.content_tmpfs {
+            let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);
+        }
         let _ = std::fs::remove_dir_all(&self.state);
     }
 }
