@@ -204,6 +204,8 @@ struct NetworkView {
     mtu: u32,
     members: Vec<Member>,
     published: Vec<PublishedView>,
+    /// Service VIPs this network's containers may reach (nothing else).
+    vips: Vec<Ipv4Addr>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -221,7 +223,12 @@ struct PublishedView {
     container: String,
 }
 
-fn views(cfg: &NetConfig, inv: &Inventory, published: &[PublishedPort]) -> Vec<NetworkView> {
+fn views(
+    cfg: &NetConfig,
+    inv: &Inventory,
+    published: &[PublishedPort],
+    vip_access: &[(String, Ipv4Addr)],
+) -> Vec<NetworkView> {
     inv.bridges
         .iter()
         .map(|b| {
@@ -249,7 +256,13 @@ fn views(cfg: &NetConfig, inv: &Inventory, published: &[PublishedPort]) -> Vec<N
                     container: format!("{}:{}", p.container_ip, p.container_port),
                 })
                 .collect();
+            let vips = vip_access
+                .iter()
+                .filter(|(bridge, _)| *bridge == b.name)
+                .map(|(_, vip)| *vip)
+                .collect();
             NetworkView {
+                vips,
                 network: b.scope.clone(),
                 bridge: b.name.clone(),
                 subnet: b.subnet,
@@ -263,10 +276,16 @@ fn views(cfg: &NetConfig, inv: &Inventory, published: &[PublishedPort]) -> Vec<N
         .collect()
 }
 
-async fn ls(node: &NetNode, json: bool) -> Result<()> {
+/// The networks as the kernel has them, with the ports and VIPs of our table.
+async fn read_views(node: &NetNode) -> Result<(Inventory, Vec<NetworkView>)> {
     let inv = inventory::read(node).await?;
-    let published = node.nft().published().await?;
-    let views = views(node.config(), &inv, &published);
+    let current = node.nft().current().await?.unwrap_or_default();
+    let views = views(node.config(), &inv, &current.published, &current.vip_access);
+    Ok((inv, views))
+}
+
+async fn ls(node: &NetNode, json: bool) -> Result<()> {
+    let (inv, views) = read_views(node).await?;
     if json {
         let doc = serde_json::json!({
             "networks": views,
@@ -314,14 +333,15 @@ async fn ls(node: &NetNode, json: bool) -> Result<()> {
         for p in &v.published {
             println!("    publish {} {} -> {}", p.proto, p.host, p.container);
         }
+        for vip in &v.vips {
+            println!("    may reach VIP {vip}");
+        }
     }
     Ok(())
 }
 
 async fn inspect(node: &NetNode, wanted: &str) -> Result<()> {
-    let inv = inventory::read(node).await?;
-    let published = node.nft().published().await?;
-    let views = views(node.config(), &inv, &published);
+    let (inv, views) = read_views(node).await?;
     let found = views.iter().find(|v| {
         v.network.as_deref() == Some(wanted) || v.bridge == wanted || v.subnet.to_string() == wanted
     });
@@ -373,6 +393,15 @@ async fn inspect(node: &NetNode, wanted: &str) -> Result<()> {
     for p in &v.published {
         println!("  {} {} -> {}", p.proto, p.host, p.container);
     }
+    let vips: Vec<String> = v.vips.iter().map(Ipv4Addr::to_string).collect();
+    println!(
+        "vips      {}",
+        if vips.is_empty() {
+            "none reachable".to_owned()
+        } else {
+            vips.join(", ")
+        }
+    );
     println!("dns       {}", dns_listener(v.gateway));
     let table = inv.table.clone();
     match node.nft().list().await? {

@@ -847,6 +847,29 @@ async fn a_restarted_node_keeps_the_rules_of_networks_it_has_not_touched_yet() {
         rules.vip_access(),
         vec![(w.cfg.bridge_name(s1), Ipv4Addr::new(10, 97, 0, 5))]
     );
+    // The operator's view: which network may reach which VIP.
+    let out = cli(&w, &["ls", "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let vips_of = |bridge: String| {
+        doc["networks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["bridge"] == bridge.as_str())
+            .map(|n| n["vips"].clone())
+    };
+    assert_eq!(
+        vips_of(w.cfg.bridge_name(s1)),
+        Some(serde_json::json!(["10.97.0.5"])),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        vips_of(w.cfg.bridge_name(s2)),
+        Some(serde_json::json!([])),
+        "{}",
+        text(&out)
+    );
     assert_eq!(node.nft().published().await.unwrap(), vec![published]);
     let table = node.nft().list().await.unwrap().unwrap();
     assert!(
