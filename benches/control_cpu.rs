@@ -178,23 +178,17 @@ async fn run(ctd: zattera_agent::runtime::Containerd, rig: support::Rig, idle: u
         .local_addr()
         .unwrap()
         .to_string();
-    let mut child = std::process::Command::new(agent)
-        .arg("--containerd-address")
-        .arg(&rig.socket)
-        .args([
-            "--namespace",
-            ctd.namespace().as_str(),
-            "--config",
-            "/dev/null",
-        ])
-        .arg("--run-dir")
-        .arg(&run_dir)
-        .arg("--data-dir")
-        .arg(&data)
-        .args(["run", "--bridge-prefix", "ztbq", "--control", &cp.address()])
-        .args(["--node-api-listen", &api])
+    let mut child = cp
+        .agent_command(&control_plane::AgentRun {
+            binary: Path::new(agent),
+            socket: &rig.socket,
+            namespace: ctd.namespace().as_str(),
+            run_dir: &run_dir,
+            data_dir: &data,
+            bridge_prefix: "ztbq",
+            api_addr: &api,
+        })
         .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
         .spawn()
         .unwrap();

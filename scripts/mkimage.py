@@ -71,6 +71,18 @@ def canonical(obj):
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+def write_oci(path, index, blobs):
+    """An OCI image layout archive, written whole then renamed into place."""
+    with tarfile.open(path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
+        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
+        add_file(tar, "index.json", index)
+        add_dir(tar, "blobs")
+        add_dir(tar, "blobs/sha256")
+        for blob in blobs:
+            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
+    os.replace(path + ".tmp", path)
+
+
 def build(out_dir, ref):
     layer = rootfs_layer()
     diff_id = sha(layer)
@@ -104,14 +116,7 @@ def build(out_dir, ref):
     })
     os.makedirs(out_dir, exist_ok=True)
     oci_path = os.path.join(out_dir, "busybox-oci.tar")
-    with tarfile.open(oci_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
-        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
-        add_file(tar, "index.json", index)
-        add_dir(tar, "blobs")
-        add_dir(tar, "blobs/sha256")
-        for blob in (config, manifest, gz):
-            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
-    os.replace(oci_path + ".tmp", oci_path)
+    write_oci(oci_path, index, (config, manifest, gz))
 
     # Legacy `docker save`: uncompressed layer tar, config named by its hex digest.
     config_hex = sha(config).split(":")[1]
@@ -148,14 +153,7 @@ def build(out_dir, ref):
                        "size": len(multi_index), "annotations": {"org.opencontainers.image.ref.name": "multi"}}],
     })
     multi_path = os.path.join(out_dir, "busybox-multi-oci.tar")
-    with tarfile.open(multi_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
-        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
-        add_file(tar, "index.json", outer)
-        add_dir(tar, "blobs")
-        add_dir(tar, "blobs/sha256")
-        for blob in (config, manifest, other_config, other_manifest, multi_index, gz):
-            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
-    os.replace(multi_path + ".tmp", multi_path)
+    write_oci(multi_path, outer, (config, manifest, other_config, other_manifest, multi_index, gz))
     # The same rootfs with `User: app`: a named user resolved from the
     # image's /etc/passwd and /etc/group.
     user_ref = ref.rsplit(":", 1)[0] + ":user"
@@ -173,14 +171,7 @@ def build(out_dir, ref):
         }],
     })
     user_path = os.path.join(out_dir, "busybox-user-oci.tar")
-    with tarfile.open(user_path + ".tmp", "w", format=tarfile.PAX_FORMAT) as tar:
-        add_file(tar, "oci-layout", canonical({"imageLayoutVersion": "1.0.0"}))
-        add_file(tar, "index.json", user_index)
-        add_dir(tar, "blobs")
-        add_dir(tar, "blobs/sha256")
-        for blob in (user_config, user_manifest, gz):
-            add_file(tar, "blobs/sha256/" + sha(blob).split(":")[1], blob)
-    os.replace(user_path + ".tmp", user_path)
+    write_oci(user_path, user_index, (user_config, user_manifest, gz))
     print(f"{oci_path}: {ref} manifest {sha(manifest)}")
     print(f"{user_path}: {user_ref}")
     print(f"{docker_path}: {ref}")

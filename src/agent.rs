@@ -63,10 +63,6 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         (None, None) => "none (no --manifests and no --control)".to_owned(),
     };
     let cgroup_parent = format!("/zattera/{}", config.namespace);
-    // Resolved now: once an upgrade renames a new file over it, the running
-    // image's path reads "(deleted)".
-    let upgrade_binary = logger_binary.clone();
-    let ctd_for_metrics = ctd.clone();
     let exec_cfg = ExecutorConfig {
         node_id: control.as_ref().map_or_else(
             || config.node_id.clone().unwrap_or_default(),
@@ -75,7 +71,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         host_ip,
         data_dir: config.data_dir.clone(),
         run_dir: config.run_dir.clone(),
-        logger_binary,
+        logger_binary: logger_binary.clone(),
         cgroup_parent: cgroup_parent.clone(),
         parallelism: 4,
         standalone,
@@ -84,7 +80,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(
         exec_cfg,
-        ctd,
+        ctd.clone(),
         Some(Arc::clone(&net)),
         Some(Arc::clone(&dns)),
         batches,
@@ -115,7 +111,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
                 crate::metrics::store::Store::default(),
             ));
             let (samples, _sampler) = crate::metrics::Sampler {
-                ctd: ctd_for_metrics.clone(),
+                ctd: ctd.clone(),
                 cgroup_parent: cgroup_parent.clone(),
                 status: handle.status.clone(),
                 every: crate::metrics::SAMPLE_EVERY,
@@ -127,7 +123,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             }
             .spawn();
             let node = crate::control::node_api::NodeContext {
-                ctd: ctd_for_metrics.clone(),
+                ctd: ctd.clone(),
                 desired: handle.desired.subscribe(),
                 data_dir: config.data_dir.clone(),
                 run_dir: config.run_dir.clone(),
@@ -135,9 +131,10 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
                 stats: Some(stats),
                 upgrade: crate::control::node_api::upgrade::UpgradeConfig {
                     base_url: config.upgrade_base_url.clone(),
-                    binary: upgrade_binary.clone(),
+                    // Resolved at start: once an upgrade renames a new file
+                    // over it, the running image's path reads "(deleted)".
+                    binary: logger_binary.clone(),
                     args: std::env::args().collect(),
-                    restart: true,
                 },
             };
             // With a control plane, internal names answer the service VIPs

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use control_plane::{ControlPlane, Record, TestCa};
+use control_plane::{AgentRun, ControlPlane, Record, TestCa};
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::identity::IdentityDir;
@@ -250,18 +250,28 @@ fn one(id: &str, version: u64, desired: AssignmentDesired) -> AssignmentSet {
     }
 }
 
-/// Waits until the desired watch holds a set with `version`.
-async fn desired_version(rx: &mut watch::Receiver<Option<AssignmentSet>>, version: u64) {
+/// Waits until `rx` holds a value whose version is `version`.
+async fn wait_version<T>(
+    rx: &mut watch::Receiver<Option<T>>,
+    version: u64,
+    version_of: impl Fn(&T) -> u64,
+    what: &str,
+) {
     tokio::time::timeout(WAIT, async {
         loop {
-            if rx.borrow_and_update().as_ref().map(|s| s.version) == Some(version) {
+            if rx.borrow_and_update().as_ref().map(&version_of) == Some(version) {
                 return;
             }
             rx.changed().await.unwrap();
         }
     })
     .await
-    .unwrap_or_else(|_| panic!("the executor never got set version {version}"));
+    .unwrap_or_else(|_| panic!("{what} {version} never arrived"));
+}
+
+/// Waits until the desired watch holds a set with `version`.
+async fn desired_version(rx: &mut watch::Receiver<Option<AssignmentSet>>, version: u64) {
+    wait_version(rx, version, |s| s.version, "set version").await;
 }
 
 #[tokio::test]
@@ -817,16 +827,7 @@ fn snapshot(version: u64, vip: &str) -> RouteSnapshot {
 }
 
 async fn snapshot_version(rx: &mut watch::Receiver<Option<Arc<RouteSnapshot>>>, version: u64) {
-    tokio::time::timeout(WAIT, async {
-        loop {
-            if rx.borrow_and_update().as_ref().map(|s| s.version) == Some(version) {
-                return;
-            }
-            rx.changed().await.unwrap();
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("route snapshot {version} never arrived"));
+    wait_version(rx, version, |s| s.version, "route snapshot").await;
 }
 
 #[tokio::test]
@@ -1042,7 +1043,6 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                     base_url: None,
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),
-                    restart: false,
                 },
             }),
         )
@@ -1194,23 +1194,17 @@ async fn the_binary_joins_and_runs_under_control() {
         };
         let api_addr = free_port_addr().await;
         let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_zattera-agent"))
-            .arg("--containerd-address")
-            .arg(&rig.socket)
-            .args([
-                "--namespace",
-                ctd.namespace().as_str(),
-                "--config",
-                "/dev/null",
-            ])
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["run", "--bridge-prefix", "ztcq", "--control", &cp.address()])
-            .args(["--node-api-listen", &api_addr])
+        let child = cp
+            .agent_command(&AgentRun {
+                binary: Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
+                socket: &rig.socket,
+                namespace: ctd.namespace().as_str(),
+                run_dir: &run_dir,
+                data_dir: &data,
+                bridge_prefix: "ztcq",
+                api_addr: &api_addr,
+            })
             .env("RUST_LOG", "info")
-            .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap();
@@ -1768,24 +1762,18 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         };
         let api_addr = free_port_addr().await;
         let log_path = dir.path().join("agent.log");
-        let child = std::process::Command::new(&binary)
-            .arg("--containerd-address")
-            .arg(&rig.socket)
-            .args([
-                "--namespace",
-                ctd.namespace().as_str(),
-                "--config",
-                "/dev/null",
-            ])
-            .arg("--run-dir")
-            .arg(&run_dir)
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["run", "--bridge-prefix", "ztcu", "--control", &cp.address()])
-            .args(["--node-api-listen", &api_addr])
+        let child = cp
+            .agent_command(&AgentRun {
+                binary: &binary,
+                socket: &rig.socket,
+                namespace: ctd.namespace().as_str(),
+                run_dir: &run_dir,
+                data_dir: &data,
+                bridge_prefix: "ztcu",
+                api_addr: &api_addr,
+            })
             .args(["--upgrade-base-url", &format!("http://{http}/releases/")])
             .env("RUST_LOG", "info")
-            .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log_path).unwrap())
             .spawn()
             .unwrap();

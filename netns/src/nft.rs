@@ -72,8 +72,7 @@ impl Nft {
         }
     }
 
-    /// The published ports our table holds now, read back from its maps
-    /// (for the operator CLI, which has no agent state to ask).
+    /// The published ports our table holds now, read back from its maps.
     pub async fn published(&self) -> Result<Vec<PublishedPort>> {
         Ok(self
             .read_json()
@@ -166,26 +165,26 @@ fn items(doc: &Value) -> &[Value] {
         .map_or(&[][..], Vec::as_slice)
 }
 
-/// The (string) elements of one of our sets.
-fn set_elements(doc: &Value, name: &str) -> Vec<String> {
+/// The raw elements of one of our sets.
+fn elements<'a>(doc: &'a Value, name: &str) -> impl Iterator<Item = &'a Value> {
     items(doc)
         .iter()
         .filter_map(|i| i.get("set"))
-        .filter(|set| set.get("name").and_then(Value::as_str) == Some(name))
+        .filter(move |set| set.get("name").and_then(Value::as_str) == Some(name))
         .filter_map(|set| set.get("elem").and_then(Value::as_array))
         .flatten()
+}
+
+/// The (string) elements of one of our sets.
+fn set_elements(doc: &Value, name: &str) -> Vec<String> {
+    elements(doc, name)
         .filter_map(|e| e.as_str().map(str::to_owned))
         .collect()
 }
 
 /// The `ifname . ipv4_addr` elements of one of our sets.
 fn pair_elements(doc: &Value, name: &str) -> Vec<(String, Ipv4Addr)> {
-    items(doc)
-        .iter()
-        .filter_map(|i| i.get("set"))
-        .filter(|set| set.get("name").and_then(Value::as_str) == Some(name))
-        .filter_map(|set| set.get("elem").and_then(Value::as_array))
-        .flatten()
+    elements(doc, name)
         .filter_map(|e| {
             let parts = e.get("concat").and_then(Value::as_array)?;
             let name = parts.first().and_then(Value::as_str)?;
@@ -198,11 +197,7 @@ fn pair_elements(doc: &Value, name: &str) -> Vec<(String, Ipv4Addr)> {
 /// Reads the elements of our `pub_*` / `puball_*` maps out of `nft -j` output.
 fn parse_published(doc: &Value) -> Vec<PublishedPort> {
     let mut out = Vec::new();
-    let items = doc
-        .get("nftables")
-        .and_then(Value::as_array)
-        .map_or(&[][..], Vec::as_slice);
-    for map in items.iter().filter_map(|i| i.get("map")) {
+    for map in items(doc).iter().filter_map(|i| i.get("map")) {
         let name = map.get("name").and_then(Value::as_str).unwrap_or("");
         let (proto, any) = match name {
             "pub_tcp" => (Proto::Tcp, false),

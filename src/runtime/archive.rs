@@ -510,20 +510,10 @@ fn child_blobs(
         source: source(config),
         labels: HashMap::new(),
     });
-    let mut labels = HashMap::from([(
-        "containerd.io/gc.ref.content.config".to_owned(),
-        config.digest.to_string(),
-    )]);
-    for (i, l) in layers.iter().enumerate() {
-        labels.insert(
-            format!("containerd.io/gc.ref.content.l.{i}"),
-            l.digest.to_string(),
-        );
-    }
     blobs.push(Blob {
         desc: manifest.clone(),
         source: source(manifest),
-        labels,
+        labels: super::content::manifest_gc_labels(config, layers),
     });
     blobs
 }

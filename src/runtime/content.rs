@@ -74,21 +74,11 @@ where
 {
     let reference = format!("zattera-ingest-{}", desc.digest.hex());
     // A crashed earlier write may have left a partial ingest under this ref.
-    match ctd
-        .content()
-        .abort(ctd.request(AbortRequest {
-            r#ref: reference.clone(),
-        }))
+    abort_ingest(ctd, &reference)
         .await
-    {
-        Ok(_) => {}
-        Err(s) if s.code() == Code::NotFound => {}
-        Err(s) => {
-            return Err(RuntimeError::grpc(format!(
-                "abort stale ingest {reference}"
-            ))(s));
-        }
-    }
+        .map_err(RuntimeError::grpc(format!(
+            "abort stale ingest {reference}"
+        )))?;
 
     let total = i64::try_from(desc.size)
         .map_err(|_| RuntimeError::Invalid(format!("blob {} is too large", desc.digest)))?;
@@ -163,12 +153,39 @@ where
     if outcome.is_err() {
         // A partial ingest holds its bytes until written again: on a full
         // disk that space is what everything else needs.
-        let _ = ctd
-            .content()
-            .abort(ctd.request(AbortRequest { r#ref: reference }))
-            .await;
+        let _ = abort_ingest(ctd, &reference).await;
     }
     outcome
+}
+
+/// Drops the ingest `reference` and its bytes; an absent one is fine.
+async fn abort_ingest(ctd: &Containerd, reference: &str) -> Result<(), tonic::Status> {
+    match ctd
+        .content()
+        .abort(ctd.request(AbortRequest {
+            r#ref: reference.to_owned(),
+        }))
+        .await
+    {
+        Err(s) if s.code() != Code::NotFound => Err(s),
+        _ => Ok(()),
+    }
+}
+
+/// The labels on a manifest blob that keep its config and layers alive
+/// through containerd's garbage collection.
+pub fn manifest_gc_labels(config: &Descriptor, layers: &[Descriptor]) -> HashMap<String, String> {
+    std::iter::once((
+        "containerd.io/gc.ref.content.config".to_owned(),
+        config.digest.to_string(),
+    ))
+    .chain(layers.iter().enumerate().map(|(i, l)| {
+        (
+            format!("containerd.io/gc.ref.content.l.{i}"),
+            l.digest.to_string(),
+        )
+    }))
+    .collect()
 }
 
 /// Merges `labels` into a blob's labels (GC references, uncompressed digests).

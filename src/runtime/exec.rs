@@ -202,6 +202,12 @@ async fn run(
     }
     .await;
 
+    delete_process(ctd, id, exec_id).await;
+    outcome
+}
+
+/// Deletes an exec process record; an absent one is fine.
+pub(super) async fn delete_process(ctd: &Containerd, id: &str, exec_id: &str) {
     let deleted = ctd
         .tasks()
         .delete_process(ctd.request(DeleteProcessRequest {
@@ -214,7 +220,22 @@ async fn run(
     {
         tracing::warn!(container = id, exec_id, error = %s.message(), "exec process not deleted");
     }
-    outcome
+}
+
+/// Makes one FIFO only the agent can open.
+pub(super) fn make_fifo(path: &Path) -> std::io::Result<()> {
+    nix::unistd::mkfifo(path, Mode::S_IRUSR | Mode::S_IWUSR).map_err(std::io::Error::from)
+}
+
+/// Gives a reader blocked opening `path` (whose writer never came) its
+/// EOF: a writer that opens and closes. Fails until the reader waits in
+/// open, so callers retry.
+pub(super) fn poke_reader(path: &Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path);
 }
 
 /// The two output FIFOs of one exec.
@@ -236,8 +257,7 @@ impl Fifos {
             stderr: dir.join("stderr"),
         };
         for path in [&this.stdout, &this.stderr] {
-            nix::unistd::mkfifo(path, Mode::S_IRUSR | Mode::S_IWUSR)
-                .map_err(std::io::Error::from)?;
+            make_fifo(path)?;
         }
         Ok(this)
     }
@@ -281,7 +301,6 @@ impl Readers {
     /// writer that opens and closes gives them EOF. A non-blocking open for
     /// writing succeeds once the reader waits in open, so retry briefly.
     fn release_and_collect(self, fifos: &Fifos) -> (Vec<u8>, Vec<u8>) {
-        use std::os::unix::fs::OpenOptionsExt;
         for _ in 0..100 {
             let pending: Vec<&PathBuf> =
                 [(&self.stdout, &fifos.stdout), (&self.stderr, &fifos.stderr)]
@@ -293,10 +312,7 @@ impl Readers {
                 break;
             }
             for path in pending {
-                let _ = OpenOptions::new()
-                    .write(true)
-                    .custom_flags(nix::libc::O_NONBLOCK)
-                    .open(path);
+                poke_reader(path);
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -15,15 +15,13 @@ use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use containerd_client::services::v1::{
-    CloseIoRequest, DeleteProcessRequest, ExecProcessRequest, KillRequest, ResizePtyRequest,
-    StartRequest, WaitRequest,
+    CloseIoRequest, ExecProcessRequest, KillRequest, ResizePtyRequest, StartRequest, WaitRequest,
 };
-use nix::sys::stat::Mode;
 use tokio::sync::mpsc;
 
 use super::connection::Containerd;
 use super::error::RuntimeError;
-use super::exec::{ExecRequest, process_for};
+use super::exec::{ExecRequest, delete_process, make_fifo, poke_reader, process_for};
 use super::spec::PROCESS_TYPE_URL;
 
 const SIGKILL: u32 = 9;
@@ -255,13 +253,7 @@ async fn resize_pty(ctd: &Containerd, id: &str, exec_id: &str, cols: u32, rows: 
 }
 
 async fn cleanup(ctd: &Containerd, id: &str, exec_id: &str, dir: &Path) {
-    let _ = ctd
-        .tasks()
-        .delete_process(ctd.request(DeleteProcessRequest {
-            container_id: id.into(),
-            exec_id: exec_id.into(),
-        }))
-        .await;
+    delete_process(ctd, id, exec_id).await;
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -306,16 +298,12 @@ fn pump_input(mut file: File, rx: &std::sync::mpsc::Receiver<Vec<u8>>) {
 /// open for writing succeeds only once the reader waits in open, so it is
 /// retried for a while.
 async fn release(fifos: &Fifos, readers: &[std::thread::JoinHandle<()>]) {
-    use std::os::unix::fs::OpenOptionsExt;
     for _ in 0..100 {
         if readers.iter().all(std::thread::JoinHandle::is_finished) {
             return;
         }
         for path in std::iter::once(&fifos.stdout).chain(fifos.stderr.as_ref()) {
-            let _ = OpenOptions::new()
-                .write(true)
-                .custom_flags(nix::libc::O_NONBLOCK)
-                .open(path);
+            poke_reader(path);
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
@@ -340,8 +328,7 @@ impl Fifos {
             .into_iter()
             .chain(this.stderr.as_ref())
         {
-            nix::unistd::mkfifo(path, Mode::S_IRUSR | Mode::S_IWUSR)
-                .map_err(std::io::Error::from)?;
+            make_fifo(path)?;
         }
         Ok(this)
     }

@@ -288,16 +288,7 @@ impl Puller {
         .try_collect::<Vec<()>>()
         .await?;
         content::ensure_blob(ctd, lease, &config_desc, std::io::Cursor::new(config_bytes)).await?;
-        let mut manifest_labels = HashMap::from([(
-            "containerd.io/gc.ref.content.config".to_owned(),
-            config_desc.digest.to_string(),
-        )]);
-        for (i, l) in layers.iter().enumerate() {
-            manifest_labels.insert(
-                format!("containerd.io/gc.ref.content.l.{i}"),
-                l.digest.to_string(),
-            );
-        }
+        let manifest_labels = content::manifest_gc_labels(&config_desc, &layers);
         content::ensure_blob(
             ctd,
             lease,

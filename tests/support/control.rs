@@ -187,6 +187,18 @@ impl Shared {
     }
 }
 
+/// One agent binary run: its own containerd namespace, dirs, bridge prefix
+/// and node API address, so several run side by side.
+pub struct AgentRun<'a> {
+    pub binary: &'a std::path::Path,
+    pub socket: &'a std::path::Path,
+    pub namespace: &'a str,
+    pub run_dir: &'a std::path::Path,
+    pub data_dir: &'a std::path::Path,
+    pub bridge_prefix: &'a str,
+    pub api_addr: &'a str,
+}
+
 /// A running (or stopped) test control plane.
 pub struct ControlPlane {
     pub ca: Arc<TestCa>,
@@ -230,6 +242,24 @@ impl ControlPlane {
     /// The address agents dial.
     pub fn address(&self) -> String {
         self.addr.to_string()
+    }
+
+    /// `run --control` of the agent `r` describes, against this control
+    /// plane; callers add flags, environment and output, then spawn.
+    pub fn agent_command(&self, r: &AgentRun<'_>) -> std::process::Command {
+        let mut cmd = std::process::Command::new(r.binary);
+        cmd.arg("--containerd-address")
+            .arg(r.socket)
+            .args(["--namespace", r.namespace, "--config", "/dev/null"])
+            .arg("--run-dir")
+            .arg(r.run_dir)
+            .arg("--data-dir")
+            .arg(r.data_dir)
+            .args(["run", "--bridge-prefix", r.bridge_prefix])
+            .args(["--control", &self.address()])
+            .args(["--node-api-listen", r.api_addr])
+            .stdout(std::process::Stdio::null());
+        cmd
     }
 
     fn serve(&mut self, listener: tokio::net::TcpListener) {

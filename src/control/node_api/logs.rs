@@ -136,6 +136,16 @@ impl Assembler {
         slot.push_str(l.text);
         l.full.then(|| std::mem::take(slot))
     }
+
+    /// One raw file line in: the whole log line it completes, if that line
+    /// falls in `window`.
+    fn take(&mut self, raw: &str, window: Window, instance_id: &str) -> Option<LogLine> {
+        let l = parse_cri(raw)?;
+        let line = self.push(&l)?;
+        window
+            .contains(l.time)
+            .then(|| log_line(instance_id, l.source, l.time, line))
+    }
 }
 
 /// Time bounds of a query; `None` is unbounded.
@@ -204,13 +214,11 @@ fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLin
             }
             consumed += n as u64;
             let raw = String::from_utf8_lossy(&buf[..n - 1]);
-            let Some(l) = parse_cri(&raw) else { continue };
-            let Some(line) = asm.push(&l) else { continue };
-            if window.contains(l.time) {
+            if let Some(line) = asm.take(&raw, window, &stream.instance_id) {
                 if keep.len() == limit {
                     keep.pop_front();
                 }
-                keep.push_back(log_line(&stream.instance_id, l.source, l.time, line));
+                keep.push_back(line);
             }
         }
         if file == stream.path {
@@ -311,16 +319,10 @@ impl Follower {
             return Vec::new();
         };
         let complete: Vec<u8> = self.rest.drain(..=end).collect();
-        let mut out = Vec::new();
-        for raw in String::from_utf8_lossy(&complete).lines() {
-            let Some(l) = parse_cri(raw) else { continue };
-            if let Some(line) = self.asm.push(&l)
-                && window.contains(l.time)
-            {
-                out.push(log_line(&self.stream.instance_id, l.source, l.time, line));
-            }
-        }
-        out
+        String::from_utf8_lossy(&complete)
+            .lines()
+            .filter_map(|raw| self.asm.take(raw, window, &self.stream.instance_id))
+            .collect()
     }
 }
 

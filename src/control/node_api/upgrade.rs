@@ -29,8 +29,6 @@ pub struct UpgradeConfig {
     pub binary: PathBuf,
     /// The arguments to restart with (argv).
     pub args: Vec<String>,
-    /// Re-execute after installing; off in tests of the install alone.
-    pub restart: bool,
 }
 
 /// Whether `url` lies under `base`: the same prefix, ending at a path or
@@ -87,13 +85,11 @@ pub async fn upgrade(
         )));
     }
     tracing::info!(version = %req.version, binary = %cfg.binary.display(), "agent upgrade installed");
-    if cfg.restart {
-        let (binary, args) = (cfg.binary.clone(), cfg.args.clone());
-        tokio::spawn(async move {
-            tokio::time::sleep(RESTART_AFTER).await;
-            restart(&binary, &args);
-        });
-    }
+    let (binary, args) = (cfg.binary.clone(), cfg.args.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(RESTART_AFTER).await;
+        restart(&binary, &args);
+    });
     Ok(AgentUpgradeResponse {
         previous_version: env!("CARGO_PKG_VERSION").to_owned(),
         staged_version: req.version,
