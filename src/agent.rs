@@ -40,6 +40,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         net_cfg.validate()?;
     }
     let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
+    warn_if_ports_overlap_kernel(config.host_port_range);
     let dns = Arc::new(zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?);
 
     // With a control plane the node is who its enrollment says; the
@@ -74,6 +75,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         logger_binary: logger_binary.clone(),
         cgroup_parent: cgroup_parent.clone(),
         parallelism: 4,
+        host_port_range: config.host_port_range,
         standalone,
         source,
     };
@@ -170,6 +172,21 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     executor_task.abort();
     let _ = std::fs::remove_file(admin::socket_path(&config.run_dir));
     Ok(())
+}
+
+/// Ports from the kernel's ephemeral range are still safe (each published
+/// port is held by a socket), but the kernel then has fewer to hand out, and
+/// while the agent is down nothing keeps them from being taken.
+fn warn_if_ports_overlap_kernel(range: zattera_netns::PortRange) {
+    if let Some(kernel) = zattera_netns::PortRange::kernel_ephemeral()
+        && range.overlaps(kernel)
+    {
+        tracing::warn!(
+            host_port_range = %range,
+            ip_local_port_range = %kernel,
+            "host-port-range overlaps the kernel's ephemeral port range; choose one outside it"
+        );
+    }
 }
 
 /// Swaps the DNS name table whenever a route snapshot arrives.

@@ -55,6 +55,9 @@ pub struct Settings {
     /// URL prefix the node API's UpgradeBinary may download from (`*` = any).
     #[serde(alias = "upgrade_base_url")]
     pub upgrade_base_url: Option<String>,
+    /// Ephemeral host ports for published ports, `LO-HI` (default 30000-32767).
+    #[serde(alias = "host_port_range")]
+    pub host_port_range: Option<String>,
 }
 
 impl Settings {
@@ -98,6 +101,7 @@ impl Settings {
             subnet_pool: top.subnet_pool.or(self.subnet_pool),
             node_api_listen: top.node_api_listen.or(self.node_api_listen),
             upgrade_base_url: top.upgrade_base_url.or(self.upgrade_base_url),
+            host_port_range: top.host_port_range.or(self.host_port_range),
         }
     }
 
@@ -119,7 +123,17 @@ impl Settings {
                 message: format!("{text:?} is not FIRST-LAST with 0 <= FIRST <= LAST <= 255"),
             })?,
         };
+        let host_port_range = match self.host_port_range.as_deref() {
+            None => zattera_netns::PortRange::DEFAULT,
+            Some(text) => text
+                .parse()
+                .map_err(|e: zattera_netns::Error| ConfigError::Invalid {
+                    key: "host-port-range",
+                    message: e.to_string(),
+                })?,
+        };
         Ok(Config {
+            host_port_range,
             bridge_prefix: self.bridge_prefix,
             subnet_pool,
             manifests: self.manifests,
@@ -154,6 +168,7 @@ pub struct Config {
     pub subnet_pool: (u8, u8),
     pub node_api_listen: SocketAddr,
     pub upgrade_base_url: Option<String>,
+    pub host_port_range: zattera_netns::PortRange,
 }
 
 fn parse_pool(text: &str) -> Option<(u8, u8)> {
@@ -196,6 +211,7 @@ mod tests {
             host-ip = "192.0.2.7"
             node-id = "n1"
             node-api-listen = "127.0.0.1:9444"
+            host-port-range = "40000-40999"
             "#,
         )
         .unwrap();
@@ -209,6 +225,15 @@ mod tests {
         assert_eq!(c.host_ip.to_string(), "192.0.2.7");
         assert_eq!(c.node_id.as_deref(), Some("n1"));
         assert_eq!(c.node_api_listen.to_string(), "127.0.0.1:9444");
+        assert_eq!(c.host_port_range.to_string(), "40000-40999");
+        assert!(
+            parse("host-port-range = \"9-1\"")
+                .unwrap()
+                .resolve()
+                .unwrap_err()
+                .to_string()
+                .contains("host-port-range")
+        );
         assert_eq!(
             Settings::default().resolve().unwrap().node_api_listen,
             DEFAULT_NODE_API_LISTEN

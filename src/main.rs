@@ -98,6 +98,9 @@ struct RunArgs {
     /// URL prefix self-upgrades may come from (`*` = any); none: upgrades refused
     #[arg(long, value_name = "URL")]
     upgrade_base_url: Option<String>,
+    /// Ephemeral host ports for published ports [default: 30000-32767]
+    #[arg(long, value_name = "LO-HI")]
+    host_port_range: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -185,6 +188,7 @@ fn load_config(global: &GlobalArgs, run: Option<&RunArgs>) -> Result<Config> {
         subnet_pool: run.and_then(|r| r.subnet_pool.clone()),
         node_api_listen: run.and_then(|r| r.node_api_listen),
         upgrade_base_url: run.and_then(|r| r.upgrade_base_url.clone()),
+        host_port_range: run.and_then(|r| r.host_port_range.clone()),
     };
     Ok(file.overlay(flags).resolve()?)
 }

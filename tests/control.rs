@@ -506,6 +506,7 @@ impl Node {
             logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
             cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
             parallelism: 4,
+            host_port_range: zattera_netns::PortRange::DEFAULT,
             standalone: false,
             source: format!("control {}", cp.address()),
         };

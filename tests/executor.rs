@@ -57,6 +57,7 @@ impl Agent {
             logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
             cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
             parallelism: 4,
+            host_port_range: zattera_netns::PortRange::DEFAULT,
             standalone: true,
             source: "test".into(),
         };

@@ -1,7 +1,14 @@
-//! Forgetting the conntrack entries of an unpublished UDP port (runtime.md
-//! C-7). A UDP "connection" lives as long as its client keeps sending, so
-//! without this a client would keep reaching the old container after the
-//! port is unpublished or moved.
+//! Forgetting conntrack entries that would route a packet past our rules:
+//! - the flows of an unpublished UDP port (runtime.md C-7): a UDP
+//!   "connection" lives as long as its client keeps sending, so without this
+//!   a client would keep reaching the old container after the port is
+//!   unpublished or moved;
+//! - the stale, un-NATed flows to a port just published: if a host process
+//!   served that port until a moment ago, its closed connections linger in
+//!   conntrack (CLOSE, TIME_WAIT), and Linux reopens such an entry for a new
+//!   SYN from the same client port *without* NAT, so that client's connection
+//!   is refused instead of reaching the container. No live connection can be
+//!   among them: the port could only be bound by us if none was left.
 //!
 //! Talks ctnetlink directly: dump the IPv4 table, pick the entries that are
 //! exactly our DNAT of that port (original destination port and address,
@@ -61,6 +68,25 @@ struct Entry {
 }
 
 impl Entry {
+    /// Whether this flow went to `port`'s host address and port and was not
+    /// translated (a host socket served it).
+    fn is_unnated_to(&self, port: &PublishedPort) -> bool {
+        let proto = match port.proto {
+            Proto::Tcp => IPPROTO_TCP,
+            Proto::Udp => IPPROTO_UDP,
+        };
+        let to_host = match self.orig.dst {
+            Some(dst) if port.host_ip.is_unspecified() => dst.is_loopback(),
+            Some(dst) => dst == port.host_ip,
+            None => false,
+        };
+        self.orig.proto == Some(proto)
+            && self.orig.dport == Some(port.host_port)
+            && to_host
+            && self.reply.src == self.orig.dst
+            && self.reply.sport == self.orig.dport
+    }
+
     /// Whether this is a flow DNATed through `port`.
     fn is_flow_of(&self, port: &PublishedPort) -> bool {
         let proto = match port.proto {
@@ -84,6 +110,19 @@ fn io_err(op: &'static str, e: impl Into<std::io::Error>) -> Error {
 
 /// Deletes the conntrack entries of flows through `ports`; returns how many.
 pub fn forget(ports: &[PublishedPort]) -> Result<usize> {
+    forget_where(ports, Entry::is_flow_of)
+}
+
+/// Deletes the un-NATed entries toward ports that were just published
+/// (see the module doc); returns how many.
+pub fn forget_stale(ports: &[PublishedPort]) -> Result<usize> {
+    forget_where(ports, Entry::is_unnated_to)
+}
+
+fn forget_where(
+    ports: &[PublishedPort],
+    matches: fn(&Entry, &PublishedPort) -> bool,
+) -> Result<usize> {
     if ports.is_empty() {
         return Ok(0);
     }
@@ -106,7 +145,7 @@ pub fn forget(ports: &[PublishedPort]) -> Result<usize> {
     for (seq, entry) in (2u32..).zip(
         entries
             .iter()
-            .filter(|e| ports.iter().any(|p| e.is_flow_of(p))),
+            .filter(|e| ports.iter().any(|p| matches(e, p))),
     ) {
         if delete(&sock, seq, entry)? {
             deleted += 1;
@@ -387,5 +426,51 @@ mod tests {
         let mut tcp = ours;
         tcp.orig.proto = Some(IPPROTO_TCP);
         assert!(!tcp.is_flow_of(&port));
+    }
+
+    #[test]
+    fn only_untranslated_flows_to_a_new_port_are_stale() {
+        let port = PublishedPort {
+            proto: Proto::Tcp,
+            host_ip: Ipv4Addr::LOCALHOST,
+            host_port: 45011,
+            container_ip: Ipv4Addr::new(10, 201, 5, 2),
+            container_port: 80,
+        };
+        let lo = Some(Ipv4Addr::LOCALHOST);
+        let stale = Entry {
+            orig: Tuple {
+                src: lo,
+                dst: lo,
+                proto: Some(IPPROTO_TCP),
+                sport: Some(45016),
+                dport: Some(45011),
+            },
+            reply: Tuple {
+                src: lo,
+                dst: lo,
+                proto: Some(IPPROTO_TCP),
+                sport: Some(45011),
+                dport: Some(45016),
+            },
+            zone: None,
+        };
+        assert!(stale.is_unnated_to(&port));
+        let mut any = port;
+        any.host_ip = Ipv4Addr::UNSPECIFIED;
+        assert!(stale.is_unnated_to(&any), "0.0.0.0 covers loopback");
+        // Our own DNAT of that port is not stale.
+        let mut ours = stale;
+        ours.reply.src = Some(port.container_ip);
+        ours.reply.sport = Some(80);
+        assert!(!ours.is_unnated_to(&port) && ours.is_flow_of(&port));
+        // Another address, port or protocol is not ours to touch.
+        let mut other = stale;
+        other.orig.dport = Some(45012);
+        assert!(!other.is_unnated_to(&port));
+        let mut remote = stale;
+        remote.orig.dst = Some(Ipv4Addr::new(192, 0, 2, 1));
+        remote.reply.src = remote.orig.dst;
+        assert!(!remote.is_unnated_to(&port) && !remote.is_unnated_to(&any));
     }
 }

@@ -123,6 +123,15 @@ pub enum Error {
         cause: String,
     },
 
+    #[error("host port {ip}:{port}/{proto} is in use by {}", holder.as_deref().unwrap_or("another socket on the host"))]
+    PortInUse {
+        proto: &'static str,
+        ip: Ipv4Addr,
+        port: u16,
+        /// `pid N (command)` when it can be found in /proc.
+        holder: Option<String>,
+    },
+
     #[error("no free {proto} host port on {ip} in {lo}-{hi}")]
     PortsExhausted {
         proto: &'static str,
@@ -146,6 +155,12 @@ pub enum Error {
 }
 
 impl Error {
+    /// A host port someone else holds right now: worth retrying later, not
+    /// a defect of the request.
+    pub fn is_port_in_use(&self) -> bool {
+        matches!(self, Self::PortInUse { .. })
+    }
+
     pub(crate) fn netlink(
         op: &'static str,
         object: impl Into<String>,

@@ -76,6 +76,13 @@ pub struct PublishedPort {
     pub container_port: u16,
 }
 
+impl PublishedPort {
+    /// The same host side (protocol, address, port), wherever it leads.
+    pub fn same_host_port(&self, other: &PublishedPort) -> bool {
+        (self.proto, self.host_ip, self.host_port) == (other.proto, other.host_ip, other.host_port)
+    }
+}
+
 /// The label form, `tcp/127.0.0.1:8080->10.201.5.2:80`: what the agent
 /// records on a container so the rules can be rebuilt after a restart.
 impl std::fmt::Display for PublishedPort {

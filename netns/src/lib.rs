@@ -33,7 +33,7 @@
 //! ```text
 //! let node  = NetNode::new(cfg)?;                       // netlink connection; touches nothing
 //! let mut ipam  = Ipam::from_records(&records)?;          // from container labels
-//! let mut ports = HostPorts::from_records(published);     // idem
+//! let mut ports = HostPorts::new(PortRange::DEFAULT);    // then ports.hold(..) per record
 //! // at start, from records: cfg.bridge_rules(subnet) per network and
 //! // "tcp/127.0.0.1:8080->10.201.5.2:80".parse::<PublishedPort>() per port label
 //! node.apply_rules(state).await?;                         // whole table, one transaction
@@ -41,8 +41,9 @@
 //! let ip  = ipam.allocate(subnet, container_id)?;
 //! let att = node.attach(container_id, subnet, ip).await?;       // netns file, veth, eth0, route
 //! // the OCI spec's network namespace path is att.netns_path; DNS is att.gateway
-//! let hp  = ports.allocate(Proto::Tcp, host_ip, None)?;         // bind-tested ephemeral port
+//! let hp  = ports.allocate(Proto::Tcp, host_ip, None)?;         // an ephemeral port, held by a socket
 //! node.set_published(all_published_ports).await?;               // DNAT maps rebuilt; UDP flows forgotten
+//! ports.release(..); node.set_published(..).await?; ports.retire(); // unpublish: rule first, then the socket
 //! node.detach(container_id, Some(ip)).await?;                   // idempotent, crash-safe
 //! node.remove_network(subnet).await?;                           // rules, then bridge
 //! let plan = inventory::plan(&inventory::read(&node).await?, Some(&live_ids));
@@ -83,5 +84,5 @@ pub use firewall::{BridgeRules, FirewallState, Proto, PublishedPort, ScopedVip};
 pub use ipam::{IpRecord, Ipam};
 pub use network::{Network, network_name};
 pub use node::NetNode;
-pub use ports::HostPorts;
+pub use ports::{HostPorts, PortRange};
 pub use subnet::{Subnet, SubnetError, gateway_ip, next_free_subnet};

@@ -248,14 +248,25 @@ impl NetNode {
             .filter(|p| p.proto == Proto::Udp && !next.published.contains(p))
             .copied()
             .collect();
+        // A port just published may have stale un-NATed flows of the host
+        // process that had it before (conntrack module doc).
+        let new: Vec<PublishedPort> = next
+            .published
+            .iter()
+            .filter(|p| !current.published.iter().any(|c| c.same_host_port(p)))
+            .copied()
+            .collect();
         *current = next;
-        if !gone.is_empty() {
-            let forgot = tokio::task::spawn_blocking(move || conntrack::forget(&gone)).await;
+        if !gone.is_empty() || !new.is_empty() {
+            let forgot = tokio::task::spawn_blocking(move || {
+                conntrack::forget(&gone).and(conntrack::forget_stale(&new))
+            })
+            .await;
             match forgot {
                 Ok(Ok(_)) => {}
                 // The rules are right; stale flows expire on their own.
                 Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "could not forget conntrack entries of unpublished UDP ports");
+                    tracing::warn!(error = %e, "could not forget stale conntrack entries of changed ports");
                 }
                 Err(e) => tracing::warn!(error = %e, "conntrack clean-up task failed"),
             }

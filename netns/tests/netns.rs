@@ -15,6 +15,8 @@ mod support;
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
+use socket2::{Domain, Socket, Type};
+
 use support::{
     World, foreign_ruleset, ip, link_exists, ready, tcp_get, tcp_server, udp_get, udp_server,
 };
@@ -1070,6 +1072,61 @@ async fn moving_a_udp_port_forgets_the_old_flow() {
     for c in [&c1, &c2] {
         node.detach(&c.container_id, Some(c.ip)).await.unwrap();
     }
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_published_after_a_host_server_reaches_the_container_from_its_old_clients() {
+    if !ready("stalect") {
+        return;
+    }
+    let w = World::new("stalect");
+    let node = w.node();
+    let s = Subnet::from_slot(220);
+    node.ensure_network("zt-p-stale", s).await.unwrap();
+    let c = node.attach("s1", s, s.host(2)).await.unwrap();
+    let _web = tcp_server(Some(&c.netns_path), sa(Ipv4Addr::UNSPECIFIED, 80), "web");
+
+    // A host process serves a port, and a client talks to it from port S;
+    // both ends close with a reset, so conntrack keeps a CLOSE entry.
+    let lo = Ipv4Addr::LOCALHOST;
+    let rst = |sock: &Socket| sock.set_linger(Some(std::time::Duration::ZERO)).unwrap();
+    let listener = std::net::TcpListener::bind((lo, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let client = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    rst(&client);
+    client.bind(&sa(lo, 0).into()).unwrap();
+    let client_port = client.local_addr().unwrap().as_socket().unwrap().port();
+    client.connect(&sa(lo, port).into()).unwrap();
+    let (served, _) = listener.accept().unwrap();
+    rst(&Socket::from(served));
+    drop(client);
+    drop(listener);
+
+    // The port is then published, and that client comes back from port S.
+    let mut ports = HostPorts::default();
+    ports.allocate(Proto::Tcp, lo, Some(port)).unwrap();
+    node.set_published(vec![PublishedPort {
+        proto: Proto::Tcp,
+        host_ip: lo,
+        host_port: port,
+        container_ip: c.ip,
+        container_port: 80,
+    }])
+    .await
+    .unwrap();
+    let again = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    again.set_reuse_address(true).unwrap();
+    again.bind(&sa(lo, client_port).into()).unwrap();
+    again
+        .connect_timeout(&sa(lo, port).into(), std::time::Duration::from_secs(2))
+        .unwrap_or_else(|e| panic!("the stale flow kept the client from the container: {e}"));
+    let mut reply = String::new();
+    std::io::Read::read_to_string(&mut std::net::TcpStream::from(again), &mut reply).unwrap();
+    assert!(reply.starts_with("web "), "{reply}");
+
+    node.detach(&c.container_id, Some(c.ip)).await.unwrap();
     node.remove_network(s).await.unwrap();
     node.remove_rules().await.unwrap();
 }

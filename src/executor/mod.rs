@@ -26,7 +26,9 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
 use zattera_dns::table::LocalInstance;
 use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
-use zattera_netns::{HostPorts, IpRecord, Ipam, NetNode, Proto, PublishedPort, Subnet};
+use zattera_netns::{
+    HostPorts, IpRecord, Ipam, NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError,
+};
 
 use self::instance::{Handles, Plan};
 use self::labels::{NamedPort, OwnedContainer};
@@ -55,6 +57,8 @@ pub struct ExecutorConfig {
     pub cgroup_parent: String,
     /// Removals and bring-ups that run at once.
     pub parallelism: usize,
+    /// Where ephemeral host ports come from.
+    pub host_port_range: PortRange,
     /// Standalone: requested host ports come from the desired
     /// `Assignment.mesh_port_bindings`, and DNS answers local instances.
     pub standalone: bool,
@@ -137,6 +141,7 @@ impl Executor {
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
         let (health_tx, health_rx) = mpsc::channel(256);
         let puller = Puller::new(ctd.clone(), vec![]);
+        let ports = HostPorts::new(cfg.host_port_range);
         let h = Handles {
             ctd,
             puller,
@@ -148,7 +153,7 @@ impl Executor {
             h,
             dns,
             ipam: Ipam::default(),
-            ports: HostPorts::from_records([]),
+            ports,
             owned: BTreeMap::new(),
             records: HashMap::new(),
             monitors: HashMap::new(),
@@ -225,13 +230,33 @@ impl Executor {
             })
             .collect();
         self.ipam = Ipam::from_records(&records).unwrap_or_default();
-        self.ports = HostPorts::from_records(owned.iter().flat_map(|o| {
-            o.ports
-                .iter()
-                .map(|p| (p.port.proto, p.port.host_ip, p.port.host_port))
-        }));
+        // Every published port is held again before any rule uses it; a
+        // container whose port someone took while we were down is removed,
+        // and the next pass brings it up again (a fixed port: FAILED until
+        // its holder lets go).
+        let mut lost = Vec::new();
         for o in owned {
-            self.owned.insert(o.assignment_id.clone(), o);
+            match self.hold_ports(&o) {
+                Ok(()) => {
+                    self.owned.insert(o.assignment_id.clone(), o);
+                }
+                Err(e) => {
+                    tracing::warn!(container = %o.container_id, error = %e, "a published port was taken while the agent was down; removing the container");
+                    lost.push(o);
+                }
+            }
+        }
+        for o in lost {
+            match instance::tear_down(&self.h, &o).await {
+                Ok(()) => {
+                    if let Some(ip) = o.ip {
+                        self.ipam.release(&o.container_id, ip);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(container = %o.container_id, error = %e, "could not remove it; retried next pass");
+                }
+            }
         }
         self.apply_firewall().await;
         let restart: Vec<OwnedContainer> = self
@@ -354,11 +379,15 @@ impl Executor {
             }
             match self.plan(a, rt) {
                 Ok(plan) => plans.push(plan),
-                Err(message) => {
-                    let record = self.records.entry(id.clone()).or_default();
-                    record.failures += 1;
-                    record.failed_hash.clone_from(&a.config_hash);
-                    batch.push(Observation::new(id, State::Failed).message(message));
+                Err(e) => {
+                    // A port someone else holds is retried every pass
+                    // without counting toward parking: it frees by itself.
+                    if !e.is_transient() {
+                        let record = self.records.entry(id.clone()).or_default();
+                        record.failures += 1;
+                        record.failed_hash.clone_from(&a.config_hash);
+                    }
+                    batch.push(Observation::new(id, State::Failed).message(e.to_string()));
                 }
             }
         }
@@ -414,28 +443,32 @@ impl Executor {
     }
 
     /// Allocates what a bring-up needs: container id, IP, host ports.
-    fn plan(&mut self, a: &Assignment, rt: &AssignmentRuntime) -> Result<Plan, String> {
+    fn plan(&mut self, a: &Assignment, rt: &AssignmentRuntime) -> Result<Plan, PlanError> {
         let id = a.meta.as_ref().map(|m| m.id.clone()).unwrap_or_default();
         let container_id = labels::container_id(&id, &a.config_hash);
         let subnet = if rt.subnet_cidr.is_empty() {
             None
         } else {
-            Some(
-                rt.subnet_cidr
-                    .parse::<Subnet>()
-                    .map_err(|e| format!("ensure network: {e}"))?,
-            )
+            Some(rt.subnet_cidr.parse::<Subnet>()?)
         };
+        let spec = rt.spec.clone().unwrap_or_default();
+        for p in &spec.ports {
+            if u16::try_from(p.container_port).is_err() {
+                return Err(PlanError::ContainerPort {
+                    name: p.name.clone(),
+                    port: p.container_port,
+                });
+            }
+        }
         let ip = match (subnet, &self.h.net) {
             (Some(s), Some(_)) => Some(
                 self.ipam
                     .allocate(s, &container_id)
-                    .map_err(|e| format!("ensure network: {e}"))?,
+                    .map_err(|e| PlanError::Ipam(Box::new(e)))?,
             ),
             _ => None,
         };
         let mut ports = Vec::new();
-        let spec = rt.spec.clone().unwrap_or_default();
         for p in &spec.ports {
             let Some(container_ip) = ip else { break };
             let proto = if p.protocol == Protocol::Udp as i32 {
@@ -464,7 +497,10 @@ impl Executor {
                     if let Some(ip) = ip {
                         self.ipam.release(&container_id, ip);
                     }
-                    return Err(format!("create: port {}: {e}", p.name));
+                    return Err(PlanError::HostPort {
+                        name: p.name.clone(),
+                        source: Box::new(e),
+                    });
                 }
             };
             ports.push(NamedPort {
@@ -474,12 +510,7 @@ impl Executor {
                     host_ip: self.h.cfg.host_ip,
                     host_port,
                     container_ip,
-                    container_port: u16::try_from(p.container_port).map_err(|_| {
-                        format!(
-                            "create: port {}: container_port {} is not a port",
-                            p.name, p.container_port
-                        )
-                    })?,
+                    container_port: u16::try_from(p.container_port).unwrap_or_default(),
                 },
             });
         }
@@ -506,6 +537,23 @@ impl Executor {
                 tracing::warn!(container = %o.container_id, error = %e, "could not remove a broken container");
             }
         }
+    }
+
+    /// Holds every host port a container publishes (its record, at start).
+    fn hold_ports(&mut self, o: &OwnedContainer) -> Result<(), zattera_netns::Error> {
+        for (i, p) in o.ports.iter().enumerate() {
+            if let Err(e) = self
+                .ports
+                .hold(p.port.proto, p.port.host_ip, p.port.host_port)
+            {
+                for done in &o.ports[..i] {
+                    self.ports
+                        .release(done.port.proto, done.port.host_ip, done.port.host_port);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     fn release(&mut self, o: &OwnedContainer) {
@@ -662,15 +710,19 @@ impl Executor {
 
     /// The whole rule set, from the owned containers (published ports) and
     /// the networks in use.
+    /// Only ports we hold are published; once the rules are in place, the
+    /// sockets of the ports they no longer use are closed.
     async fn apply_firewall(&mut self) {
         let Some(net) = &self.h.net else { return };
         let published: Vec<PublishedPort> = self
             .owned
             .values()
             .flat_map(|o| o.ports.iter().map(|p| p.port))
+            .filter(|p| self.ports.is_held(p.proto, p.host_ip, p.host_port))
             .collect();
-        if let Err(e) = net.set_published(published).await {
-            tracing::warn!(error = %e, "publishing ports failed");
+        match net.set_published(published).await {
+            Ok(()) => self.ports.retire(),
+            Err(e) => tracing::warn!(error = %e, "publishing ports failed"),
         }
     }
 
@@ -894,6 +946,30 @@ pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapsho
         assignments: rows,
         errors: Vec::new(),
     })
+}
+
+/// Why an assignment could not be planned; the text is its FAILED message.
+#[derive(Debug, thiserror::Error)]
+enum PlanError {
+    #[error("ensure network: {0}")]
+    Subnet(#[from] SubnetError),
+    #[error("ensure network: {0}")]
+    Ipam(Box<zattera_netns::Error>),
+    #[error("create: port {name}: {source}")]
+    HostPort {
+        name: String,
+        source: Box<zattera_netns::Error>,
+    },
+    #[error("create: port {name}: container_port {port} is not a port")]
+    ContainerPort { name: String, port: u32 },
+}
+
+impl PlanError {
+    /// Retried every pass without counting toward parking (E-9): a host
+    /// port held by another process frees by itself.
+    fn is_transient(&self) -> bool {
+        matches!(self, Self::HostPort { source, .. } if source.is_port_in_use())
+    }
 }
 
 /// E-12: port name → host port, skipping unnamed or unpublished ports.

@@ -19,6 +19,7 @@ use containerd_client::services::v1::{
 };
 use futures::{FutureExt, StreamExt};
 
+pub mod agent;
 pub mod private;
 pub mod registry;
 use zattera_agent::runtime::{Containerd, Namespace};
