@@ -15,9 +15,11 @@ cargo build --bins
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 agent="$target_dir/debug/zattera-agent"
 netns="$target_dir/debug/zattera-netns"
-ns=zattera-demo
-run=/run/zattera-demo
-data=/var/lib/zattera-demo
+# Another namespace lets a second demo run beside this one (its cgroups are
+# /zattera/<namespace>): scripts/fresh-check.sh does that.
+ns=${ZATTERA_DEMO_NAMESPACE:-zattera-demo}
+run=/run/$ns
+data=/var/lib/$ns
 sock="$ZATTERA_TEST_CONTAINERD"
 common=(--containerd-address "$sock" --namespace "$ns" --run-dir "$run" --data-dir "$data")
 mkdir -p "$run" "$data"

@@ -26,7 +26,21 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
     }
     // Two agents on one namespace would remove each other's containers.
     let _lock = lock_namespace(config.namespace.as_str())?;
-    let ctd = Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
+    if let Err(failed) = crate::doctor::preflight(&config) {
+        anyhow::bail!(
+            "preflight: {} (`zattera-agent doctor` runs every check)",
+            failed.line()
+        );
+    }
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let ctd = tokio::select! {
+        ctd = wait_for_containerd(&config) => ctd,
+        () = &mut shutdown => {
+            tracing::info!("stopped before containerd came up");
+            return Ok(());
+        }
+    };
     let host_ip = match config.host_ip {
         std::net::IpAddr::V4(ip) => ip,
         std::net::IpAddr::V6(ip) => {
@@ -165,7 +179,12 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         }
     };
 
-    shutdown_signal().await;
+    notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status("running"),
+    ]);
+    shutdown.await;
+    notify(&[sd_notify::NotifyState::Stopping]);
     tracing::info!("stopping; containers keep running");
     source_task.abort();
     admin_task.abort();
@@ -186,6 +205,45 @@ fn warn_if_ports_overlap_kernel(range: zattera_netns::PortRange) {
             ip_local_port_range = %kernel,
             "host-port-range overlaps the kernel's ephemeral port range; choose one outside it"
         );
+    }
+}
+
+/// Connects to containerd, waiting as long as it takes (boot ordering, a
+/// containerd restart; runtime.md W-2): each attempt is logged, and the
+/// delay doubles from 1 s to 30 s.
+async fn wait_for_containerd(config: &Config) -> Containerd {
+    let mut delay = std::time::Duration::from_secs(1);
+    for attempt in 1u32.. {
+        match Containerd::connect(&config.containerd_address, config.namespace.clone()).await {
+            Ok(ctd) => {
+                if attempt > 1 {
+                    tracing::info!(attempt, "containerd is up");
+                }
+                return ctd;
+            }
+            Err(e) => {
+                tracing::warn!(attempt, retry_in = ?delay, error = %e, "waiting for containerd");
+                let status = format!("waiting for containerd (attempt {attempt}): {e}");
+                // Waiting is not a failed start: systemd's start timeout
+                // moves with each attempt.
+                let extend = u32::try_from((delay * 2).as_micros()).unwrap_or(u32::MAX);
+                notify(&[
+                    sd_notify::NotifyState::Status(&status),
+                    sd_notify::NotifyState::ExtendTimeoutUsec(extend),
+                ]);
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(std::time::Duration::from_secs(30));
+    }
+    unreachable!("the attempts never run out")
+}
+
+/// Tells systemd (Type=notify) about the agent's state; nothing without
+/// `NOTIFY_SOCKET`.
+fn notify(states: &[sd_notify::NotifyState<'_>]) {
+    if let Err(e) = sd_notify::notify(states) {
+        tracing::debug!(error = %e, "sd_notify");
     }
 }
 

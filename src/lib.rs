@@ -9,6 +9,7 @@ pub mod admin;
 pub mod agent;
 pub mod config;
 pub mod control;
+pub mod doctor;
 pub mod executor;
 pub mod health;
 pub mod logshim;

@@ -329,3 +329,54 @@ async fn containerd_restarted_under_the_agent() {
     agent.kill9();
     support::purge_namespace(&ctd).await;
 }
+
+#[tokio::test]
+async fn the_agent_started_before_containerd_waits_and_converges() {
+    let Some(rig) = rig() else { return };
+    let mut private = support::private::PrivateContainerd::start();
+    let ns = format!("zt-test-agent-wait-{}", std::process::id());
+    let ctd = Containerd::connect(&private.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    import_archive(&ctd, &rig.oci_archive(), None)
+        .await
+        .unwrap();
+    private.down();
+
+    let mut agent = AgentProc::new(&private.socket, &ns, "ztkh", "164-165");
+    agent.write_manifest("svc.toml", &sleeper("svc", 1));
+    agent.start();
+    // It waits, logging each attempt, instead of exiting.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while agent.log().matches("waiting for containerd").count() < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        agent.log().matches("waiting for containerd").count() >= 2,
+        "{}",
+        agent.log()
+    );
+    assert!(
+        agent.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "the agent is still running"
+    );
+    private.up();
+    agent.wait_all(1, "HEALTHY");
+    assert!(agent.log().contains("containerd is up"));
+
+    // SIGTERM: it stops and exits 0, and the container keeps running.
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(agent.pid().unwrap()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = agent.child.take().unwrap().wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert_eq!(owned_count(&ctd).await, 1);
+    let cid = &containers::list(&ctd, &[("dev.zattera/managed", "true")])
+        .await
+        .unwrap()[0]
+        .id;
+    assert!(matches!(
+        containers::task_state(&ctd, cid).await.unwrap(),
+        TaskState::Running { .. }
+    ));
+    support::purge_namespace(&ctd).await;
+}

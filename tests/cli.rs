@@ -81,3 +81,143 @@ fn unknown_config_key_names_key_and_file() {
         "{stderr}"
     );
 }
+
+mod support;
+
+/// `doctor --json` with `args` (global flags); exit success and the checks by name.
+fn doctor(args: &[&std::ffi::OsStr]) -> (bool, serde_json::Value) {
+    let out = agent()
+        .args(args)
+        .args(["doctor", "--json"])
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(report["ok"].as_bool().unwrap(), out.status.success());
+    (out.status.success(), report)
+}
+
+fn check<'a>(report: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no {name} check: {report}"))
+}
+
+#[test]
+fn doctor_passes_against_the_rig() {
+    let Some(rig) = support::rig() else { return };
+    let data = tempfile::tempdir().unwrap();
+    let (ok, report) = doctor(&[
+        "--config".as_ref(),
+        "/dev/null".as_ref(),
+        "--containerd-address".as_ref(),
+        rig.socket.as_os_str(),
+        "--data-dir".as_ref(),
+        data.path().as_os_str(),
+    ]);
+    assert!(ok, "{report:#}");
+    let ctd = check(&report, "containerd");
+    assert_eq!(ctd["verdict"], "pass");
+    assert!(ctd["detail"].as_str().unwrap().starts_with("1."), "{ctd}");
+    for name in [
+        "config",
+        "root",
+        "runc",
+        "overlayfs",
+        "cgroups",
+        "nftables",
+        "netns",
+        "forwarding",
+        "disk",
+    ] {
+        assert_ne!(
+            check(&report, name)["verdict"],
+            "fail",
+            "{name}: {report:#}"
+        );
+    }
+    // The plain form: one line per check.
+    let out = agent()
+        .args(["--config", "/dev/null", "--containerd-address"])
+        .arg(&rig.socket)
+        .arg("doctor")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 10, "{text}");
+    assert!(
+        text.lines()
+            .all(|l| l.starts_with("PASS ") || l.starts_with("WARN ")),
+        "{text}"
+    );
+}
+
+#[test]
+fn doctor_names_a_missing_socket_a_bad_config_and_a_full_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nope.sock");
+    let (ok, report) = doctor(&[
+        "--config".as_ref(),
+        "/dev/null".as_ref(),
+        "--containerd-address".as_ref(),
+        socket.as_os_str(),
+    ]);
+    assert!(!ok);
+    let c = check(&report, "containerd");
+    assert_eq!(c["verdict"], "fail");
+    assert!(c["detail"].as_str().unwrap().contains("nope.sock"), "{c}");
+    assert!(c["fix"].as_str().unwrap().contains("systemctl"), "{c}");
+
+    // An unreadable config file (a directory), and one that does not parse.
+    for (bad, needle) in [
+        (dir.path().to_path_buf(), dir.path().display().to_string()),
+        (dir.path().join("bad.toml"), "data-dri".to_owned()),
+    ] {
+        std::fs::write(dir.path().join("bad.toml"), "data-dri = \"/x\"\n").unwrap();
+        let (ok, report) = doctor(&["--config".as_ref(), bad.as_os_str()]);
+        assert!(!ok);
+        let c = check(&report, "config");
+        assert_eq!(c["verdict"], "fail", "{report:#}");
+        assert!(c["detail"].as_str().unwrap().contains(&needle), "{c}");
+    }
+
+    // A full data dir: a small tmpfs filled up.
+    if !nix_is_root() {
+        return;
+    }
+    let mnt = dir.path().join("data");
+    std::fs::create_dir(&mnt).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .unwrap()
+        .success();
+    assert!(mounted);
+    let _ = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}/fill", mnt.display()))
+        .args(["bs=1M", "count=8"])
+        .output();
+    let (ok, report) = doctor(&[
+        "--config".as_ref(),
+        "/dev/null".as_ref(),
+        "--data-dir".as_ref(),
+        mnt.as_os_str(),
+    ]);
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert!(!ok);
+    let c = check(&report, "disk");
+    assert_eq!(c["verdict"], "fail", "{report:#}");
+    assert!(c["detail"].as_str().unwrap().starts_with("0 B free"), "{c}");
+}
+
+fn nix_is_root() -> bool {
+    std::fs::metadata("/proc/self").is_ok_and(|m| {
+        use std::os::unix::fs::MetadataExt;
+        m.uid() == 0
+    })
+}

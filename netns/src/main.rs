@@ -5,6 +5,7 @@
 //! containers are live and which container a TARGET names.
 
 mod agent_view;
+mod docs;
 
 use std::net::Ipv4Addr;
 use std::os::unix::process::CommandExt;
@@ -143,6 +144,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print a shell completion script (bash, zsh, fish, ...).
+    Completions { shell: clap_complete::Shell },
+    /// Write the man pages (zattera-netns.1 and one per command) into a directory.
+    Man { dir: PathBuf },
 }
 
 fn main() -> ExitCode {
@@ -167,6 +172,11 @@ fn config(cli: &Cli) -> Result<NetConfig> {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    match &cli.command {
+        Command::Completions { shell } => return docs::completions::<Cli>(*shell),
+        Command::Man { dir } => return docs::man::<Cli>(dir),
+        _ => {}
+    }
     let cfg = config(&cli)?;
     match cli.command {
         // exec replaces this process: no runtime, no threads to leave behind.
@@ -186,7 +196,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     Command::Inspect { network } => inspect(&node, &network).await,
                     Command::Gc { apply, json } => gc(&node, apply, json).await,
                     Command::Dig { name, from, json } => dig(&node, &name, &from, json).await,
-                    Command::Exec { .. } => unreachable!("handled above"),
+                    Command::Exec { .. } | Command::Completions { .. } | Command::Man { .. } => {
+                        unreachable!("handled above")
+                    }
                 }
             })
             .map(|()| ExitCode::SUCCESS)

@@ -84,6 +84,24 @@ impl Containerd {
         &self.namespace
     }
 
+    /// containerd's version string (`1.6.20~ds1`).
+    pub async fn version(&self) -> Result<String, RuntimeError> {
+        let reply = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            VersionClient::new(self.channel.clone()).version(()),
+        )
+        .await
+        .map_err(|_| RuntimeError::Unavailable {
+            socket: self.socket.clone(),
+            reason: format!("no answer within {CONNECT_TIMEOUT:?}"),
+        })?
+        .map_err(|status| RuntimeError::Unavailable {
+            socket: self.socket.clone(),
+            reason: describe_connect_failure(&status),
+        })?;
+        Ok(reply.into_inner().version)
+    }
+
     pub fn socket(&self) -> &Path {
         &self.socket
     }

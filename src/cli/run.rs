@@ -1,0 +1,60 @@
+//! `zattera-agent run`.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use zattera_agent::config::{Config, Settings};
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Directory of standalone manifests (one TOML file per app).
+    #[arg(long, value_name = "DIR")]
+    manifests: Option<PathBuf>,
+    /// Control-plane address; without it the agent runs standalone.
+    #[arg(long, value_name = "ADDR")]
+    control: Option<String>,
+    /// Host address published ports bind to [default: 127.0.0.1]
+    #[arg(long, value_name = "IP")]
+    host_ip: Option<std::net::IpAddr>,
+    /// This node's id.
+    #[arg(long, value_name = "ID")]
+    node_id: Option<String>,
+    /// Prefix of the bridges and veths this agent creates [default: ztbr]
+    #[arg(long, value_name = "PREFIX")]
+    bridge_prefix: Option<String>,
+    /// Subnet slots for standalone networks, FIRST-LAST of 10.201.X.0/24 [default: 0-255]
+    #[arg(long, value_name = "FIRST-LAST")]
+    subnet_pool: Option<String>,
+    /// Address of the node API served to the control plane (mTLS) [default: 0.0.0.0:8444]
+    #[arg(long, value_name = "ADDR")]
+    node_api_listen: Option<std::net::SocketAddr>,
+    /// URL prefix self-upgrades may come from (`*` = any); none: upgrades refused
+    #[arg(long, value_name = "URL")]
+    upgrade_base_url: Option<String>,
+    /// Ephemeral host ports for published ports [default: 30000-32767]
+    #[arg(long, value_name = "LO-HI")]
+    host_port_range: Option<String>,
+}
+
+impl RunArgs {
+    /// `base` (the global flags) with this command's flags.
+    pub fn settings(&self, base: Settings) -> Settings {
+        Settings {
+            manifests: self.manifests.clone(),
+            control: self.control.clone(),
+            host_ip: self.host_ip,
+            node_id: self.node_id.clone(),
+            bridge_prefix: self.bridge_prefix.clone(),
+            subnet_pool: self.subnet_pool.clone(),
+            node_api_listen: self.node_api_listen,
+            upgrade_base_url: self.upgrade_base_url.clone(),
+            host_port_range: self.host_port_range.clone(),
+            ..base
+        }
+    }
+}
+
+pub async fn run(config: Config) -> Result<()> {
+    let me = std::env::current_exe().context("locating this binary for the log shim")?;
+    zattera_agent::agent::run(config, me).await
+}

@@ -1,0 +1,467 @@
+//! Preflight: what the agent needs from the host, one check at a time, each
+//! failure with its fix. `zattera-agent doctor` prints them all; `run` runs
+//! the host checks at start ([`preflight`]) and refuses to start on the
+//! first failure, naming it. containerd is the exception at start: `run`
+//! waits for it (boot ordering, a containerd restart) instead of failing.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::{Config, ConfigError};
+use crate::runtime::{Containerd, Namespace};
+
+/// The oldest containerd the agent works with (DESIGN decision 1).
+pub const MIN_CONTAINERD: (u32, u32) = (1, 6);
+/// Below this much free space under the data dir, nothing can be pulled.
+const DISK_FAIL_BYTES: u64 = 256 << 20;
+const DISK_WARN_BYTES: u64 = 2 << 30;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    /// Works, but not as well as it could.
+    Warn,
+    /// The agent cannot run without it.
+    Fail,
+}
+
+impl Verdict {
+    fn label(self) -> &'static str {
+        match self {
+            Verdict::Pass => "PASS",
+            Verdict::Warn => "WARN",
+            Verdict::Fail => "FAIL",
+        }
+    }
+}
+
+/// One line of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub verdict: Verdict,
+    pub detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+impl Check {
+    fn pass(name: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            name,
+            verdict: Verdict::Pass,
+            detail: detail.into(),
+            fix: None,
+        }
+    }
+
+    fn warn(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self {
+            name,
+            verdict: Verdict::Warn,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+
+    fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self {
+            name,
+            verdict: Verdict::Fail,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
+    }
+
+    /// `FAIL containerd: <detail> (fix: <fix>)`, one line.
+    pub fn line(&self) -> String {
+        let mut s = format!("{} {}: {}", self.verdict.label(), self.name, self.detail);
+        if let Some(fix) = &self.fix {
+            s.push_str(" (fix: ");
+            s.push_str(fix);
+            s.push(')');
+        }
+        s
+    }
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub ok: bool,
+    pub checks: Vec<Check>,
+}
+
+impl Report {
+    fn new(checks: Vec<Check>) -> Self {
+        Self {
+            ok: checks.iter().all(|c| c.verdict != Verdict::Fail),
+            checks,
+        }
+    }
+
+    pub fn render(&self) -> String {
+        let mut s: String = self.checks.iter().map(|c| c.line() + "\n").collect();
+        let failed = self
+            .checks
+            .iter()
+            .filter(|c| c.verdict == Verdict::Fail)
+            .count();
+        if failed > 0 {
+            let _ = writeln!(s, "{failed} check(s) failed: the agent cannot run here yet");
+        }
+        s
+    }
+}
+
+/// Every check, for `zattera-agent doctor`. `config` is what loading the
+/// config file gave; without a usable config the defaults are checked.
+pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Report {
+    let mut checks = Vec::new();
+    let config = match config {
+        Ok(c) => {
+            checks.push(Check::pass("config", format!("{config_origin} parses")));
+            c
+        }
+        Err(e) => {
+            checks.push(Check::fail(
+                "config",
+                e.to_string(),
+                "correct the named key or file (keys are those of `zattera-agent run --help`)",
+            ));
+            // The rest is checked with the defaults.
+            match crate::config::Settings::default().resolve() {
+                Ok(c) => c,
+                Err(_) => return Report::new(checks),
+            }
+        }
+    };
+    checks.push(containerd(&config.containerd_address, &config.namespace).await);
+    checks.extend(host(&config));
+    Report::new(checks)
+}
+
+/// The host checks `run` performs at start: the first failure stops it.
+pub fn preflight(config: &Config) -> Result<(), Check> {
+    match host(config)
+        .into_iter()
+        .find(|c| c.verdict == Verdict::Fail)
+    {
+        Some(failed) => Err(failed),
+        None => Ok(()),
+    }
+}
+
+fn host(config: &Config) -> Vec<Check> {
+    vec![
+        root(),
+        runc(),
+        overlayfs(),
+        cgroups(),
+        nftables(),
+        network_namespaces(),
+        ip_forwarding(),
+        disk(&config.data_dir),
+    ]
+}
+
+async fn containerd(address: &Path, namespace: &Namespace) -> Check {
+    let fix = format!(
+        "start containerd (`systemctl enable --now containerd`) or point containerd-address at its socket (now {})",
+        address.display()
+    );
+    let connected = tokio::time::timeout(
+        Duration::from_secs(5),
+        Containerd::connect(address, namespace.clone()),
+    )
+    .await;
+    let ctd = match connected {
+        Ok(Ok(ctd)) => ctd,
+        Ok(Err(e)) => return Check::fail("containerd", e.to_string(), fix),
+        Err(_) => return Check::fail("containerd", "no answer within 5 s", fix),
+    };
+    match ctd.version().await {
+        Ok(version) => match parse_version(&version) {
+            Some(v) if v >= MIN_CONTAINERD => {
+                Check::pass("containerd", format!("{version} at {}", address.display()))
+            }
+            _ => Check::fail(
+                "containerd",
+                format!("version {version} at {}", address.display()),
+                format!(
+                    "install containerd {}.{} or newer",
+                    MIN_CONTAINERD.0, MIN_CONTAINERD.1
+                ),
+            ),
+        },
+        Err(e) => Check::fail("containerd", e.to_string(), fix),
+    }
+}
+
+/// `1.6.20~ds1` → (1, 6).
+fn parse_version(text: &str) -> Option<(u32, u32)> {
+    let text = text.trim_start_matches('v');
+    let mut parts = text.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+fn root() -> Check {
+    if nix::unistd::geteuid().is_root() {
+        Check::pass("root", "running as root")
+    } else {
+        Check::fail(
+            "root",
+            "not running as root",
+            "run the agent as root (it creates namespaces, bridges and nftables rules)",
+        )
+    }
+}
+
+/// The first `name` on PATH.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// The first line a program prints for `args`.
+fn first_line(program: &Path, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(err.lines().next().unwrap_or("failed").to_owned());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+fn runc() -> Check {
+    let fix = "install runc (`apt install runc` / `dnf install runc`): containerd's runc shim runs it from PATH";
+    let Some(path) = on_path("runc") else {
+        return Check::fail("runc", "not found on PATH", fix);
+    };
+    match first_line(&path, &["--version"]) {
+        Ok(v) => Check::pass("runc", format!("{v} ({})", path.display())),
+        Err(e) => Check::fail("runc", format!("{} --version: {e}", path.display()), fix),
+    }
+}
+
+fn overlayfs() -> Check {
+    let listed = std::fs::read_to_string("/proc/filesystems").is_ok_and(|t| {
+        t.lines()
+            .any(|l| l.split_whitespace().last() == Some("overlay"))
+    });
+    if listed {
+        Check::pass("overlayfs", "overlay is in /proc/filesystems")
+    } else {
+        Check::fail(
+            "overlayfs",
+            "the kernel has no overlay filesystem loaded",
+            "`modprobe overlay` (and add it to /etc/modules-load.d): containerd's overlayfs snapshotter needs it",
+        )
+    }
+}
+
+/// The controllers the agent's OCI specs use.
+const CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
+
+fn cgroups() -> Check {
+    let root = Path::new("/sys/fs/cgroup");
+    if let Ok(text) = std::fs::read_to_string(root.join("cgroup.controllers")) {
+        let have: Vec<&str> = text.split_whitespace().collect();
+        let missing: Vec<&str> = CONTROLLERS
+            .iter()
+            .copied()
+            .filter(|c| !have.contains(c))
+            .collect();
+        return if missing.is_empty() {
+            Check::pass(
+                "cgroups",
+                format!("cgroup v2 with {}", CONTROLLERS.join(", ")),
+            )
+        } else {
+            Check::fail(
+                "cgroups",
+                format!("cgroup v2 without the {} controller(s)", missing.join(", ")),
+                "enable them in the root cgroup (cgroup_enable= on the kernel command line)",
+            )
+        };
+    }
+    let missing: Vec<&str> = CONTROLLERS
+        .iter()
+        .copied()
+        .filter(|c| !root.join(c).join("tasks").exists())
+        .collect();
+    if missing.is_empty() {
+        Check::warn(
+            "cgroups",
+            format!(
+                "cgroup v1 with {} (works; v2 gives PSI and better memory accounting)",
+                CONTROLLERS.join(", ")
+            ),
+            "boot with systemd.unified_cgroup_hierarchy=1 for cgroup v2",
+        )
+    } else {
+        Check::fail(
+            "cgroups",
+            format!("no cgroup v2, and cgroup v1 lacks {}", missing.join(", ")),
+            "mount cgroup2 on /sys/fs/cgroup (systemd does this by default)",
+        )
+    }
+}
+
+fn nftables() -> Check {
+    let fix =
+        "install nftables (`apt install nftables` / `dnf install nftables`) and load nf_tables";
+    let Some(nft) = on_path("nft") else {
+        return Check::fail("nftables", "nft not found on PATH", fix);
+    };
+    let version = match first_line(&nft, &["--version"]) {
+        Ok(v) => v,
+        Err(e) => return Check::fail("nftables", format!("nft --version: {e}"), fix),
+    };
+    match first_line(&nft, &["list", "tables"]) {
+        Ok(_) => Check::pass("nftables", version),
+        Err(e) => Check::fail("nftables", format!("nft list tables: {e}"), fix),
+    }
+}
+
+fn network_namespaces() -> Check {
+    // unshare(2) moves only the calling thread, which then ends.
+    let made = std::thread::spawn(|| nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET))
+        .join()
+        .map_err(|_| nix::errno::Errno::EINVAL)
+        .and_then(|r| r);
+    match made {
+        Ok(()) => Check::pass("netns", "a network namespace can be created"),
+        Err(e) => Check::fail(
+            "netns",
+            format!("cannot create a network namespace: {e}"),
+            "run as root on a kernel with CONFIG_NET_NS, outside a container that forbids unshare",
+        ),
+    }
+}
+
+fn ip_forwarding() -> Check {
+    let path = "/proc/sys/net/ipv4/ip_forward";
+    match std::fs::read_to_string(path).map(|t| t.trim().to_owned()) {
+        Ok(v) if v == "1" => Check::pass("forwarding", "net.ipv4.ip_forward = 1"),
+        Ok(_) => {
+            let writable = std::fs::OpenOptions::new().write(true).open(path).is_ok();
+            if writable {
+                Check::warn(
+                    "forwarding",
+                    "net.ipv4.ip_forward = 0 (the agent turns it on with its first network)",
+                    "set net.ipv4.ip_forward = 1 in /etc/sysctl.d to make it explicit",
+                )
+            } else {
+                Check::fail(
+                    "forwarding",
+                    "net.ipv4.ip_forward = 0 and cannot be changed",
+                    "set net.ipv4.ip_forward = 1 (containers need it to reach anything)",
+                )
+            }
+        }
+        Err(e) => Check::fail("forwarding", format!("{path}: {e}"), "mount /proc"),
+    }
+}
+
+fn disk(data_dir: &Path) -> Check {
+    // The data dir may not exist yet: its nearest existing ancestor is where
+    // it will live.
+    let mut at = data_dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    let stat = match nix::sys::statvfs::statvfs(at) {
+        Ok(s) => s,
+        Err(e) => {
+            return Check::fail(
+                "disk",
+                format!("{}: {e}", data_dir.display()),
+                "make data-dir a readable directory",
+            );
+        }
+    };
+    let block = stat.fragment_size();
+    let free = stat.blocks_available() * block;
+    let total = stat.blocks() * block;
+    let detail = format!(
+        "{} free of {} under {}",
+        human(free),
+        human(total),
+        data_dir.display()
+    );
+    let fix = format!(
+        "free space on the filesystem of {} (images, logs and volumes live there)",
+        data_dir.display()
+    );
+    if free < DISK_FAIL_BYTES {
+        Check::fail("disk", detail, fix)
+    } else if free < DISK_WARN_BYTES {
+        Check::warn("disk", detail, fix)
+    } else {
+        Check::pass("disk", detail)
+    }
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024 * 10 && unit < UNITS.len() - 1 {
+        value /= 1024;
+        unit += 1;
+    }
+    format!("{value} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse_as_containerd_prints_them() {
+        assert_eq!(parse_version("1.6.20~ds1"), Some((1, 6)));
+        assert_eq!(parse_version("v2.0.4"), Some((2, 0)));
+        assert_eq!(parse_version("1.7.24-1"), Some((1, 7)));
+        assert_eq!(parse_version("junk"), None);
+        assert!(parse_version("1.5.9").unwrap() < MIN_CONTAINERD);
+        assert!(parse_version("2.0.0").unwrap() >= MIN_CONTAINERD);
+    }
+
+    #[test]
+    fn lines_name_the_check_and_the_fix() {
+        let c = Check::fail("disk", "1 MiB free", "free space");
+        assert_eq!(c.line(), "FAIL disk: 1 MiB free (fix: free space)");
+        assert_eq!(Check::pass("root", "ok").line(), "PASS root: ok");
+        let r = Report::new(vec![c, Check::pass("root", "ok")]);
+        assert!(!r.ok);
+        assert!(r.render().contains("1 check(s) failed"));
+    }
+
+    #[test]
+    fn sizes_read_well() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(300 << 20), "300 MiB");
+        assert_eq!(human(20 << 30), "20 GiB");
+    }
+}
