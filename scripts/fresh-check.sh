@@ -74,18 +74,30 @@ TABLE=zattera_fresh_$$
 ROOTS=()
 cleanup() {
   local rc=$?
-  if ip netns list 2>/dev/null | grep -qw "$NS"; then
-    # Every process of the check lives in its namespace: containerd, shims,
-    # containers, the agent.
-    for _ in 1 2 3; do
-      pids=$(ip netns pids "$NS" 2>/dev/null || true)
-      [ -n "$pids" ] || break
-      kill -9 $pids 2>/dev/null || true
-      sleep 1
+  # Every process of the check runs in a root of ours (containerd, shims,
+  # the agent, and the containers, whose roots lie inside it) or in its
+  # network namespace.
+  for _ in 1 2 3 4 5; do
+    pids=$(ip netns pids "$NS" 2>/dev/null || true)
+    for p in /proc/[0-9]*; do
+      root=$(readlink "$p/root" 2>/dev/null) || continue
+      for r in "${ROOTS[@]}"; do
+        case "$root" in "$r"|"$r"/*) pids="$pids ${p#/proc/}" ;; esac
+      done
     done
-    ip netns del "$NS" 2>/dev/null || true
-  fi
+    [ -n "${pids// /}" ] || break
+    kill -9 $pids 2>/dev/null || true
+    sleep 1
+  done
+  ip netns del "$NS" 2>/dev/null || true
   ip link del "${VETH}h" 2>/dev/null || true
+  # runc removes each container's cgroup; the parents are the agents'.
+  for h in /sys/fs/cgroup /sys/fs/cgroup/*; do
+    for ns in "zattera-fresh-$$" "zattera-pkg-$$"; do
+      [ -d "$h/zattera/$ns" ] || continue
+      find "$h/zattera/$ns" -depth -type d -exec rmdir {} + 2>/dev/null || true
+    done
+  done
   nft delete table inet "$TABLE" 2>/dev/null || true
   for r in "${ROOTS[@]}"; do
     grep -F " $r" /proc/mounts | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
@@ -176,7 +188,8 @@ for stage in "${STAGES[@]}"; do
     new_root demo
     r=$ROOT
     t0=$(date +%s)
-    in_root "$r" 'cd /root/zattera && ZATTERA_DEMO_NAMESPACE=zattera-fresh bash scripts/demo.sh' \
+    # A namespace of its own: containers' cgroups live in the host's tree.
+    in_root "$r" "cd /root/zattera && ZATTERA_DEMO_NAMESPACE=zattera-fresh-$$ bash scripts/demo.sh" \
       || die "demo: bash scripts/demo.sh failed in the fresh root"
     say "demo: passed in $(( $(date +%s) - t0 )) s"
     ;;
@@ -191,8 +204,7 @@ for stage in "${STAGES[@]}"; do
     t0=$(date +%s)
     mkdir -p "$r/root/dist"
     cp "$deb" "$upgrade" "$r/root/dist/"
-    # The demo image, as the rig builds it (from the root's own busybox).
-    in_root "$r" "bash /root/zattera/scripts/package-check.sh $(basename "$deb") $(basename "$upgrade")" \
+    in_root "$r" "bash /root/zattera/scripts/package-check.sh $(basename "$deb") $(basename "$upgrade") zattera-pkg-$$" \
       || die "packages: the package check failed in the fresh root"
     say "packages: passed in $(( $(date +%s) - t0 )) s"
     ;;

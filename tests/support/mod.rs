@@ -244,15 +244,21 @@ pub async fn purge_namespace(ctd: &Containerd) {
     remove_test_cgroups(ctd.namespace().as_str());
 }
 
-/// Tests put containers under `/zattera-test/<namespace>/<id>` in every
-/// cgroup hierarchy; runc removes the leaves, this removes the parents.
+/// Tests put containers under `/zattera-test/<namespace>/<id>` (executor
+/// tests) or `/zattera/<namespace>/<id>` (the agent binary) in every cgroup
+/// hierarchy; runc removes the leaves, this removes the parents.
 fn remove_test_cgroups(namespace: &str) {
     let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
         return;
     };
-    let mut dirs: Vec<PathBuf> = vec![PathBuf::from("/sys/fs/cgroup/zattera-test").join(namespace)];
-    for h in hierarchies.flatten() {
-        dirs.push(h.path().join("zattera-test").join(namespace));
+    let roots: Vec<PathBuf> = std::iter::once(PathBuf::from("/sys/fs/cgroup"))
+        .chain(hierarchies.flatten().map(|h| h.path()))
+        .collect();
+    let mut dirs = Vec::new();
+    for root in roots {
+        for parent in ["zattera-test", "zattera"] {
+            dirs.push(root.join(parent).join(namespace));
+        }
     }
     for dir in dirs {
         if let Ok(children) = std::fs::read_dir(&dir) {
