@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
@@ -15,6 +15,8 @@ use crate::executor::status::StatusSnapshot;
 
 pub const SOCKET_NAME: &str = "agent.sock";
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes of one request line at most.
+const MAX_REQUEST: u64 = 64 * 1024;
 
 pub fn socket_path(run_dir: &Path) -> PathBuf {
     run_dir.join(SOCKET_NAME)
@@ -55,7 +57,10 @@ async fn answer(
 ) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    BufReader::new(read).read_line(&mut line).await?;
+    // A request is one short line; a caller cannot make us buffer more.
+    BufReader::new(read.take(MAX_REQUEST))
+        .read_line(&mut line)
+        .await?;
     let body = match line.trim() {
         "status" => serde_json::to_vec(&*status.borrow().clone()).map_err(std::io::Error::other)?,
         other => serde_json::to_vec(

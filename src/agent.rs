@@ -21,8 +21,12 @@ use crate::runtime::Containerd;
 /// Runs the agent with `config`. `logger_binary` is the executable the runc
 /// shims start as container loggers (normally this very binary).
 pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
+    // Keys, logs, volumes, namespace files and the admin socket live under
+    // these: no other host user may even look inside.
     for dir in [&config.data_dir, &config.run_dir] {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .with_context(|| format!("making {} private", dir.display()))?;
     }
     // Two agents on one namespace would remove each other's containers.
     let _lock = lock_namespace(config.namespace.as_str())?;

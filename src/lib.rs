@@ -16,6 +16,7 @@ pub mod health;
 pub mod logshim;
 pub mod metrics;
 pub mod proto;
+pub mod redact;
 pub mod runtime;
 pub mod source;
 pub mod volumes;

@@ -170,10 +170,19 @@ struct RotatingFile {
 
 impl RotatingFile {
     fn open(path: PathBuf) -> io::Result<Self> {
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir)?;
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
         }
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        // Container output is nobody else's to read.
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)?;
         let size = file.metadata()?.len();
         Ok(Self {
             path,

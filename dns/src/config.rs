@@ -29,6 +29,10 @@ pub struct Config {
     /// Forwarded queries in flight per server; past that a query gets
     /// SERVFAIL at once instead of queueing without bound.
     pub max_forwards: usize,
+    /// Forwarded queries in flight per listener (one environment's
+    /// gateway): one environment flooding a dead domain exhausts its own
+    /// slots, never the others'.
+    pub max_forwards_per_listener: usize,
 }
 
 impl Default for Config {
@@ -43,6 +47,7 @@ impl Default for Config {
             tcp_max_connections: 128,
             tcp_idle_timeout: Duration::from_secs(10),
             max_forwards: 1024,
+            max_forwards_per_listener: 128,
         }
     }
 }

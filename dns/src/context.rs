@@ -53,10 +53,9 @@ impl Shared {
             .collect()
     }
 
-    /// A slot for one forwarded query, or `None` when `max_forwards` are in
-    /// flight: the caller then answers SERVFAIL at once instead of queueing
-    /// without bound. Taken in arrival order, before any task is spawned.
-    pub(crate) fn forward_slot(&self) -> Option<OwnedSemaphorePermit> {
+    /// A server-wide slot for one forwarded query (see
+    /// [`ListenerCtx::forward_slot`]).
+    fn forward_slot(&self) -> Option<OwnedSemaphorePermit> {
         Arc::clone(&self.forwards).try_acquire_owned().ok()
     }
 
@@ -65,7 +64,7 @@ impl Shared {
     /// held until then.
     pub(crate) async fn relay(
         &self,
-        _slot: OwnedSemaphorePermit,
+        _slot: ForwardSlot,
         query: &[u8],
         request: &Request,
         transport: Transport,
@@ -86,6 +85,43 @@ impl Shared {
 pub(crate) struct ListenerCtx {
     pub(crate) scope: ArcSwap<Scope>,
     pub(crate) shared: Arc<Shared>,
+    /// This listener's own forward slots.
+    forwards: Arc<Semaphore>,
+}
+
+/// The right to one forwarded query: a slot of its listener and one of the
+/// server, held until the answer is sent.
+#[derive(Debug)]
+pub(crate) struct ForwardSlot {
+    _listener: OwnedSemaphorePermit,
+    _server: OwnedSemaphorePermit,
+}
+
+impl ListenerCtx {
+    pub(crate) fn new(scope: Scope, shared: Arc<Shared>) -> Self {
+        let per = shared
+            .config
+            .max_forwards_per_listener
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            scope: ArcSwap::from_pointee(scope),
+            shared,
+            forwards: Arc::new(Semaphore::new(per)),
+        }
+    }
+
+    /// A slot for one forwarded query, or `None` when this listener has
+    /// `max_forwards_per_listener` in flight, or the server `max_forwards`:
+    /// the caller then answers SERVFAIL at once instead of queueing without
+    /// bound. Taken in arrival order, before any task is spawned.
+    pub(crate) fn forward_slot(&self) -> Option<ForwardSlot> {
+        let listener = Arc::clone(&self.forwards).try_acquire_owned().ok()?;
+        let server = self.shared.forward_slot()?;
+        Some(ForwardSlot {
+            _listener: listener,
+            _server: server,
+        })
+    }
 }
 
 #[cfg(test)]

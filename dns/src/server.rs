@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
@@ -153,10 +152,7 @@ impl DnsServer {
     }
 
     fn open(&self, addr: IpAddr, scope: Scope) -> Result<Listener, BindError> {
-        let ctx = Arc::new(ListenerCtx {
-            scope: ArcSwap::from_pointee(scope),
-            shared: Arc::clone(&self.shared),
-        });
+        let ctx = Arc::new(ListenerCtx::new(scope, Arc::clone(&self.shared)));
         let config = &self.shared.config;
         Listener::open(
             SocketAddr::new(addr, config.port),

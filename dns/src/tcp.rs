@@ -75,7 +75,7 @@ async fn connection(mut stream: TcpStream, ctx: &ListenerCtx) -> io::Result<()> 
         let answer = match outcome {
             Outcome::Reply(answer) => answer,
             Outcome::Forward(request) => {
-                let answer = match ctx.shared.forward_slot() {
+                let answer = match ctx.forward_slot() {
                     Some(slot) => {
                         ctx.shared
                             .relay(slot, &query, &request, Transport::Tcp)

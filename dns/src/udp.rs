@@ -49,7 +49,7 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, ctx: Arc<ListenerCtx>) {
             Outcome::Reply(answer) => send(&socket, &answer, peer).await,
             Outcome::Drop => debug!(%peer, len, "udp packet dropped"),
             Outcome::Forward(request) => {
-                let Some(slot) = ctx.shared.forward_slot() else {
+                let Some(slot) = ctx.forward_slot() else {
                     if let Some(answer) = request.servfail() {
                         send(&socket, &answer, peer).await;
                     }

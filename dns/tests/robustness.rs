@@ -260,3 +260,98 @@ async fn forwards_in_flight_are_bounded() {
     assert!(started.elapsed() >= Duration::from_millis(1800));
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_environment_flooding_a_dead_domain_starves_no_other() {
+    if !require(
+        "one_environment_flooding_a_dead_domain_starves_no_other",
+        false,
+        &[],
+    ) {
+        return;
+    }
+    // An upstream that answers `*.live.test` and never `*.dead.test`.
+    let upstream = UdpSocket::bind("127.77.33.9:10053").await.unwrap();
+    let upstream_addr = upstream.local_addr().unwrap();
+    let fake = tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        loop {
+            let Ok((len, from)) = upstream.recv_from(&mut buf).await else {
+                return;
+            };
+            let Ok(mut m) = Message::from_vec(&buf[..len]) else {
+                continue;
+            };
+            if m.queries
+                .iter()
+                .any(|q| q.name().to_string().contains("live"))
+            {
+                m.metadata.message_type = MessageType::Response;
+                let _ = upstream.send_to(&m.to_vec().unwrap(), from).await;
+            }
+        }
+    });
+    // The default limits: 1024 forwards in flight per server, 128 per listener.
+    let server = DnsServer::new(test_config(vec![upstream_addr])).unwrap();
+    let (flooded, quiet) = (
+        IpAddr::V4(Ipv4Addr::new(127, 77, 33, 1)),
+        IpAddr::V4(Ipv4Addr::new(127, 77, 33, 2)),
+    );
+    // Both listeners at once (a reconcile names the whole set).
+    let status = server
+        .reconcile(vec![
+            zattera_dns::ListenerSpec {
+                addr: flooded,
+                scope: Scope::new("proj-1", "production"),
+            },
+            zattera_dns::ListenerSpec {
+                addr: quiet,
+                scope: Scope::new("proj-2", "production"),
+            },
+        ])
+        .await;
+    assert!(
+        status.iter().all(zattera_dns::ListenerStatus::is_serving),
+        "{status:?}"
+    );
+    let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    // The flooded environment sends more dead-domain queries than the
+    // whole server may have in flight...
+    for id in 1..=1100u16 {
+        sock.send_to(
+            &query(id, &format!("q{id}.dead.test.")),
+            SocketAddr::new(flooded, PORT),
+        )
+        .await
+        .unwrap();
+        // Paced, so the receive buffer does not drop them.
+        if id % 50 == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...and the other environment's lookup is still relayed and answered.
+    let other = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    other
+        .send_to(&query(99, "www.live.test."), SocketAddr::new(quiet, PORT))
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let answer = loop {
+        let len = tokio::time::timeout(Duration::from_secs(2), other.recv(&mut buf))
+            .await
+            .expect("the quiet environment got an answer")
+            .unwrap();
+        let m = Message::from_vec(&buf[..len]).unwrap();
+        if m.metadata.id == 99 {
+            break m;
+        }
+    };
+    assert_eq!(
+        answer.metadata.response_code,
+        ResponseCode::NoError,
+        "the quiet environment was starved of forward slots"
+    );
+    fake.abort();
+    server.shutdown().await;
+}

@@ -6,6 +6,11 @@
 //! so this is how `<app>.internal` reaches an instance anywhere. Reconcile
 //! order follows V-2: addresses first, then listeners (new ones opened,
 //! endpoint lists of existing ones swapped), then closing, then removing.
+//!
+//! Bounded against a peer that opens connections and never speaks: at most
+//! [`MAX_CONNECTIONS`] are spliced at once (more are closed on accept), a
+//! connection silent both ways for [`IDLE_TIMEOUT`] is closed, and an accept
+//! error (EMFILE) backs off instead of spinning.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -20,6 +25,11 @@ use zattera_netns::NetNode;
 use crate::proto::cluster::RouteSnapshot;
 
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections spliced at once, over all VIPs.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// A connection with no byte either way for this long is closed.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// In-flight connections per endpoint address; never pruned (V-3).
 type InFlight = Arc<Mutex<HashMap<SocketAddr, usize>>>;
@@ -101,12 +111,13 @@ pub fn choose(
 /// Runs the proxy on every snapshot `routes` delivers, until it closes.
 pub async fn run(net: Arc<NetNode>, mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>) {
     let in_flight: InFlight = Arc::default();
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut listeners: BTreeMap<SocketAddr, Listener> = BTreeMap::new();
     loop {
         let snapshot = routes.borrow_and_update().clone();
         if let Some(snapshot) = snapshot {
             let w = wanted(&snapshot);
-            reconcile(&net, &w, &mut listeners, &in_flight).await;
+            reconcile(&net, &w, &mut listeners, &in_flight, &slots).await;
         }
         if routes.changed().await.is_err() {
             return;
@@ -120,6 +131,7 @@ async fn reconcile(
     w: &Wanted,
     listeners: &mut BTreeMap<SocketAddr, Listener>,
     in_flight: &InFlight,
+    slots: &Arc<tokio::sync::Semaphore>,
 ) {
     // 1. Addresses first: a listener cannot bind an address that is not there.
     let current: BTreeSet<Ipv4Addr> = listeners
@@ -149,7 +161,12 @@ async fn reconcile(
         match TcpListener::bind(addr).await {
             Ok(socket) => {
                 let shared = Arc::new(RwLock::new(endpoints.clone()));
-                let task = tokio::spawn(accept(socket, Arc::clone(&shared), Arc::clone(in_flight)));
+                let task = tokio::spawn(accept(
+                    socket,
+                    Arc::clone(&shared),
+                    Arc::clone(in_flight),
+                    Arc::clone(slots),
+                ));
                 listeners.insert(
                     *addr,
                     Listener {
@@ -173,9 +190,25 @@ async fn reconcile(
     }
 }
 
-async fn accept(socket: TcpListener, endpoints: Arc<RwLock<Vec<SocketAddr>>>, in_flight: InFlight) {
+async fn accept(
+    socket: TcpListener,
+    endpoints: Arc<RwLock<Vec<SocketAddr>>>,
+    in_flight: InFlight,
+    slots: Arc<tokio::sync::Semaphore>,
+) {
     loop {
-        let Ok((client, _)) = socket.accept().await else {
+        let client = match socket.accept().await {
+            Ok((client, _)) => client,
+            Err(e) => {
+                // Out of descriptors (EMFILE) and the like: the listener
+                // stays readable, so retrying at once would spin.
+                tracing::debug!(error = %e, "VIP accept failed; backing off");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        // Over the cap: closed at once, like a missing endpoint.
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             continue;
         };
         let candidates = endpoints.read().map(|e| e.clone()).unwrap_or_default();
@@ -194,10 +227,11 @@ async fn accept(socket: TcpListener, endpoints: Arc<RwLock<Vec<SocketAddr>>>, in
         let Some(target) = chosen else { continue };
         let in_flight = Arc::clone(&in_flight);
         tokio::spawn(async move {
+            let _slot = slot;
             if let Ok(mut counts) = in_flight.lock() {
                 *counts.entry(target).or_default() += 1;
             }
-            splice(client, target).await;
+            splice(client, target, IDLE_TIMEOUT).await;
             if let Ok(mut counts) = in_flight.lock() {
                 counts
                     .entry(target)
@@ -208,13 +242,50 @@ async fn accept(socket: TcpListener, endpoints: Arc<RwLock<Vec<SocketAddr>>>, in
 }
 
 /// Dials with a 5 s timeout, then copies both ways, half-closing each
-/// direction when it ends.
-async fn splice(mut client: TcpStream, target: SocketAddr) {
-    let Ok(Ok(mut upstream)) = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(target)).await
+/// direction when it ends, until both have ended or nothing moved for
+/// `idle`.
+async fn splice(client: TcpStream, target: SocketAddr, idle: Duration) {
+    let Ok(Ok(upstream)) = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(target)).await
     else {
         return;
     };
-    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    copy_until_idle(client, upstream, idle).await;
+}
+
+/// Both directions of `a` ⇄ `b`, closed after `idle` without a byte.
+pub async fn copy_until_idle(a: TcpStream, b: TcpStream, idle: Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut ar, mut aw) = a.into_split();
+    let (mut br, mut bw) = b.into_split();
+    let (mut buf_a, mut buf_b) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+    let (mut a_open, mut b_open) = (true, true);
+    while a_open || b_open {
+        tokio::select! {
+            read = ar.read(&mut buf_a), if a_open => match read {
+                Ok(0) | Err(_) => {
+                    a_open = false;
+                    let _ = bw.shutdown().await;
+                }
+                Ok(n) => {
+                    if bw.write_all(&buf_a[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            read = br.read(&mut buf_b), if b_open => match read {
+                Ok(0) | Err(_) => {
+                    b_open = false;
+                    let _ = aw.shutdown().await;
+                }
+                Ok(n) => {
+                    if aw.write_all(&buf_b[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            () = tokio::time::sleep(idle) => return,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -224,6 +295,37 @@ mod tests {
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_the_idle_time() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let a = TcpStream::connect(addr).await.unwrap();
+        let (server_side, _) = l.accept().await.unwrap();
+        let b_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let b_addr = b_listener.local_addr().unwrap();
+        let upstream = TcpStream::connect(b_addr).await.unwrap();
+        let (mut far, _) = b_listener.accept().await.unwrap();
+        let splice = tokio::spawn(copy_until_idle(
+            server_side,
+            upstream,
+            Duration::from_millis(300),
+        ));
+        // Bytes flow while there are any...
+        let mut a = a;
+        a.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        far.read_exact(&mut buf).await.unwrap();
+        assert_eq!(&buf, b"ping");
+        // ...and silence ends the splice, closing both sides.
+        tokio::time::timeout(Duration::from_secs(3), splice)
+            .await
+            .expect("the idle splice ended")
+            .unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(far.read_to_end(&mut rest).await.unwrap(), 0);
     }
 
     #[test]

@@ -51,9 +51,13 @@ pub struct ExecSession {
     ctd: Containerd,
     container_id: String,
     exec_id: String,
-    stdin: Option<std::sync::mpsc::Sender<Vec<u8>>>,
+    stdin: Option<mpsc::Sender<Vec<u8>>>,
     finished: tokio::sync::watch::Receiver<bool>,
 }
+
+/// Stdin chunks queued for a process at most: a caller that writes faster
+/// than the process reads is slowed down, not buffered without end.
+pub const STDIN_QUEUE: usize = 16;
 
 /// Starts `req` in container `id`. `fifo_dir` is a private directory for
 /// the FIFOs (removed when the session ends).
@@ -123,8 +127,8 @@ pub async fn start(
             return Err(RuntimeError::Invalid(format!("{context}: stdin: {e}")));
         }
     };
-    let (stdin_tx, stdin_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-    std::thread::spawn(move || pump_input(stdin_file, &stdin_rx));
+    let (stdin_tx, mut stdin_rx) = mpsc::channel::<Vec<u8>>(STDIN_QUEUE);
+    std::thread::spawn(move || pump_input(stdin_file, &mut stdin_rx));
 
     if let Err(s) = ctd
         .tasks()
@@ -181,14 +185,16 @@ pub async fn start(
 }
 
 impl ExecSession {
-    /// Queues bytes for the process's stdin.
-    pub fn write(&self, data: Vec<u8>) {
-        if let Some(tx) = &self.stdin {
-            let _ = tx.send(data);
-        }
+    /// The process's stdin queue ([`STDIN_QUEUE`] chunks), for the caller
+    /// to own: dropping it (and [`close_stdin`]) ends stdin.
+    ///
+    /// [`close_stdin`]: ExecSession::close_stdin
+    pub fn take_stdin(&mut self) -> Option<mpsc::Sender<Vec<u8>>> {
+        self.stdin.take()
     }
 
-    /// Ends stdin: the process reads EOF.
+    /// Ends stdin: the process reads EOF (once the queue from
+    /// [`take_stdin`](ExecSession::take_stdin) is dropped too).
     pub async fn close_stdin(&mut self) {
         self.stdin = None;
         let _ = self
@@ -285,8 +291,8 @@ fn pump_output(path: &Path, stderr: bool, tx: &mpsc::Sender<ExecEvent>) {
 }
 
 /// Writes queued stdin until the queue closes; then the FIFO is closed.
-fn pump_input(mut file: File, rx: &std::sync::mpsc::Receiver<Vec<u8>>) {
-    while let Ok(data) = rx.recv() {
+fn pump_input(mut file: File, rx: &mut mpsc::Receiver<Vec<u8>>) {
+    while let Some(data) = rx.blocking_recv() {
         if file.write_all(&data).is_err() {
             return;
         }

@@ -59,17 +59,31 @@ pub async fn exec(
                 .await;
         }
         Ok((mut session, mut events)) => {
-            if !first.stdin.is_empty() {
-                session.write(first.stdin);
+            let mut stdin = session.take_stdin();
+            if let Some(tx) = &stdin
+                && !first.stdin.is_empty()
+            {
+                let _ = tx.try_send(first.stdin);
             }
             tokio::spawn(async move {
                 let mut input_open = true;
+                // A frame is read only once its stdin has room: a slow
+                // reader slows the caller (HTTP/2 flow control) while
+                // output keeps flowing.
+                let mut room: Option<tokio::sync::mpsc::OwnedPermit<Vec<u8>>> = None;
                 loop {
                     tokio::select! {
-                        frame = inbound.message(), if input_open => match frame {
+                        permit = reserve(stdin.as_ref()), if input_open && room.is_none() => match permit {
+                            Some(p) => room = Some(p),
+                            // The process closed its stdin: nothing more to send.
+                            None => input_open = false,
+                        },
+                        frame = inbound.message(), if input_open && room.is_some() => match frame {
                             Ok(Some(f)) => {
-                                if !f.stdin.is_empty() {
-                                    session.write(f.stdin);
+                                if !f.stdin.is_empty()
+                                    && let Some(p) = room.take()
+                                {
+                                    p.send(f.stdin);
                                 }
                                 if let Some(size) = f.resize {
                                     session.resize(size.cols, size.rows).await;
@@ -77,6 +91,8 @@ pub async fn exec(
                             }
                             Ok(None) => {
                                 input_open = false;
+                                room = None;
+                                stdin = None;
                                 session.close_stdin().await;
                             }
                             // The caller is gone: dropping the session kills.
@@ -103,4 +119,11 @@ pub async fn exec(
         }
     }
     Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// Room for one more stdin chunk; `None` once the queue is closed.
+async fn reserve(
+    stdin: Option<&tokio::sync::mpsc::Sender<Vec<u8>>>,
+) -> Option<tokio::sync::mpsc::OwnedPermit<Vec<u8>>> {
+    stdin?.clone().reserve_owned().await.ok()
 }

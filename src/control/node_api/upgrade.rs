@@ -115,7 +115,7 @@ pub async fn upgrade(
     if !allowed(base, &req.url) {
         return Err(Status::permission_denied(format!(
             "UpgradeBinary: {} is not under the configured base URL {base}",
-            req.url
+            crate::redact::url(&req.url)
         )));
     }
     let running = env!("CARGO_PKG_VERSION");
@@ -127,7 +127,7 @@ pub async fn upgrade(
             "UpgradeBinary: another upgrade is in progress on this node",
         ));
     };
-    tracing::info!(version = %req.version, url = %req.url, "downloading an agent upgrade");
+    tracing::info!(version = %req.version, url = %crate::redact::url(&req.url), "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
     let result = download(base, &req.url, &staged, &want).await;
     if let Err(e) = result {
@@ -179,8 +179,11 @@ fn staging_path(binary: &Path) -> PathBuf {
 /// Streams `url` into `path`, checking size and digest; the file is
 /// executable and synced when this returns Ok.
 async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), Status> {
+    let shown = crate::redact::url(url);
     let unavailable = |e: &dyn std::fmt::Display| {
-        Status::unavailable(format!("UpgradeBinary: downloading {url}: {e}"))
+        // reqwest's own errors quote the whole URL: the redacted one replaces it.
+        let text = e.to_string().replace(url, &shown);
+        Status::unavailable(format!("UpgradeBinary: downloading {shown}: {text}"))
     };
     // A redirect is followed only while it stays under the base URL.
     let base_owned = base.to_owned();
@@ -206,7 +209,7 @@ async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), 
         return Err(unavailable(&resp.status()));
     }
     if resp.content_length().is_some_and(|n| n > MAX_DOWNLOAD) {
-        return Err(too_big(url));
+        return Err(too_big(&shown));
     }
     let internal = |e: std::io::Error| Status::internal(format!("UpgradeBinary: staging: {e}"));
     let mut file = {
@@ -224,7 +227,7 @@ async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), 
     while let Some(chunk) = resp.chunk().await.map_err(|e| unavailable(&e))? {
         total += chunk.len() as u64;
         if total > MAX_DOWNLOAD {
-            return Err(too_big(url));
+            return Err(too_big(&shown));
         }
         hasher.update(&chunk);
         file.write_all(&chunk).map_err(internal)?;
@@ -232,7 +235,7 @@ async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), 
     let got = hex::encode(hasher.finalize());
     if got != want {
         return Err(Status::data_loss(format!(
-            "UpgradeBinary: {url} has sha256 {got}, not {want}; nothing installed"
+            "UpgradeBinary: {shown} has sha256 {got}, not {want}; nothing installed"
         )));
     }
     file.sync_all().map_err(internal)
