@@ -122,8 +122,10 @@ async fn an_image_symlink_never_copies_a_host_directory_into_a_volume() {
         // ...and the host directory is as it was.
         assert_eq!(std::fs::read_dir(HOST_SECRET).unwrap().count(), before);
         // The agent's own files are nobody else's to read.
-        use std::os::unix::fs::PermissionsExt;
-        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let mode = |p: &Path| {
+            std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions())
+                & 0o777
+        };
         assert_eq!(mode(&agent.data_dir()), 0o700, "data dir");
         assert_eq!(mode(&agent.run_dir()), 0o700, "run dir");
         let cid = container_of(&status, "evil");
