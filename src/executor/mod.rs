@@ -1,26 +1,35 @@
 //! The executor: converge containerd to the desired `AssignmentSet` and keep
 //! it there (runtime.md §4 to §6).
 //!
-//! One task owns all the bookkeeping (IPAM, host ports, failure counters,
-//! crash back-off, health monitors, the status board) and talks to the rest
-//! through channels: the desired set arrives on a `watch`, task exits from
-//! containerd's event stream, health changes from the monitors, and the
-//! status goes out as a snapshot (`status`) and as batches (the control
-//! stream). A pass removes (STOP) before it creates (RUN); removals, then
-//! bring-ups, run in parallel with a bound, never overlapping each other.
+//! A thin loop under per-container workers ([`worker`]), shaped like
+//! kubelet's sync loop and pod workers. The loop owns what is shared: the
+//! desired set, the containers it keeps, IPAM and host ports, the firewall,
+//! networks and DNS, and the status board ([`board`]). It routes: a pass
+//! (on every new set and every 5 s) lists containerd once, classifies
+//! ([`diff`]), tells leaving workers to stop and spawns workers for what is
+//! missing; containerd's exit events go to the worker of their container;
+//! workers report back (RUNNING, HEALTHY, up, down, failed) and the loop
+//! updates the board, rules and DNS. No arm of the loop waits on a
+//! container: a stalled pull or a slow stop holds only its own worker.
+//!
+//! STOP before RUN (E-6) holds per scope (a project's environment): a new
+//! instance of a scope is planned only once every removal in that scope is
+//! done, so a freed host port or name can be reused; other scopes go on.
 
 pub mod backoff;
+mod board;
 pub mod diff;
 pub mod files;
 pub mod instance;
 pub mod labels;
 pub mod status;
+mod worker;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::{mpsc, watch};
@@ -28,12 +37,14 @@ use zattera_dns::table::LocalInstance;
 use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
 use zattera_netns::{
     HostPorts, IpRecord, Ipam, NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError,
+    network_name,
 };
 
+use self::board::Board;
 use self::instance::{Handles, Plan};
 use self::labels::{NamedPort, OwnedContainer};
 use self::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
-use crate::health::{self, ExecContext, HealthUpdate, Monitor};
+use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::{Assignment, AssignmentDesired, Protocol};
 use crate::runtime::containers::{self, TaskState};
@@ -47,8 +58,6 @@ pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
 /// Processes per container unless configured (`pids-limit`): contains a
 /// fork bomb, and far above what a service needs.
 pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
-/// Bring-up attempts before an assignment is parked until its hash changes (E-9).
-const MAX_FAILURES: u32 = 3;
 
 #[derive(Debug, Clone)]
 pub struct ExecutorConfig {
@@ -81,42 +90,23 @@ pub struct ExecutorHandle {
     pub status: watch::Receiver<Arc<StatusSnapshot>>,
 }
 
-/// Per-assignment bookkeeping that is not in containerd.
-#[derive(Debug, Default)]
-struct Record {
-    observation: Option<Observation>,
-    failures: u32,
-    failed_hash: String,
-    crash: Option<Crash>,
-    /// The last back-off delay, so the next one doubles it.
-    last_delay: Option<Duration>,
-    started_at: Option<Instant>,
-    restarts: u32,
-    health_warned: bool,
-}
-
-/// A service that exited and waits for its back-off to end.
-#[derive(Debug, Clone, Copy)]
-struct Crash {
-    due: Instant,
-    exit_code: u32,
-}
-
 pub struct Executor {
     h: Handles,
     dns: Option<Arc<DnsServer>>,
     ipam: Ipam,
     ports: HostPorts,
+    /// The container kept per assignment.
     owned: BTreeMap<String, OwnedContainer>,
-    records: HashMap<String, Record>,
-    monitors: HashMap<String, Monitor>,
+    /// One per container being brought up, supervised or removed.
+    workers: HashMap<String, Worker>,
+    board: Board,
     desired_rx: watch::Receiver<Option<AssignmentSet>>,
     errors_rx: watch::Receiver<Vec<SourceError>>,
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
-    batches: Option<mpsc::Sender<Vec<Observation>>>,
-    reports_rx: mpsc::UnboundedReceiver<Observation>,
-    health_tx: mpsc::Sender<HealthUpdate>,
-    health_rx: mpsc::Receiver<HealthUpdate>,
+    ctx: Ctx,
+    reports_rx: mpsc::UnboundedReceiver<Report>,
+    /// PULLING and STARTING from bring-ups, as they happen (E-8).
+    early_rx: mpsc::UnboundedReceiver<Observation>,
     networks: BTreeSet<Subnet>,
 }
 
@@ -124,6 +114,7 @@ impl std::fmt::Debug for Executor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Executor")
             .field("owned", &self.owned.len())
+            .field("workers", &self.workers.len())
             .finish_non_exhaustive()
     }
 }
@@ -145,15 +136,21 @@ impl Executor {
             source: cfg.source.clone(),
             ..StatusSnapshot::default()
         }));
+        let (early_tx, early_rx) = mpsc::unbounded_channel();
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
-        let (health_tx, health_rx) = mpsc::channel(256);
         let puller = Puller::new(ctd.clone(), vec![]);
         let ports = HostPorts::new(cfg.host_port_range);
+        let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
         let h = Handles {
             ctd,
             puller,
             net,
             cfg: Arc::new(cfg),
+            reports: early_tx,
+        };
+        let ctx = Ctx {
+            h: h.clone(),
+            slots,
             reports: reports_tx,
         };
         let exec = Self {
@@ -162,15 +159,14 @@ impl Executor {
             ipam: Ipam::default(),
             ports,
             owned: BTreeMap::new(),
-            records: HashMap::new(),
-            monitors: HashMap::new(),
+            workers: HashMap::new(),
+            board: Board::new(batches),
             desired_rx,
             errors_rx,
             status_tx,
-            batches,
+            ctx,
             reports_rx,
-            health_tx,
-            health_rx,
+            early_rx,
             networks: BTreeSet::new(),
         };
         let handle = ExecutorHandle {
@@ -198,12 +194,15 @@ impl Executor {
                     self.reconcile().await;
                 }
                 _ = self.errors_rx.changed() => self.publish_status(),
-                _ = tick.tick() => {
-                    self.reconcile().await;
-                    self.liveness().await;
-                }
+                _ = tick.tick() => self.reconcile().await,
                 event = events.next() => match event {
-                    Some(Ok(e @ TaskEvent::Exited { .. })) if e.is_init_exit() => self.liveness().await,
+                    Some(Ok(e @ TaskEvent::Exited { .. })) if e.is_init_exit() => {
+                        if let TaskEvent::Exited { container_id, .. } = &e
+                            && let Some(w) = self.workers.get(container_id)
+                        {
+                            w.send(Cmd::Exited);
+                        }
+                    }
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "task event stream ended; re-subscribing");
@@ -215,16 +214,20 @@ impl Executor {
                         events = Box::pin(events::subscribe(&self.h.ctd));
                     }
                 },
-                Some(update) = self.health_rx.recv() => self.apply_health(&update),
+                Some(report) = self.reports_rx.recv() => self.on_report(report).await,
+                Some(obs) = self.early_rx.recv() => {
+                    self.board.emit(vec![obs]);
+                    self.publish_status();
+                }
             }
-            self.drain_reports();
         }
         tracing::info!("executor stopped");
     }
 
     /// Before any source has spoken: adopt what exists, rebuild IPAM, ports
-    /// and rules from labels, and restart tasks lost to a crash or a reboot
-    /// (C-13), so the node serves again without waiting for anyone.
+    /// and rules from labels, and give every container a worker, which
+    /// restarts a task lost to a crash or a reboot (C-13), so the node
+    /// serves again without waiting for anyone.
     async fn boot(&mut self) -> Result<(), RuntimeError> {
         let owned = self.list_owned().await?;
         let records: Vec<IpRecord> = owned
@@ -241,7 +244,6 @@ impl Executor {
         // container whose port someone took while we were down is removed,
         // and the next pass brings it up again (a fixed port: FAILED until
         // its holder lets go).
-        let mut lost = Vec::new();
         for o in owned {
             match self.hold_ports(&o) {
                 Ok(()) => {
@@ -249,49 +251,14 @@ impl Executor {
                 }
                 Err(e) => {
                     tracing::warn!(container = %o.container_id, error = %e, "a published port was taken while the agent was down; removing the container");
-                    lost.push(o);
-                }
-            }
-        }
-        for o in lost {
-            match instance::tear_down(&self.h, &o).await {
-                Ok(()) => {
-                    if let Some(ip) = o.ip {
-                        self.ipam.release(&o.container_id, ip);
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(container = %o.container_id, error = %e, "could not remove it; retried next pass");
+                    self.spawn(Start::Remove(o), None);
                 }
             }
         }
         self.apply_firewall().await;
-        let restart: Vec<OwnedContainer> = self
-            .owned
-            .values()
-            .filter(|o| o.restart && o.exit_code.is_none())
-            .cloned()
-            .collect();
-        for o in restart {
-            match containers::task_state(&self.h.ctd, &o.container_id).await {
-                Ok(TaskState::Running { .. } | TaskState::Paused) => {
-                    self.records
-                        .entry(o.assignment_id.clone())
-                        .or_default()
-                        .started_at = Some(Instant::now());
-                }
-                Ok(_) => match instance::restart(&self.h, &o).await {
-                    Ok(()) => {
-                        tracing::info!(container = %o.container_id, "restarted a task lost while the agent was down");
-                    }
-                    Err(e) => {
-                        tracing::warn!(container = %o.container_id, error = %e.0, "could not restart at boot");
-                    }
-                },
-                Err(e) => {
-                    tracing::warn!(container = %o.container_id, error = %e, "task state unknown at boot");
-                }
-            }
+        let adopt: Vec<OwnedContainer> = self.owned.values().cloned().collect();
+        for o in adopt {
+            self.spawn(Start::Adopt(o), None);
         }
         self.sync_networks().await;
         self.publish_status();
@@ -312,7 +279,26 @@ impl Executor {
         Some(diff::desired_for(set, &self.h.cfg.node_id))
     }
 
-    /// One pass: classify, STOP, RUN, report, wire health, tidy networks.
+    /// A worker for `start`'s container.
+    fn spawn(&mut self, start: Start, spec: Option<crate::proto::v1::ServiceSpec>) {
+        let (cid, aid, scope) = match &start {
+            Start::Run(p) => (
+                p.container_id.clone(),
+                p.assignment_id().to_owned(),
+                network_name(&p.assignment.project_id, &p.assignment.environment_id),
+            ),
+            Start::Adopt(o) | Start::Remove(o) => (
+                o.container_id.clone(),
+                o.assignment_id.clone(),
+                network_name(&o.project_id, &o.environment_id),
+            ),
+        };
+        let worker = Worker::spawn(self.ctx.clone(), cid.clone(), aid, scope, start, spec);
+        self.workers.insert(cid, worker);
+    }
+
+    /// One pass: classify what containerd has, stop what leaves, start what
+    /// is missing. It waits for nothing but the one listing.
     async fn reconcile(&mut self) {
         let Some(desired) = self.desired() else {
             return;
@@ -324,56 +310,104 @@ impl Executor {
                 return;
             }
         };
+        let listed_ids: BTreeSet<String> = listed.iter().map(|o| o.container_id.clone()).collect();
         // Classify (E-5); duplicates of one assignment are removed (E-2 deviation).
         let classified = diff::classify(&desired, listed);
-        let mut batch = classified.stopped;
-        let removals = classified.removals;
-        self.owned = classified.owned;
+        // STOPPED goes out once the removal is done (E-15), with `Down`.
+        let mut batch = Vec::new();
 
-        // STOP pass: every removal ends before any creation starts (E-6).
-        for r in &removals {
-            if !self.owned.contains_key(&r.assignment_id) {
-                self.monitors.remove(&r.assignment_id);
-            }
-        }
-        let h = &self.h;
-        let parallel = self.h.cfg.parallelism.max(1);
-        let removed: Vec<(OwnedContainer, Result<(), String>)> = futures::stream::iter(removals)
-            .map(|o| async move {
-                let r = instance::tear_down(h, &o).await;
-                (o, r)
-            })
-            .buffer_unordered(parallel)
-            .collect()
-            .await;
-        for (o, result) in removed {
-            match result {
-                Ok(()) => self.release(&o),
-                Err(e) => {
-                    tracing::warn!(container = %o.container_id, error = %e, "removal failed; retried next pass");
+        // A supervised container that vanished from containerd (removed
+        // behind our back): its worker goes, its allocations are freed, and
+        // the RUN below makes it again.
+        let vanished: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(cid, w)| w.phase == Phase::Up && !listed_ids.contains(*cid))
+            .map(|(cid, _)| cid.clone())
+            .collect();
+        for cid in vanished {
+            if let Some(w) = self.workers.remove(&cid) {
+                w.send(Cmd::Forget);
+                if let Some(o) = self.owned.remove(&w.assignment_id) {
+                    tracing::warn!(container = %cid, "container vanished from containerd; making it again");
+                    self.release(&o);
                 }
             }
-            if !desired.contains_key(&o.assignment_id) {
-                self.records.remove(&o.assignment_id);
-            }
         }
 
-        // RUN pass: plan (allocations happen here, in one place), then bring up.
-        let mut plans = Vec::new();
-        for (id, (a, rt)) in &desired {
-            if a.desired != AssignmentDesired::Run as i32 || self.owned.contains_key(id) {
+        // What is kept: the listed ones, plus those still coming up.
+        let mut owned = classified.owned;
+        for (id, o) in &self.owned {
+            if !owned.contains_key(id)
+                && self
+                    .workers
+                    .get(&o.container_id)
+                    .is_some_and(|w| w.phase == Phase::Starting)
+            {
+                owned.insert(id.clone(), o.clone());
+            }
+        }
+        self.owned = owned;
+
+        // STOP: every removal gets (or already has) a worker that removes it.
+        for r in classified.removals {
+            match self.workers.get_mut(&r.container_id) {
+                Some(w) => w.stop(),
+                None => self.spawn(Start::Remove(r), None),
+            }
+        }
+        // Every kept container is supervised, with its current spec.
+        let kept: Vec<OwnedContainer> = self.owned.values().cloned().collect();
+        for o in kept {
+            let spec = desired
+                .get(&o.assignment_id)
+                .and_then(|(_, rt)| rt.as_ref())
+                .and_then(|rt| rt.spec.clone());
+            match self.workers.get_mut(&o.container_id) {
+                Some(w) if !w.has_spec && spec.is_some() => {
+                    w.has_spec = true;
+                    w.send(Cmd::Spec(spec.map(Box::new)));
+                }
+                Some(_) => {}
+                None => self.spawn(Start::Adopt(o), spec),
+            }
+        }
+        self.start_runs(&desired, &mut batch);
+        self.board.emit(batch);
+        self.apply_firewall().await;
+        self.sync_networks_with(&desired).await;
+        self.publish_status();
+    }
+
+    /// RUN (E-7): a worker for every desired instance that has neither a
+    /// container nor a worker, unless its scope still has removals in flight
+    /// (E-6) or it is parked (E-9) or fenced (E-10).
+    fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) {
+        let busy: BTreeSet<String> = self
+            .workers
+            .values()
+            .filter(|w| w.phase == Phase::Stopping)
+            .map(|w| w.scope.clone())
+            .collect();
+        let active: BTreeSet<String> = self
+            .workers
+            .values()
+            .filter(|w| w.phase != Phase::Stopping)
+            .map(|w| w.assignment_id.clone())
+            .collect();
+        for (id, (a, rt)) in desired {
+            if a.desired != AssignmentDesired::Run as i32
+                || self.owned.contains_key(id)
+                || active.contains(id)
+                || busy.contains(&network_name(&a.project_id, &a.environment_id))
+            {
                 continue;
             }
-            let record = self.records.entry(id.clone()).or_default();
-            if record.failed_hash != a.config_hash {
-                record.failures = 0;
-            }
-            if record.failures >= MAX_FAILURES {
-                continue; // parked until the hash changes (E-9)
+            if self.board.parked(id, &a.config_hash) {
+                continue;
             }
             let Some(rt) = rt else {
-                record.failures += 1;
-                record.failed_hash.clone_from(&a.config_hash);
+                self.board.failed(id, &a.config_hash);
                 batch.push(
                     Observation::new(id, State::Failed)
                         .message("no runtime payload (image/spec) for assignment"),
@@ -385,67 +419,105 @@ impl Executor {
                 continue;
             }
             match self.plan(a, rt) {
-                Ok(plan) => plans.push(plan),
+                Ok(plan) => {
+                    let spec = rt.spec.clone();
+                    self.spawn(Start::Run(Box::new(plan)), spec);
+                }
                 Err(e) => {
                     // A port someone else holds is retried every pass
                     // without counting toward parking: it frees by itself.
-                    if !e.is_transient() {
-                        let record = self.records.entry(id.clone()).or_default();
-                        record.failures += 1;
-                        record.failed_hash.clone_from(&a.config_hash);
+                    if !e.is_transient() && self.board.failed(id, &a.config_hash) {
+                        tracing::warn!(assignment = %id, "parking after {} failed attempts: {e}", board::MAX_FAILURES);
                     }
                     batch.push(Observation::new(id, State::Failed).message(e.to_string()));
                 }
             }
         }
-        let h = &self.h;
-        let results: Vec<(Plan, Result<OwnedContainer, instance::Failure>)> =
-            futures::stream::iter(plans)
-                .map(|p| async move {
-                    let r = instance::bring_up(h, &p).await;
-                    (p, r)
-                })
-                .buffer_unordered(parallel)
-                .collect()
-                .await;
-        let mut results = results;
-        results.sort_by(|a, b| a.0.assignment_id().cmp(b.0.assignment_id()));
-        for (plan, result) in results {
-            let id = plan.assignment_id().to_owned();
-            let record = self.records.entry(id.clone()).or_default();
-            match result {
-                Ok(owned) => {
-                    record.failures = 0;
-                    record.failed_hash.clear();
-                    record.crash = None;
-                    record.started_at = Some(Instant::now());
-                    batch.push(running(&owned));
-                    self.owned.insert(id, owned);
-                }
-                Err(failure) => {
-                    record.failures += 1;
-                    record.failed_hash.clone_from(&plan.assignment.config_hash);
-                    if record.failures >= MAX_FAILURES {
-                        tracing::warn!(assignment = %id, "parking after {MAX_FAILURES} failed attempts: {}", failure.0);
-                    }
-                    if let Some(ip) = plan.ip {
-                        self.ipam.release(&plan.container_id, ip);
-                    }
-                    for p in &plan.ports {
-                        self.ports
-                            .release(p.port.proto, p.port.host_ip, p.port.host_port);
-                    }
-                    batch.push(Observation::new(&id, State::Failed).message(failure.0));
+    }
+
+    /// What a worker says about its container.
+    async fn on_report(&mut self, report: Report) {
+        let Report {
+            container_id,
+            event,
+        } = report;
+        match event {
+            Event::Observed(obs) => {
+                // A report of a container no longer ours comes too late.
+                if self.workers.contains_key(&container_id) {
+                    self.board.emit(vec![obs]);
+                    self.update_dns_table();
                 }
             }
+            Event::Up(owned) => {
+                if let Some(w) = self.workers.get_mut(&container_id)
+                    && w.phase == Phase::Starting
+                {
+                    w.phase = Phase::Up;
+                }
+                self.board.succeeded(&owned.assignment_id);
+                self.owned.insert(owned.assignment_id.clone(), owned);
+                self.apply_firewall().await;
+                self.sync_networks().await;
+            }
+            Event::Failed { plan, failure } => {
+                self.workers.remove(&container_id);
+                let id = plan.assignment_id().to_owned();
+                if let Some(ip) = plan.ip {
+                    self.ipam.release(&plan.container_id, ip);
+                }
+                for p in &plan.ports {
+                    self.ports
+                        .release(p.port.proto, p.port.host_ip, p.port.host_port);
+                }
+                if self.board.failed(&id, &plan.assignment.config_hash) {
+                    tracing::warn!(assignment = %id, "parking after {} failed attempts: {}", board::MAX_FAILURES, failure.0);
+                }
+                self.board.emit(vec![
+                    Observation::new(&id, State::Failed).message(failure.0),
+                ]);
+                self.apply_firewall().await;
+            }
+            Event::Down(o) | Event::Discarded(o) => {
+                self.workers.remove(&container_id);
+                self.release(&o);
+                if self
+                    .owned
+                    .get(&o.assignment_id)
+                    .is_some_and(|k| k.container_id == o.container_id)
+                {
+                    self.owned.remove(&o.assignment_id);
+                }
+                let desired = self.desired().unwrap_or_default();
+                let mut batch = Vec::new();
+                match desired.get(&o.assignment_id) {
+                    // Listed but not RUN: STOPPED, after stop and remove.
+                    Some((a, _)) if a.desired != AssignmentDesired::Run as i32 => batch.push(
+                        Observation::new(&o.assignment_id, State::Stopped)
+                            .container(&o.container_id),
+                    ),
+                    Some(_) => {}
+                    None => {
+                        if !self
+                            .workers
+                            .values()
+                            .any(|w| w.assignment_id == o.assignment_id)
+                        {
+                            self.board.forget(&o.assignment_id);
+                        }
+                    }
+                }
+                // The scope may be free for its new instances now.
+                self.start_runs(&desired, &mut batch);
+                self.board.emit(batch);
+                self.apply_firewall().await;
+                self.sync_networks_with(&desired).await;
+            }
+            Event::StopFailed { owned, error } => {
+                self.workers.remove(&container_id);
+                tracing::debug!(container = %owned.container_id, %error, "removal left for the next pass");
+            }
         }
-
-        // One batch for the pass, before health registration (E-11).
-        self.drain_reports();
-        self.emit(batch);
-        self.wire_health(&desired);
-        self.apply_firewall().await;
-        self.sync_networks_with(&desired).await;
         self.publish_status();
     }
 
@@ -531,21 +603,6 @@ impl Executor {
         })
     }
 
-    /// Removes a container that cannot be restarted (its rootfs or record is
-    /// damaged), so that the next RUN pass creates it afresh.
-    async fn discard(&mut self, o: &OwnedContainer) {
-        match instance::tear_down(&self.h, o).await {
-            Ok(()) => {
-                self.release(o);
-                self.owned.remove(&o.assignment_id);
-                self.monitors.remove(&o.assignment_id);
-            }
-            Err(e) => {
-                tracing::warn!(container = %o.container_id, error = %e, "could not remove a broken container");
-            }
-        }
-    }
-
     /// Holds every host port a container publishes (its record, at start).
     fn hold_ports(&mut self, o: &OwnedContainer) -> Result<(), zattera_netns::Error> {
         for (i, p) in o.ports.iter().enumerate() {
@@ -573,150 +630,6 @@ impl Executor {
         }
     }
 
-    /// L-1: inspect every owned container; restart crashed services with
-    /// back-off (C-13), report jobs' exits (L-5).
-    async fn liveness(&mut self) {
-        let mut batch = Vec::new();
-        let owned: Vec<OwnedContainer> = self.owned.values().cloned().collect();
-        for o in owned {
-            let state = match containers::task_state(&self.h.ctd, &o.container_id).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::debug!(container = %o.container_id, error = %e, "inspect failed; skipped");
-                    continue;
-                }
-            };
-            let id = o.assignment_id.clone();
-            let record = self.records.entry(id.clone()).or_default();
-            match state {
-                TaskState::Running { .. } | TaskState::Paused => {
-                    record.crash = None;
-                    let current = record.observation.as_ref().map(|obs| obs.state);
-                    if !matches!(current, Some(State::Healthy | State::Unhealthy)) {
-                        batch.push(running(&o));
-                    }
-                }
-                TaskState::Stopped { exit_code: code } if !o.restart => {
-                    let obs = if code == 0 {
-                        Observation::new(&id, State::Stopped).container(&o.container_id)
-                    } else {
-                        let mut f = Observation::new(&id, State::Failed)
-                            .container(&o.container_id)
-                            .message(format!("exited with code {code}"));
-                        f.exit_code = i32::try_from(code).ok();
-                        f
-                    };
-                    if o.exit_code.is_none() {
-                        let labels =
-                            HashMap::from([(labels::EXIT_CODE.to_owned(), code.to_string())]);
-                        let _ = containers::add_labels(&self.h.ctd, &o.container_id, labels).await;
-                    }
-                    batch.push(obs);
-                }
-                TaskState::Stopped { exit_code } => {
-                    let now = Instant::now();
-                    let crash = *record.crash.get_or_insert_with(|| {
-                        let ran = record.started_at.map_or(Duration::ZERO, |s| now.duration_since(s));
-                        let delay = backoff::next_delay(record.last_delay, ran);
-                        record.last_delay = Some(delay);
-                        tracing::info!(container = %o.container_id, exit_code, ?delay, "service exited; restarting after back-off");
-                        Crash { due: now + delay, exit_code }
-                    });
-                    if now >= crash.due {
-                        match instance::restart(&self.h, &o).await {
-                            Ok(()) => {
-                                let record = self.records.entry(id.clone()).or_default();
-                                record.crash = None;
-                                record.restarts += 1;
-                                record.started_at = Some(Instant::now());
-                                batch.push(running(&o));
-                                continue;
-                            }
-                            Err(e) => {
-                                tracing::warn!(container = %o.container_id, error = %e.0, "restart failed; re-creating the container");
-                                self.discard(&o).await;
-                            }
-                        }
-                    }
-                    let mut f = Observation::new(&id, State::Failed)
-                        .container(&o.container_id)
-                        .message(format!("crash-looping: last exit code {}", crash.exit_code));
-                    f.exit_code = i32::try_from(crash.exit_code).ok();
-                    batch.push(f);
-                }
-                TaskState::Absent | TaskState::Created => {
-                    // Lost (reboot) or never started: bring the task back now.
-                    if let Err(e) = instance::restart(&self.h, &o).await {
-                        tracing::warn!(container = %o.container_id, error = %e.0, "could not start a missing task; re-creating the container");
-                        self.discard(&o).await;
-                    }
-                }
-            }
-        }
-        self.emit(batch);
-        self.publish_status();
-    }
-
-    fn apply_health(&mut self, update: &HealthUpdate) {
-        if !self.owned.contains_key(&update.assignment_id) {
-            return;
-        }
-        let mut obs =
-            Observation::new(&update.assignment_id, update.state).container(&update.container_id);
-        obs.restarts = self
-            .records
-            .get(&update.assignment_id)
-            .map_or(0, |r| r.restarts);
-        if let Some(o) = self.owned.get(&update.assignment_id) {
-            obs.ports = port_bindings(o);
-        }
-        self.emit(vec![obs]);
-        self.update_dns_table();
-        self.publish_status();
-    }
-
-    /// E-13: prune monitors of what is not live, ensure one for what is.
-    fn wire_health(&mut self, desired: &BTreeMap<String, (Assignment, Option<AssignmentRuntime>)>) {
-        self.monitors.retain(|id, m| {
-            self.owned
-                .get(id)
-                .is_some_and(|o| o.container_id == m.container_id)
-        });
-        for (id, o) in &self.owned {
-            if self.monitors.contains_key(id) {
-                continue;
-            }
-            let spec = desired
-                .get(id)
-                .and_then(|(_, rt)| rt.as_ref())
-                .and_then(|rt| rt.spec.as_ref());
-            let record = self.records.entry(id.clone()).or_default();
-            let Some((probe, timing)) = health::resolve(spec, o.ip, &o.container_id) else {
-                if !record.health_warned {
-                    tracing::warn!(assignment = %id, "health check target not resolvable yet (no IP or port)");
-                    record.health_warned = true;
-                }
-                continue;
-            };
-            record.health_warned = false;
-            let ctx = ExecContext {
-                ctd: self.h.ctd.clone(),
-                fifo_dir: self.h.cfg.run_dir.join("exec"),
-            };
-            let monitor = health::spawn(
-                id.clone(),
-                o.container_id.clone(),
-                probe,
-                timing,
-                ctx,
-                self.health_tx.clone(),
-            );
-            self.monitors.insert(id.clone(), monitor);
-        }
-    }
-
-    /// The whole rule set, from the owned containers (published ports) and
-    /// the networks in use.
     /// Only ports we hold are published; once the rules are in place, the
     /// sockets of the ports they no longer use are closed.
     async fn apply_firewall(&mut self) {
@@ -750,6 +663,12 @@ impl Executor {
         for o in self.owned.values() {
             if let Some(s) = o.subnet {
                 in_use.insert(s, (o.project_id.clone(), o.environment_name.clone()));
+            }
+        }
+        // A bring-up in flight uses its network already.
+        for w in self.workers.values().filter(|w| w.phase == Phase::Starting) {
+            if let Some((s, project, env)) = &w.network {
+                in_use.insert(*s, (project.clone(), env.clone()));
             }
         }
         for (a, rt) in desired.values() {
@@ -809,12 +728,7 @@ impl Executor {
         let healthy: Vec<LocalInstance> = self
             .owned
             .values()
-            .filter(|o| {
-                self.records
-                    .get(&o.assignment_id)
-                    .and_then(|r| r.observation.as_ref())
-                    .is_some_and(|obs| obs.state == State::Healthy)
-            })
+            .filter(|o| self.board.is_healthy(&o.assignment_id))
             .filter_map(|o| {
                 Some(LocalInstance {
                     project_id: o.project_id.clone(),
@@ -828,55 +742,22 @@ impl Executor {
         dns.set_table(NameTable::from_instances(&healthy));
     }
 
-    fn drain_reports(&mut self) {
-        let mut early = Vec::new();
-        while let Ok(obs) = self.reports_rx.try_recv() {
-            early.push(obs);
-        }
-        for obs in early {
-            self.emit(vec![obs]);
-        }
-    }
-
-    /// Records observations and sends them as one batch.
-    fn emit(&mut self, batch: Vec<Observation>) {
-        if batch.is_empty() {
-            return;
-        }
-        for obs in &batch {
-            let record = self.records.entry(obs.assignment_id.clone()).or_default();
-            let mut obs = obs.clone();
-            obs.restarts = record.restarts;
-            // A HEALTHY or UNHEALTHY verdict is not overwritten by RUNNING (S-10).
-            let keep = obs.state == State::Running
-                && record.observation.as_ref().is_some_and(|prev| {
-                    matches!(prev.state, State::Healthy | State::Unhealthy)
-                        && prev.container_id == obs.container_id
-                });
-            if !keep {
-                record.observation = Some(obs);
-            }
-        }
-        if let Some(tx) = &self.batches {
-            let _ = tx.try_send(batch);
-        }
-        self.update_dns_table();
-    }
-
     fn publish_status(&self) {
         let desired = self.desired();
         let mut rows = Vec::new();
+        // Desired, kept, and still being removed.
         let ids: BTreeSet<String> = desired
             .as_ref()
             .map(|d| d.keys().cloned().collect::<BTreeSet<_>>())
             .unwrap_or_default()
             .into_iter()
             .chain(self.owned.keys().cloned())
+            .chain(self.workers.values().map(|w| w.assignment_id.clone()))
             .collect();
         for id in ids {
             let a = desired.as_ref().and_then(|d| d.get(&id)).map(|(a, _)| a);
             let o = self.owned.get(&id);
-            let obs = self.records.get(&id).and_then(|r| r.observation.as_ref());
+            let obs = self.board.observation(&id);
             rows.push(AssignmentStatus {
                 id: id.clone(),
                 project: a
@@ -901,7 +782,7 @@ impl Executor {
                     .map(|ip| ip.to_string())
                     .unwrap_or_default(),
                 ports: o.map(port_bindings).unwrap_or_default(),
-                restarts: self.records.get(&id).map_or(0, |r| r.restarts),
+                restarts: obs.map_or(0, |obs| obs.restarts),
                 message: obs.map(|obs| obs.message.clone()).unwrap_or_default(),
             });
         }
@@ -980,18 +861,12 @@ impl PlanError {
 }
 
 /// E-12: port name → host port, skipping unnamed or unpublished ports.
-fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
+pub(super) fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
     o.ports
         .iter()
         .filter(|p| !p.name.is_empty() && p.port.host_port > 0)
         .map(|p| (p.name.clone(), p.port.host_port))
         .collect()
-}
-
-fn running(o: &OwnedContainer) -> Observation {
-    let mut obs = Observation::new(&o.assignment_id, State::Running).container(&o.container_id);
-    obs.ports = port_bindings(o);
-    obs
 }
 
 /// E-10: the reason a stateful assignment must wait, if it must.

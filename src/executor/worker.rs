@@ -1,0 +1,513 @@
+//! One worker per container, the way kubelet runs one pod worker per pod: it
+//! owns that container's bring-up, its supervision (exits, crash back-off,
+//! the health monitor) and its teardown, and reports back to the executor
+//! loop, which owns everything shared (IPAM, host ports, firewall, networks,
+//! DNS, the status board). The loop never waits on a container: a stalled
+//! pull or a long stop grace holds only its own worker.
+//!
+//! A worker starts with what it is for ([`Start`]) and afterwards takes only
+//! [`Cmd`]s: a later desire for another config is another container, hence
+//! another worker; `Stop` is final.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{Semaphore, mpsc};
+
+use super::backoff;
+use super::instance::{self, Failure, Handles, Plan};
+use super::labels::{self, OwnedContainer};
+use super::status::{Observation, State};
+use crate::health::{self, ExecContext, HealthUpdate, Monitor};
+use crate::proto::v1::ServiceSpec;
+use crate::runtime::containers::{self, TaskState};
+
+/// The slow liveness poll; exits are also routed in as they happen.
+const POLL: Duration = Duration::from_secs(5);
+
+/// What a worker is spawned for.
+#[derive(Debug)]
+pub(super) enum Start {
+    /// Bring up a planned instance, then supervise it.
+    Run(Box<Plan>),
+    /// Supervise a container that already exists (adopted at start, or
+    /// found by a pass), restarting a lost task at once (C-13).
+    Adopt(OwnedContainer),
+    /// Only remove it (a stale hash, a duplicate, an undesired one).
+    Remove(OwnedContainer),
+}
+
+/// What the loop tells a running worker.
+#[derive(Debug)]
+pub(super) enum Cmd {
+    /// Stop and remove the container; the worker ends with `Down`.
+    Stop,
+    /// The task's init process exited (from containerd's event stream).
+    Exited,
+    /// The service's current spec: a monitor is started if there is none.
+    Spec(Option<Box<ServiceSpec>>),
+    /// Forget the container without touching it (it is gone already).
+    Forget,
+}
+
+/// What a worker tells the loop, for its container.
+#[derive(Debug)]
+pub(super) enum Event {
+    Observed(Observation),
+    /// Created and started (Run), or adopted and running or restarted.
+    Up(OwnedContainer),
+    /// Bring-up failed; nothing it made is left behind.
+    Failed {
+        plan: Box<Plan>,
+        failure: Failure,
+    },
+    /// Stopped and removed.
+    Down(OwnedContainer),
+    /// Removal failed; the container is left as it is (the next pass asks
+    /// again).
+    StopFailed {
+        owned: OwnedContainer,
+        error: String,
+    },
+    /// It could not be restarted (damaged rootfs or record) and was removed,
+    /// so that the next pass makes it afresh.
+    Discarded(OwnedContainer),
+}
+
+#[derive(Debug)]
+pub(super) struct Report {
+    pub container_id: String,
+    pub event: Event,
+}
+
+/// What every worker shares.
+#[derive(Debug, Clone)]
+pub(super) struct Ctx {
+    pub h: Handles,
+    /// Bring-ups and removals running at once.
+    pub slots: Arc<Semaphore>,
+    pub reports: mpsc::UnboundedSender<Report>,
+}
+
+/// Where the loop is with a worker (it learns it from the reports).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Phase {
+    Starting,
+    Up,
+    Stopping,
+}
+
+/// The loop's handle on one worker.
+#[derive(Debug)]
+pub(super) struct Worker {
+    pub assignment_id: String,
+    /// `network_name` of its project and environment: STOP before RUN
+    /// holds per scope.
+    pub scope: String,
+    /// Its network (subnet, project id, environment name): in use while it
+    /// comes up, before the loop keeps its container.
+    pub network: Option<(zattera_netns::Subnet, String, String)>,
+    pub phase: Phase,
+    /// Whether the worker was given its service spec (for the monitor).
+    pub has_spec: bool,
+    cmds: mpsc::UnboundedSender<Cmd>,
+}
+
+impl Worker {
+    /// Spawns the worker for `container_id`.
+    pub fn spawn(
+        ctx: Ctx,
+        container_id: String,
+        assignment_id: String,
+        scope: String,
+        start: Start,
+        spec: Option<ServiceSpec>,
+    ) -> Self {
+        let phase = match start {
+            Start::Run(_) => Phase::Starting,
+            Start::Adopt(_) => Phase::Up,
+            Start::Remove(_) => Phase::Stopping,
+        };
+        let network = match &start {
+            Start::Run(p) => p.subnet.map(|s| {
+                (
+                    s,
+                    p.assignment.project_id.clone(),
+                    p.environment_name().to_owned(),
+                )
+            }),
+            Start::Adopt(o) | Start::Remove(o) => o
+                .subnet
+                .map(|s| (s, o.project_id.clone(), o.environment_name.clone())),
+        };
+        let has_spec = spec.is_some();
+        let (cmds, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(ctx, container_id, start, spec, rx));
+        Self {
+            assignment_id,
+            scope,
+            network,
+            phase,
+            has_spec,
+            cmds,
+        }
+    }
+
+    pub fn send(&self, cmd: Cmd) {
+        let _ = self.cmds.send(cmd);
+    }
+
+    /// Asks the worker to stop and remove its container (once).
+    pub fn stop(&mut self) {
+        if self.phase != Phase::Stopping {
+            self.phase = Phase::Stopping;
+            self.send(Cmd::Stop);
+        }
+    }
+}
+
+async fn run(
+    ctx: Ctx,
+    container_id: String,
+    start: Start,
+    spec: Option<ServiceSpec>,
+    mut cmds: mpsc::UnboundedReceiver<Cmd>,
+) {
+    let report = |event| {
+        let _ = ctx.reports.send(Report {
+            container_id: container_id.clone(),
+            event,
+        });
+    };
+    match start {
+        Start::Run(plan) => {
+            let result = {
+                let _slot = ctx.slots.acquire().await;
+                instance::bring_up(&ctx.h, &plan).await
+            };
+            match result {
+                Ok(owned) => {
+                    report(Event::Up(owned.clone()));
+                    let mut s = Supervisor::new(&ctx, owned, spec);
+                    s.report_running();
+                    s.start_monitor();
+                    s.supervise(&mut cmds).await;
+                }
+                Err(failure) => report(Event::Failed { plan, failure }),
+            }
+        }
+        Start::Adopt(owned) => {
+            let mut s = Supervisor::new(&ctx, owned, spec);
+            if s.adopt().await {
+                s.supervise(&mut cmds).await;
+            }
+        }
+        Start::Remove(owned) => remove(&ctx, owned).await,
+    }
+}
+
+/// Stops and removes `owned`, reporting `Down` or `StopFailed`.
+async fn remove(ctx: &Ctx, owned: OwnedContainer) {
+    let result = {
+        let _slot = ctx.slots.acquire().await;
+        instance::tear_down(&ctx.h, &owned).await
+    };
+    let container_id = owned.container_id.clone();
+    let event = match result {
+        Ok(()) => Event::Down(owned),
+        Err(error) => {
+            tracing::warn!(container = %container_id, %error, "removal failed; retried next pass");
+            Event::StopFailed { owned, error }
+        }
+    };
+    let _ = ctx.reports.send(Report {
+        container_id,
+        event,
+    });
+}
+
+/// A service that exited and waits for its back-off to end.
+#[derive(Debug, Clone, Copy)]
+struct Crash {
+    due: Instant,
+    exit_code: u32,
+}
+
+/// The supervision of one running container.
+struct Supervisor<'a> {
+    ctx: &'a Ctx,
+    owned: OwnedContainer,
+    spec: Option<ServiceSpec>,
+    monitor: Option<Monitor>,
+    health_tx: mpsc::Sender<HealthUpdate>,
+    health_rx: mpsc::Receiver<HealthUpdate>,
+    /// The monitor's last verdict for the current task (HEALTHY or
+    /// UNHEALTHY); the poll's RUNNING does not replace it.
+    verdict: Option<State>,
+    crash: Option<Crash>,
+    last_delay: Option<Duration>,
+    started_at: Instant,
+    restarts: u32,
+    health_warned: bool,
+}
+
+impl<'a> Supervisor<'a> {
+    fn new(ctx: &'a Ctx, owned: OwnedContainer, spec: Option<ServiceSpec>) -> Self {
+        let (health_tx, health_rx) = mpsc::channel(8);
+        Self {
+            ctx,
+            owned,
+            spec,
+            monitor: None,
+            health_tx,
+            health_rx,
+            verdict: None,
+            crash: None,
+            last_delay: None,
+            started_at: Instant::now(),
+            restarts: 0,
+            health_warned: false,
+        }
+    }
+
+    fn report(&self, event: Event) {
+        let _ = self.ctx.reports.send(Report {
+            container_id: self.owned.container_id.clone(),
+            event,
+        });
+    }
+
+    fn observe(&self, state: State) -> Observation {
+        let mut obs =
+            Observation::new(&self.owned.assignment_id, state).container(&self.owned.container_id);
+        obs.ports = super::port_bindings(&self.owned);
+        obs.restarts = self.restarts;
+        obs
+    }
+
+    fn report_running(&self) {
+        self.report(Event::Observed(self.observe(State::Running)));
+    }
+
+    /// A fresh monitor (H-1) for the current task: a restarted instance is
+    /// judged anew, so HEALTHY comes back after a crash loop (L-3, X-8).
+    fn start_monitor(&mut self) {
+        self.monitor = None;
+        self.verdict = None;
+        // Updates of the monitor just dropped may still be queued.
+        while self.health_rx.try_recv().is_ok() {}
+        let Some((probe, timing)) =
+            health::resolve(self.spec.as_ref(), self.owned.ip, &self.owned.container_id)
+        else {
+            if self.spec.is_some() && !self.health_warned {
+                tracing::warn!(assignment = %self.owned.assignment_id, "health check target not resolvable (no IP or port)");
+                self.health_warned = true;
+            }
+            return;
+        };
+        let exec = ExecContext {
+            ctd: self.ctx.h.ctd.clone(),
+            fifo_dir: self.ctx.h.cfg.run_dir.join("exec"),
+        };
+        self.monitor = Some(health::spawn(
+            self.owned.assignment_id.clone(),
+            self.owned.container_id.clone(),
+            probe,
+            timing,
+            exec,
+            self.health_tx.clone(),
+        ));
+    }
+
+    /// An adopted container: running as it is, or its lost task started
+    /// again now (a reboot, C-13). `false` when it had to be discarded.
+    async fn adopt(&mut self) -> bool {
+        self.report(Event::Up(self.owned.clone()));
+        match containers::task_state(&self.ctx.h.ctd, &self.owned.container_id).await {
+            Ok(TaskState::Running { .. } | TaskState::Paused) => {
+                self.report_running();
+                self.start_monitor();
+                true
+            }
+            Ok(TaskState::Stopped { .. } | TaskState::Absent | TaskState::Created)
+                if self.owned.restart && self.owned.exit_code.is_none() =>
+            {
+                match instance::restart(&self.ctx.h, &self.owned).await {
+                    Ok(()) => {
+                        tracing::info!(container = %self.owned.container_id, "restarted a task lost while the agent was down");
+                        self.started_at = Instant::now();
+                        self.report_running();
+                        self.start_monitor();
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(container = %self.owned.container_id, error = %e.0, "could not restart at boot; re-creating the container");
+                        self.discard().await;
+                        false
+                    }
+                }
+            }
+            // A job that ran (the poll reports it), or an unknown state.
+            Ok(_) | Err(_) => true,
+        }
+    }
+
+    async fn supervise(&mut self, cmds: &mut mpsc::UnboundedReceiver<Cmd>) {
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll.tick().await;
+        loop {
+            let due = self.crash.map(|c| tokio::time::Instant::from_std(c.due));
+            tokio::select! {
+                cmd = cmds.recv() => match cmd {
+                    None | Some(Cmd::Forget) => return,
+                    Some(Cmd::Stop) => {
+                        self.monitor = None;
+                        remove(self.ctx, self.owned.clone()).await;
+                        return;
+                    }
+                    Some(Cmd::Exited) => {
+                        if !self.check().await {
+                            return;
+                        }
+                    }
+                    Some(Cmd::Spec(spec)) => {
+                        self.spec = spec.map(|s| *s);
+                        if self.monitor.is_none() {
+                            self.start_monitor();
+                        }
+                    }
+                },
+                Some(update) = self.health_rx.recv() => {
+                    // Only the current task's monitor speaks.
+                    if update.container_id == self.owned.container_id {
+                        self.verdict = Some(update.state);
+                        self.report(Event::Observed(self.observe(update.state)));
+                    }
+                }
+                _ = poll.tick() => {
+                    if !self.check().await {
+                        return;
+                    }
+                }
+                () = sleep_until(due), if due.is_some() => {
+                    if !self.check().await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// L-1 for this container: the poll's report, a crash's back-off and
+    /// restart (C-13), a job's exit (L-5). `false` when the worker is done.
+    async fn check(&mut self) -> bool {
+        let state = match containers::task_state(&self.ctx.h.ctd, &self.owned.container_id).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(container = %self.owned.container_id, error = %e, "inspect failed; skipped");
+                return true;
+            }
+        };
+        match state {
+            TaskState::Running { .. } | TaskState::Paused => {
+                self.crash = None;
+                // RUNNING with its bindings on every poll; a verdict stays.
+                match self.verdict {
+                    Some(v) => self.report(Event::Observed(self.observe(v))),
+                    None => self.report_running(),
+                }
+            }
+            TaskState::Stopped { exit_code } if !self.owned.restart => {
+                let obs = if exit_code == 0 {
+                    self.observe(State::Stopped)
+                } else {
+                    let mut f = self
+                        .observe(State::Failed)
+                        .message(format!("exited with code {exit_code}"));
+                    f.exit_code = i32::try_from(exit_code).ok();
+                    f
+                };
+                if self.owned.exit_code.is_none() {
+                    let labels = std::collections::HashMap::from([(
+                        labels::EXIT_CODE.to_owned(),
+                        exit_code.to_string(),
+                    )]);
+                    let _ =
+                        containers::add_labels(&self.ctx.h.ctd, &self.owned.container_id, labels)
+                            .await;
+                    self.owned.exit_code = Some(exit_code);
+                    self.monitor = None;
+                }
+                self.report(Event::Observed(obs));
+            }
+            TaskState::Stopped { exit_code } => {
+                let now = Instant::now();
+                if self.crash.is_none() {
+                    let delay = backoff::next_delay(self.last_delay, now - self.started_at);
+                    self.last_delay = Some(delay);
+                    self.monitor = None;
+                    tracing::info!(container = %self.owned.container_id, exit_code, ?delay, "service exited; restarting after back-off");
+                    self.crash = Some(Crash {
+                        due: now + delay,
+                        exit_code,
+                    });
+                }
+                let Some(crash) = self.crash else { return true };
+                if now >= crash.due {
+                    return self.restart().await;
+                }
+                let mut f = self
+                    .observe(State::Failed)
+                    .message(format!("crash-looping: last exit code {}", crash.exit_code));
+                f.exit_code = i32::try_from(crash.exit_code).ok();
+                self.report(Event::Observed(f));
+            }
+            // Lost (reboot) or never started: bring the task back now.
+            TaskState::Absent | TaskState::Created => return self.restart().await,
+        }
+        true
+    }
+
+    async fn restart(&mut self) -> bool {
+        match instance::restart(&self.ctx.h, &self.owned).await {
+            Ok(()) => {
+                self.crash = None;
+                self.restarts += 1;
+                self.started_at = Instant::now();
+                self.report_running();
+                self.start_monitor();
+                true
+            }
+            Err(e) => {
+                tracing::warn!(container = %self.owned.container_id, error = %e.0, "restart failed; re-creating the container");
+                self.discard().await;
+                false
+            }
+        }
+    }
+
+    /// Removes a container that cannot be restarted, so that it is made
+    /// afresh.
+    async fn discard(&mut self) {
+        self.monitor = None;
+        let result = {
+            let _slot = self.ctx.slots.acquire().await;
+            instance::tear_down(&self.ctx.h, &self.owned).await
+        };
+        match result {
+            Ok(()) => self.report(Event::Discarded(self.owned.clone())),
+            Err(error) => self.report(Event::StopFailed {
+                owned: self.owned.clone(),
+                error,
+            }),
+        }
+    }
+}
+
+async fn sleep_until(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
