@@ -16,5 +16,6 @@ pub mod logshim;
 pub mod metrics;
 pub mod proto;
 pub mod runtime;
+pub mod snapshot;
 pub mod source;
 pub mod volumes;
