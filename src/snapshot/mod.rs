@@ -421,14 +421,20 @@ impl Engine {
         let data_key = Arc::clone(&self.key);
         tokio::task::spawn_blocking(move || {
             let limit = usize::try_from(c.size).unwrap_or(usize::MAX);
-            let plain =
-                data_key
-                    .open_object(&sealed, limit)
-                    .map_err(|source| SnapshotError::Open {
+            let plain = match data_key.open_object(&sealed, limit) {
+                Ok(p) => p,
+                // Longer than the manifest says: another chunk's object.
+                Err(seal::SealError::TooLong(_)) => {
+                    return Err(SnapshotError::HashMismatch { hash: c.hash });
+                }
+                Err(source) => {
+                    return Err(SnapshotError::Open {
                         what: "chunk",
                         key: full,
                         source,
-                    })?;
+                    });
+                }
+            };
             let digest = hex::encode(Sha256::digest(&plain));
             if digest != c.hash || plain.len() as u64 != c.size {
                 return Err(SnapshotError::HashMismatch { hash: c.hash });

@@ -309,7 +309,12 @@ impl Store {
         let name = self.bucket.name().to_owned();
         self.retried("CREATE BUCKET", &name, || async {
             let url = self.bucket.create_bucket(&self.creds).sign(SIGNED_FOR);
-            match self.http.put(url).send().await {
+            let put = self
+                .http
+                .put(url)
+                .header("content-length", "0")
+                .body(Vec::new());
+            match put.send().await {
                 Err(e) => Attempt::Retry(transport(&e)),
                 Ok(r) if r.status().is_success() => Attempt::Done(()),
                 Ok(r) => {
