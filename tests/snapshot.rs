@@ -955,3 +955,68 @@ async fn snapshots_cross_between_this_agent_and_an_independent_writer() {
     })
     .await;
 }
+
+/// The operators' CLI: `volume snapshot`, `ls` and `restore` against the
+/// same server, with the target from a file, no control plane.
+#[tokio::test]
+async fn the_cli_saves_and_brings_back_a_directory() {
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let bucket = format!("zt-cli-{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    rich_tree(&src);
+    std::fs::write(dir.path().join("key"), hex::encode(KEY)).unwrap();
+    let target = dir.path().join("target.toml");
+    std::fs::write(
+        &target,
+        format!(
+            "endpoint = {endpoint:?}\nbucket = {bucket:?}\nprefix = \"dr\"\naccess_key = \"a\"\n\
+             secret_key = \"s\"\ndata_key_file = {:?}\n",
+            dir.path().join("key")
+        ),
+    )
+    .unwrap();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_zattera-agent"))
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(args)
+            .arg("--target")
+            .arg(&target)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let src_arg = src.to_str().unwrap();
+    let said = cli(&[
+        "volume",
+        "snapshot",
+        "--path",
+        src_arg,
+        "--id",
+        "dr-1",
+        "--create-bucket",
+    ]);
+    assert!(said.starts_with("snapshot dr-1:"), "{said}");
+    assert!(cli(&["volume", "ls"]).contains("dr-1"));
+    let dst = dir.path().join("restored");
+    let dst_arg = dst.to_str().unwrap();
+    cli(&[
+        "volume",
+        "restore",
+        "--path",
+        dst_arg,
+        "--snapshot",
+        "dr-1",
+        "--force",
+    ]);
+    assert_same_tree(&src, &dst);
+}
