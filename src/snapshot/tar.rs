@@ -763,6 +763,112 @@ mod tests {
         drop(a.entries());
     }
 
+    /// The tree of tests/data/tar/reference.tar: every type the reference
+    /// writes (no hard links, no sockets), long and non-ASCII names,
+    /// setuid, a nameless owner, fixed mtimes.
+    fn go_tree(r: &Path) {
+        use std::os::unix::fs::{PermissionsExt, symlink};
+        let long_dir = format!("{}/{}", "p".repeat(60), "q".repeat(60));
+        for d in ["a", "a/b", "private", &long_dir] {
+            std::fs::create_dir_all(r.join(d)).unwrap();
+        }
+        let files: [(&str, &[u8], u32); 7] = [
+            ("a.txt", b"hello\n", 0o644),
+            ("a/b/data", &[7u8; 1000], 0o600),
+            ("empty", b"", 0o644),
+            ("suid", b"#!/bin/sh\n", 0o4755),
+            ("h\u{e9}llo.txt", b"unicode", 0o644),
+            ("private/owned", b"x", 0o640),
+            ("a/b/c", b"y", 0o644),
+        ];
+        for (name, data, mode) in files {
+            std::fs::write(r.join(name), data).unwrap();
+            std::fs::set_permissions(r.join(name), std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        std::fs::write(r.join(&long_dir).join("f"), "long").unwrap();
+        std::fs::write(r.join("a").join("x".repeat(120)), "pax").unwrap();
+        symlink("a.txt", r.join("link")).unwrap();
+        symlink("x".repeat(110), r.join("longlink")).unwrap();
+        for (name, kind, mode, dev) in [
+            ("fifo", FileType::Fifo, 0o644, (0, 0)),
+            ("null", FileType::CharacterDevice, 0o666, (1, 3)),
+        ] {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &r.join(name),
+                kind,
+                Mode::from_raw_mode(mode),
+                rustix::fs::makedev(dev.0, dev.1),
+            )
+            .unwrap();
+        }
+        std::fs::set_permissions(r.join("private"), std::fs::Permissions::from_mode(0o700))
+            .unwrap();
+        let mut all = Vec::new();
+        let mut stack = vec![r.to_owned()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() && !p.is_symlink() {
+                    stack.push(p.clone());
+                }
+                all.push(p);
+            }
+        }
+        // Deepest first, so a directory's time is set after its children's.
+        all.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for p in all {
+            let owner = if p.ends_with("owned") { 1234 } else { 0 };
+            std::os::unix::fs::lchown(&p, Some(owner), Some(owner + 4444)).unwrap();
+            let t = rustix::fs::Timespec {
+                tv_sec: 1_700_000_000,
+                tv_nsec: 123,
+            };
+            rustix::fs::utimensat(
+                rustix::fs::CWD,
+                &p,
+                &rustix::fs::Timestamps {
+                    last_access: t,
+                    last_modification: t,
+                },
+                AtFlags::SYMLINK_NOFOLLOW,
+            )
+            .unwrap();
+        }
+        // chown cleared it.
+        std::fs::set_permissions(r.join("suid"), std::fs::Permissions::from_mode(0o4755)).unwrap();
+    }
+
+    /// Byte for byte what the reference's Go `archive/tar` writer makes of
+    /// the same tree (tests/data/tar/gen.go wrote reference.tar), so
+    /// unchanged data dedups against reference-made snapshots.
+    #[test]
+    fn the_tar_is_what_the_reference_writes() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("SKIPPED: needs root (owners, device nodes)");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let root = match std::env::var_os("ZT_KEEP_GO_TREE") {
+            Some(p) => std::path::PathBuf::from(p),
+            None => d.path().join("tree"),
+        };
+        std::fs::create_dir(&root).unwrap();
+        go_tree(&root);
+        let want = include_bytes!("../../tests/data/tar/reference.tar");
+        let (got, warnings) = tar_of(&root);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        let blocks = |t: &[u8]| t.chunks(BLOCK).map(<[u8]>::to_vec).collect::<Vec<_>>();
+        for (i, (g, w)) in blocks(&got).iter().zip(blocks(want)).enumerate() {
+            assert_eq!(
+                String::from_utf8_lossy(g),
+                String::from_utf8_lossy(&w),
+                "block {i}"
+            );
+        }
+        assert_eq!(got.len(), want.len());
+    }
+
     #[test]
     fn hard_links_are_links_and_sockets_are_skipped() {
         let d = tempfile::tempdir().unwrap();
