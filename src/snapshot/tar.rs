@@ -795,7 +795,7 @@ mod tests {
         ] {
             rustix::fs::mknodat(
                 rustix::fs::CWD,
-                &r.join(name),
+                r.join(name),
                 kind,
                 Mode::from_raw_mode(mode),
                 rustix::fs::makedev(dev.0, dev.1),
