@@ -70,10 +70,8 @@ access_key = "bench"
 secret_key = "bench-secret"
 data_key_file = "$work/key"
 TOML
-agent() {
-  "$AGENT" --data-dir "$work/agent-data" --containerd-address "$work/no-containerd.sock" \
-    volume "$@" --target "$work/agent.toml"
-}
+AGENT_GLOBAL=(--data-dir "$work/agent-data" --containerd-address "$work/no-containerd.sock")
+TARGET=(--target "$work/agent.toml")
 export RESTIC_REPOSITORY="s3:http://127.0.0.1:$PORT/bench-restic"
 export RESTIC_PASSWORD=bench AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench-secret
 export RESTIC_CACHE_DIR="$work/restic-cache"
@@ -81,10 +79,10 @@ export RESTIC_CACHE_DIR="$work/restic-cache"
 m() { "$VENV/bin/python" "$HERE/measure.py" "$work/results" "$@"; }
 stored() { "$VENV/bin/python" "$HERE/measure.py" --bucket-bytes "http://127.0.0.1:$PORT" "$1"; }
 
-m agent-first agent snapshot --path "$work/tree" --id first --create-bucket
+m agent-first "$AGENT" "${AGENT_GLOBAL[@]}" volume snapshot --path "$work/tree" --id first --create-bucket "${TARGET[@]}"
 AGENT_STORED=$(stored bench-agent)
-m agent-unchanged agent snapshot --path "$work/tree" --id second
-m agent-restore agent restore --path "$work/agent-out" --snapshot first --force
+m agent-unchanged "$AGENT" "${AGENT_GLOBAL[@]}" volume snapshot --path "$work/tree" --id second "${TARGET[@]}"
+m agent-restore "$AGENT" "${AGENT_GLOBAL[@]}" volume restore --path "$work/agent-out" --snapshot first --force "${TARGET[@]}"
 diff -r "$work/tree" "$work/agent-out" >/dev/null || { echo "agent restore differs" >&2; exit 1; }
 rm -rf "$work/agent-out"
 
