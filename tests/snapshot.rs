@@ -1020,3 +1020,68 @@ async fn the_cli_saves_and_brings_back_a_directory() {
     ]);
     assert_same_tree(&src, &dst);
 }
+
+/// An unchanged root is snapshot from its metadata: the last full walk's
+/// chunk list is reused when a scan finds every header, inode and
+/// nanosecond time equal, and the walk is old enough for ctime to be
+/// trusted. Any change, a same-size rewrite included, reads everything again.
+#[tokio::test]
+async fn an_unchanged_root_reuses_its_last_walk_and_a_change_does_not() {
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let bucket = bucket(&endpoint, "reuse").await;
+    let cache = tempfile::tempdir().unwrap();
+    let engine = Engine::new(&config(&endpoint, &bucket), &KEY)
+        .unwrap()
+        .with_params(chunker::Params::with(1024, 4096, 16384))
+        .with_cache(cache.path().to_owned());
+    let none: zattera_agent::snapshot::ProgressFn = Arc::new(|_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("vol");
+    std::fs::create_dir(&root).unwrap();
+    rich_tree(&root);
+    std::fs::remove_file(root.join("big.bin")).unwrap(); // small chunks: keep it quick
+    let snap = |id: &'static str| {
+        let (engine, root, none) = (&engine, &root, Arc::clone(&none));
+        async move { engine.snapshot(root, id, 1, none).await.unwrap() }
+    };
+    // Just written: its ctimes are too fresh to be trusted, so this walk
+    // is not remembered.
+    assert!(!snap("fresh").await.reused);
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let full = snap("full").await;
+    assert!(!full.reused);
+    let objects = engine.store().list("").await.unwrap().len();
+    let again = snap("again").await;
+    assert!(again.reused, "{again:?}");
+    assert_eq!(
+        (again.tar_bytes, again.chunks),
+        (full.tar_bytes, full.chunks)
+    );
+    assert_eq!(engine.store().list("").await.unwrap().len(), objects + 1);
+    let out = dir.path().join("out");
+    engine
+        .restore("again", &out, Arc::clone(&none))
+        .await
+        .unwrap();
+    assert_same_tree(&root, &out);
+
+    // A same-size rewrite keeping the mtime: only ctime tells.
+    let file = root.join("a/b/c");
+    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
+    let mut data = std::fs::read(&file).unwrap();
+    data[1000] ^= 0xff;
+    std::fs::write(&file, &data).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let changed = snap("changed").await;
+    assert!(!changed.reused && changed.new_chunks > 0, "{changed:?}");
+    let out2 = dir.path().join("out2");
+    engine.restore("changed", &out2, none).await.unwrap();
+    assert_eq!(std::fs::read(out2.join("a/b/c")).unwrap(), data);
+}

@@ -4,7 +4,10 @@
 # (mktree.py, TREE_MIB MiB, default 512) to the same S3 server, in one run:
 #
 #   first snapshot    agent: `volume snapshot --path TREE`;  restic: `backup TREE`
-#   unchanged         the same again, nothing changed in between
+#   unchanged         the same again, nothing changed in between (the agent
+#                     reuses its last walk when a metadata scan finds every
+#                     header, inode and ctime equal; restic skips files whose
+#                     size, mtime, ctime and inode match its parent snapshot)
 #   restore           agent: `volume restore`;  restic: `restore latest`
 #
 # Each step's wall time and peak RSS come from wait4(2) (measure.py); the
@@ -58,6 +61,10 @@ for _ in $(seq 1 100); do
 done
 
 python3 "$HERE/mktree.py" "$work/tree" "$TREE_MIB" >&2
+# The agent remembers a full walk only when its newest ctime is 2 s older
+# than the walk's start (file times come from a coarse clock); restic has no
+# such rule. A tree that has just been written is too fresh, so let it age.
+sleep 3
 TREE_BYTES=$(find "$work/tree" -type f -printf '%s\n' | awk '{s+=$1} END {print s}')
 FILES=$(find "$work/tree" -type f | wc -l)
 

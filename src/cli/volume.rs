@@ -280,7 +280,9 @@ pub async fn run(config: &Config, cmd: VolumeCommand) -> Result<()> {
             if !root.is_dir() {
                 bail!("{}: no such volume directory", root.display());
             }
-            let engine = target.engine()?;
+            let engine = target
+                .engine()?
+                .with_cache(config.data_dir.join("snapshot-cache"));
             if create_bucket {
                 engine.store().create_bucket().await?;
             }
@@ -297,12 +299,17 @@ pub async fn run(config: &Config, cmd: VolumeCommand) -> Result<()> {
             #[allow(clippy::cast_precision_loss)]
             let mib = |b: u64| b as f64 / 1_048_576.0;
             super::write_stdout(&format!(
-                "snapshot {}: {:.1} MiB, {:.1} MiB new ({} of {} chunks), {} warnings, {:.1} s\n",
+                "snapshot {}: {:.1} MiB, {:.1} MiB new ({} of {} chunks{}), {} warnings, {:.1} s\n",
                 out.manifest_key,
                 mib(out.tar_bytes),
                 mib(out.new_bytes),
                 out.new_chunks,
                 out.chunks,
+                if out.reused {
+                    "; unchanged, nothing read"
+                } else {
+                    ""
+                },
                 out.warnings,
                 started.elapsed().as_secs_f64()
             ))?;

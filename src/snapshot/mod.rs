@@ -114,6 +114,9 @@ pub struct SnapshotOutcome {
     pub chunks: usize,
     pub new_chunks: usize,
     pub warnings: u64,
+    /// Nothing changed since the last snapshot of this root to this
+    /// target: its chunk list was reused without reading a file.
+    pub reused: bool,
 }
 
 /// A finished restore.
@@ -129,6 +132,31 @@ pub struct Engine {
     store: Store,
     key: Arc<DataKey>,
     params: chunker::Params,
+    /// Where the last full walk of each root is remembered (see [`CacheEntry`]).
+    cache_dir: Option<PathBuf>,
+    /// Target and key, so a cache entry never crosses buckets or keys.
+    identity: String,
+}
+
+/// Changes this close to a full walk's start might not show in ctime yet
+/// (file times come from a coarse clock): such a walk is not remembered.
+const RACY_NS: i64 = 2_000_000_000;
+
+/// The last full snapshot of a root: if a metadata scan of the root gives
+/// the same fingerprint (every header, inode and nanosecond time equal),
+/// the deterministic tar, and so the chunk list, is the same.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct CacheEntry {
+    fingerprint: String,
+    manifest_id: String,
+    tar_bytes: u64,
+    chunks: Vec<ChunkRef>,
+}
+
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
 /// A snapshot ID is one object name segment.
@@ -144,11 +172,121 @@ fn check_id(id: &str) -> Result<(), SnapshotError> {
 impl Engine {
     pub fn new(target: &S3Config, data_key: &[u8]) -> Result<Self, SnapshotError> {
         let key = DataKey::new(data_key).map_err(SnapshotError::Key)?;
+        let store = Store::new(target)?;
+        let mut check = Sha256::new();
+        check.update(b"zattera snapshot cache key check\0");
+        check.update(data_key);
+        let identity = format!(
+            "{}\0{}",
+            store.location(),
+            hex::encode(&check.finalize()[..8])
+        );
         Ok(Self {
-            store: Store::new(target)?,
+            store,
             key: Arc::new(key),
             params: chunker::default_params(),
+            cache_dir: None,
+            identity,
         })
+    }
+
+    /// Remember full walks under `dir`, so an unchanged root is snapshot
+    /// from its metadata alone.
+    #[must_use]
+    pub fn with_cache(mut self, dir: PathBuf) -> Self {
+        self.cache_dir = Some(dir);
+        self
+    }
+
+    fn cache_path(&self, root: &Path) -> Option<PathBuf> {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = self.cache_dir.as_ref()?;
+        let mut h = Sha256::new();
+        h.update(self.identity.as_bytes());
+        h.update([0]);
+        h.update(root.as_os_str().as_bytes());
+        Some(dir.join(format!("{}.json", hex::encode(&h.finalize()[..16]))))
+    }
+
+    fn save_cache(&self, root: &Path, entry: Option<&CacheEntry>) {
+        let Some(path) = self.cache_path(root) else {
+            return;
+        };
+        let Some(entry) = entry else {
+            let _ = std::fs::remove_file(&path);
+            return;
+        };
+        let written = (|| {
+            std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, serde_json::to_vec(entry)?)?;
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = written {
+            tracing::warn!(path = %path.display(), error = %e, "snapshot cache not written");
+        }
+    }
+
+    /// The unchanged case: same fingerprint as the last full walk, and its
+    /// manifest (so its chunks) still in the bucket.
+    async fn unchanged(
+        &self,
+        root: &Path,
+        id: &str,
+        created_at_unix: i64,
+    ) -> Result<Option<SnapshotOutcome>, SnapshotError> {
+        let Some(path) = self.cache_path(root) else {
+            return Ok(None);
+        };
+        let Ok(text) = tokio::fs::read(&path).await else {
+            return Ok(None);
+        };
+        let Ok(mut entry) = serde_json::from_slice::<CacheEntry>(&text) else {
+            return Ok(None);
+        };
+        let scan_root = root.to_owned();
+        let scan = tokio::task::spawn_blocking(move || tar::scan_tree(&scan_root, &mut |_| {}))
+            .await
+            .map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        let Ok(scan) = scan else { return Ok(None) };
+        if scan.warnings > 0
+            || hex::encode(scan.fingerprint) != entry.fingerprint
+            || scan.bytes != entry.tar_bytes
+        {
+            return Ok(None);
+        }
+        if !self.store.has(&manifest_key(&entry.manifest_id)).await? {
+            return Ok(None);
+        }
+        let manifest = Manifest {
+            version: 1,
+            chunks: entry.chunks.clone(),
+            tar_bytes: entry.tar_bytes,
+            created_at_unix,
+        };
+        self.put_manifest(id, &manifest).await?;
+        entry.manifest_id = id.to_owned();
+        self.save_cache(root, Some(&entry));
+        Ok(Some(SnapshotOutcome {
+            manifest_key: id.to_owned(),
+            tar_bytes: entry.tar_bytes,
+            new_bytes: 0,
+            chunks: entry.chunks.len(),
+            new_chunks: 0,
+            warnings: 0,
+            reused: true,
+        }))
+    }
+
+    async fn put_manifest(&self, id: &str, manifest: &Manifest) -> Result<(), SnapshotError> {
+        let json =
+            serde_json::to_vec(manifest).map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        let key = Arc::clone(&self.key);
+        let sealed = tokio::task::spawn_blocking(move || key.seal_object(&json))
+            .await
+            .map_err(|e| SnapshotError::Internal(e.to_string()))?
+            .map_err(|e| SnapshotError::Internal(e.to_string()))?;
+        self.store.put(&manifest_key(id), Bytes::from(sealed)).await
     }
 
     /// Other chunk sizes (tests).
@@ -171,6 +309,10 @@ impl Engine {
         progress: ProgressFn,
     ) -> Result<SnapshotOutcome, SnapshotError> {
         check_id(id)?;
+        let started_ns = now_ns();
+        if let Some(out) = self.unchanged(root, id, created_at_unix).await? {
+            return Ok(out);
+        }
         let (tx, rx) = mpsc::channel::<Bytes>(QUEUE);
         let walk_root = root.to_owned();
         let params = self.params;
@@ -239,16 +381,16 @@ impl Engine {
             tar_bytes,
             created_at_unix,
         };
-        let json =
-            serde_json::to_vec(&manifest).map_err(|e| SnapshotError::Internal(e.to_string()))?;
-        let key = Arc::clone(&self.key);
-        let sealed = tokio::task::spawn_blocking(move || key.seal_object(&json))
-            .await
-            .map_err(|e| SnapshotError::Internal(e.to_string()))?
-            .map_err(|e| SnapshotError::Internal(e.to_string()))?;
-        self.store
-            .put(&manifest_key(id), Bytes::from(sealed))
-            .await?;
+        self.put_manifest(id, &manifest).await?;
+        let remember =
+            summary.warnings == 0 && summary.newest_ctime_ns < started_ns.saturating_sub(RACY_NS);
+        let entry = remember.then(|| CacheEntry {
+            fingerprint: hex::encode(summary.fingerprint),
+            manifest_id: id.to_owned(),
+            tar_bytes,
+            chunks: manifest.chunks.clone(),
+        });
+        self.save_cache(root, entry.as_ref());
         Ok(SnapshotOutcome {
             manifest_key: id.to_owned(),
             tar_bytes,
@@ -256,6 +398,7 @@ impl Engine {
             chunks: manifest.chunks.len(),
             new_chunks,
             warnings: summary.warnings,
+            reused: false,
         })
     }
 

@@ -129,6 +129,11 @@ impl Store {
         })
     }
 
+    /// The bucket's URL and the prefix: where this store's objects live.
+    pub fn location(&self) -> String {
+        format!("{}{}", self.bucket.base_url(), self.prefix)
+    }
+
     /// The full object key of `key` under the prefix.
     pub fn full_key(&self, key: &str) -> String {
         format!("{}{key}", self.prefix)

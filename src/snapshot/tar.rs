@@ -28,6 +28,7 @@ use std::path::Path;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
+use sha2::{Digest, Sha256};
 
 use super::error::SnapshotError;
 
@@ -40,6 +41,12 @@ pub struct TarSummary {
     pub bytes: u64,
     pub entries: u64,
     pub warnings: u64,
+    /// SHA-256 over every header written plus each entry's device, inode
+    /// and nanosecond mtime and ctime: two walks with the same fingerprint
+    /// and no change since the first one's start wrote the same tar.
+    pub fingerprint: [u8; 32],
+    /// The newest ctime seen, in nanoseconds since the epoch.
+    pub newest_ctime_ns: i64,
 }
 
 /// A tar header's fields, as Go's `tar.Header` holds them.
@@ -315,6 +322,9 @@ struct Writer<'w, W: Write> {
     links: HashMap<(u64, u64), Vec<u8>>,
     summary: TarSummary,
     buf: Vec<u8>,
+    fingerprint: Sha256,
+    /// Metadata only: headers are computed, no file is opened or read.
+    dry: bool,
 }
 
 impl<W: Write> Writer<'_, W> {
@@ -384,9 +394,31 @@ impl<W: Write> Writer<'_, W> {
         }
     }
 
-    fn emit(&mut self, h: &Header) -> Result<(), SnapshotError> {
+    fn emit(&mut self, h: &Header, st: &Stat) -> Result<(), SnapshotError> {
         let bytes = encode_header(h);
-        self.write(&bytes)?;
+        self.fingerprint.update(&bytes);
+        for v in [st.st_dev, st.st_ino] {
+            self.fingerprint.update(v.to_le_bytes());
+        }
+        let nsec = |n| i64::try_from(n).unwrap_or(0);
+        for v in [
+            st.st_mtime,
+            nsec(st.st_mtime_nsec),
+            st.st_ctime,
+            nsec(st.st_ctime_nsec),
+        ] {
+            self.fingerprint.update(v.to_le_bytes());
+        }
+        let ctime = st
+            .st_ctime
+            .saturating_mul(1_000_000_000)
+            .saturating_add(nsec(st.st_ctime_nsec));
+        self.summary.newest_ctime_ns = self.summary.newest_ctime_ns.max(ctime);
+        if self.dry {
+            self.summary.bytes += bytes.len() as u64;
+        } else {
+            self.write(&bytes)?;
+        }
         self.summary.entries += 1;
         Ok(())
     }
@@ -411,7 +443,7 @@ impl<W: Write> Writer<'_, W> {
         match FileType::from_raw_mode(st.st_mode) {
             FileType::Directory => {
                 let h = self.header_of(rel, &st, TYPE_DIR);
-                self.emit(&h)
+                self.emit(&h, &st)
             }
             FileType::Symlink => {
                 let target = match rustix::fs::readlinkat(dir, name, Vec::new()) {
@@ -427,20 +459,20 @@ impl<W: Write> Writer<'_, W> {
                 };
                 let mut h = self.header_of(rel, &st, TYPE_SYMLINK);
                 h.linkname = target;
-                self.emit(&h)
+                self.emit(&h, &st)
             }
             FileType::RegularFile => self.regular(dir, name, rel, &st),
             FileType::CharacterDevice => {
                 let h = self.header_of(rel, &st, TYPE_CHAR);
-                self.emit(&h)
+                self.emit(&h, &st)
             }
             FileType::BlockDevice => {
                 let h = self.header_of(rel, &st, TYPE_BLOCK);
-                self.emit(&h)
+                self.emit(&h, &st)
             }
             FileType::Fifo => {
                 let h = self.header_of(rel, &st, TYPE_FIFO);
-                self.emit(&h)
+                self.emit(&h, &st)
             }
             FileType::Socket | FileType::Unknown => {
                 self.warning(format!(
@@ -469,7 +501,18 @@ impl<W: Write> Writer<'_, W> {
         {
             let mut h = self.header_of(rel, st, TYPE_LINK);
             h.linkname = first;
-            return self.emit(&h);
+            return self.emit(&h, st);
+        }
+        if self.dry {
+            // The header the full walk makes from its fstat of the same inode.
+            if st.st_nlink > 1 {
+                self.links.insert((st.st_dev, st.st_ino), rel.to_vec());
+            }
+            let mut h = self.header_of(rel, st, TYPE_REG);
+            h.size = u64::try_from(st.st_size).unwrap_or(0);
+            self.emit(&h, st)?;
+            self.summary.bytes += h.size.next_multiple_of(BLOCK as u64);
+            return Ok(());
         }
         // Opened without following: a file swapped for a link since the
         // stat is skipped, never read through.
@@ -500,7 +543,7 @@ impl<W: Write> Writer<'_, W> {
         let mut h = self.header_of(rel, &st, TYPE_REG);
         let size = u64::try_from(st.st_size).unwrap_or(0);
         h.size = size;
-        self.emit(&h)?;
+        self.emit(&h, &st)?;
 
         let mut file = std::fs::File::from(fd);
         let mut left = size;
@@ -561,6 +604,21 @@ pub fn write_tree<W: Write>(
     out: &mut W,
     warn: &mut dyn FnMut(String),
 ) -> Result<TarSummary, SnapshotError> {
+    walk(root, out, warn, false)
+}
+
+/// The summary `write_tree` would give, from metadata alone: no file is
+/// opened or read.
+pub fn scan_tree(root: &Path, warn: &mut dyn FnMut(String)) -> Result<TarSummary, SnapshotError> {
+    walk(root, &mut std::io::sink(), warn, true)
+}
+
+fn walk<W: Write>(
+    root: &Path,
+    out: &mut W,
+    warn: &mut dyn FnMut(String),
+    dry: bool,
+) -> Result<TarSummary, SnapshotError> {
     let root_fd = rustix::fs::open(
         root,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -582,6 +640,8 @@ pub fn write_tree<W: Write>(
         links: HashMap::new(),
         summary: TarSummary::default(),
         buf: Vec::new(),
+        fingerprint: Sha256::new(),
+        dry,
     };
     let mut stack = vec![Level {
         fd: root_fd,
@@ -632,7 +692,12 @@ pub fn write_tree<W: Write>(
             }
         }
     }
-    w.write(&[0u8; 2 * BLOCK])?;
+    if dry {
+        w.summary.bytes += 2 * BLOCK as u64;
+    } else {
+        w.write(&[0u8; 2 * BLOCK])?;
+    }
+    w.summary.fingerprint = w.fingerprint.finalize().into();
     Ok(w.summary)
 }
 
@@ -674,6 +739,27 @@ mod tests {
         assert_eq!(names(&tar), ["B", "a/", "a-z", "a.txt", "a/b/", "a/b/c"]);
         assert_eq!(tar.len() % BLOCK, 0);
         assert_eq!(&tar[tar.len() - 1024..], &[0u8; 1024][..]);
+    }
+
+    #[test]
+    fn a_metadata_scan_predicts_the_walk() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("dir")).unwrap();
+        std::fs::write(d.path().join("dir/f"), vec![1u8; 1234]).unwrap();
+        std::fs::write(d.path().join("h"), "x").unwrap();
+        std::fs::hard_link(d.path().join("h"), d.path().join("h2")).unwrap();
+        std::os::unix::fs::symlink("h", d.path().join("l")).unwrap();
+        let mut out = Vec::new();
+        let full = write_tree(d.path(), &mut out, &mut |_| {}).unwrap();
+        let scan = scan_tree(d.path(), &mut |_| {}).unwrap();
+        assert_eq!(full, scan);
+        assert_eq!(scan.bytes, out.len() as u64);
+        std::fs::write(d.path().join("dir/f"), vec![2u8; 1234]).unwrap();
+        let after = scan_tree(d.path(), &mut |_| {}).unwrap();
+        assert_ne!(
+            after.fingerprint, scan.fingerprint,
+            "a rewrite changes ctime"
+        );
     }
 
     #[test]

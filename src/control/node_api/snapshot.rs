@@ -157,7 +157,7 @@ pub fn snapshot(node: &NodeContext, req: AgentSnapshotVolumeRequest) -> Out<Volu
                 }
             }
         }
-        let engine = engine(req.s3)?;
+        let engine = engine(req.s3)?.with_cache(node.data_dir.join("snapshot-cache"));
         let meta = req.snapshot.and_then(|s| s.meta).unwrap_or_default();
         let created = meta.created_at.map_or_else(
             || {
@@ -185,7 +185,7 @@ pub fn snapshot(node: &NodeContext, req: AgentSnapshotVolumeRequest) -> Out<Volu
         tracing::info!(
             volume = %name, snapshot = %out.manifest_key, tar_bytes = out.tar_bytes,
             new_bytes = out.new_bytes, chunks = out.chunks, new_chunks = out.new_chunks,
-            warnings = out.warnings, "volume snapshot done"
+            warnings = out.warnings, reused = out.reused, "volume snapshot done"
         );
         Ok(VolumeOpProgress {
             phase: "done".into(),
