@@ -4,6 +4,13 @@
 Writes, into OUT_DIR:
   busybox-oci.tar     an OCI image layout archive (index.json, blobs/sha256/...)
   busybox-docker.tar  the same image as a legacy `docker save` archive
+  busybox-multi-oci.tar, busybox-user-oci.tar   a two-platform index; User: app
+  tools-oci.tar       busybox plus /bin/ztprobe (scripts/testbin/ztprobe.c,
+                      built static by the rig; path in $ZTPROBE), for the
+                      security tests' hostile container
+  symlink-oci.tar     busybox plus a layer whose /data and /srv are symlinks
+                      onto host paths (/var/lib/zattera-rig/host-secret,
+                      /var/lib/zattera-rig): a hostile image for copy-up
 
 The output is byte-for-byte reproducible (fixed mtimes and ordering), so the
 image digest is stable across runs and machines with the same busybox build.
@@ -44,6 +51,45 @@ def add_link(tar, name, target):
     info.linkname = target
     info.mtime = MTIME
     tar.addfile(info)
+
+
+def tar_layer(entries):
+    """A layer from (kind, name, payload) entries: file, dir or link."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for kind, name, payload in entries:
+            {"file": lambda: add_file(tar, name, payload, 0o755),
+             "dir": lambda: add_dir(tar, name),
+             "link": lambda: add_link(tar, name, payload)}[kind]()
+    return buf.getvalue()
+
+
+def single_image(out_dir, file_name, ref, base_config, base_layers, extra_layer):
+    """An OCI archive of `ref`: the base layers plus one more."""
+    layers = list(base_layers) + [extra_layer]
+    gzs = [gzip.compress(l, compresslevel=6, mtime=MTIME) for l in layers]
+    cfg = json.loads(base_config)
+    cfg["rootfs"] = {"type": "layers", "diff_ids": [sha(l) for l in layers]}
+    config = canonical(cfg)
+    manifest = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": sha(config), "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": sha(g), "size": len(g)} for g in gzs],
+    })
+    index = canonical({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": sha(manifest),
+            "size": len(manifest),
+            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[-1]},
+        }],
+    })
+    path = os.path.join(out_dir, file_name)
+    write_oci(path, index, tuple([config, manifest] + gzs))
+    print(f"{path}: {ref}")
 
 
 def rootfs_layer():
@@ -172,6 +218,15 @@ def build(out_dir, ref):
     })
     user_path = os.path.join(out_dir, "busybox-user-oci.tar")
     write_oci(user_path, user_index, (user_config, user_manifest, gz))
+    repo = ref.rsplit(":", 1)[0]
+    probe = os.environ.get("ZTPROBE")
+    if probe:
+        with open(probe, "rb") as f:
+            single_image(out_dir, "tools-oci.tar", repo + ":tools", config, [layer],
+                         tar_layer([("file", "bin/ztprobe", f.read())]))
+    single_image(out_dir, "symlink-oci.tar", repo + ":symlink", config, [layer],
+                 tar_layer([("link", "data", "/var/lib/zattera-rig/host-secret"),
+                            ("link", "srv", "/var/lib/zattera-rig")]))
     print(f"{oci_path}: {ref} manifest {sha(manifest)}")
     print(f"{user_path}: {user_ref}")
     print(f"{docker_path}: {ref}")

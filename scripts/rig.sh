@@ -25,7 +25,7 @@ fi
 
 # --- packages --------------------------------------------------------------
 PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
-          docker-registry skopeo python3 ca-certificates procps curl
+          docker-registry skopeo python3 ca-certificates procps curl gcc libc6-dev
           libzstd-dev pkg-config python3-venv)
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -82,9 +82,21 @@ fi
 
 # --- test images -------------------------------------------------------------
 IMAGES="$RIG_DIR/images"
-if [ ! -s "$IMAGES/busybox-multi-oci.tar" ] || [ ! -s "$IMAGES/busybox-user-oci.tar" ] || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ] || [ "$HERE/mkimage.py" -nt "$IMAGES/busybox-oci.tar" ]; then
+mkdir -p "$IMAGES"
+# The security tests' hostile process, static so it runs in a busybox image.
+if [ ! -x "$IMAGES/ztprobe" ] || [ "$HERE/testbin/ztprobe.c" -nt "$IMAGES/ztprobe" ]; then
+  say "building ztprobe"
+  gcc -static -O2 -o "$IMAGES/ztprobe" "$HERE/testbin/ztprobe.c"
+fi
+# What the symlink image points at (a fixed path, as the image is fixed): a
+# host directory no container may see.
+mkdir -p /var/lib/zattera-rig/host-secret
+echo "host secret" > /var/lib/zattera-rig/host-secret/secret.txt
+if [ ! -s "$IMAGES/tools-oci.tar" ] || [ ! -s "$IMAGES/symlink-oci.tar" ] || [ ! -s "$IMAGES/busybox-user-oci.tar" ] \
+  || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ] || [ "$HERE/mkimage.py" -nt "$IMAGES/busybox-oci.tar" ] \
+  || [ "$IMAGES/ztprobe" -nt "$IMAGES/tools-oci.tar" ]; then
   say "building test images in $IMAGES"
-  python3 "$HERE/mkimage.py" "$IMAGES" >&2
+  ZTPROBE="$IMAGES/ztprobe" python3 "$HERE/mkimage.py" "$IMAGES" >&2
 fi
 
 # --- S3 server ---------------------------------------------------------------

@@ -90,6 +90,7 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
         cgroup_parent: cgroup_parent.clone(),
         parallelism: 4,
         host_port_range: config.host_port_range,
+        pids_limit: config.pids_limit,
         standalone,
         source,
     };
@@ -141,6 +142,10 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             let node = crate::control::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired: handle.desired.subscribe(),
+                targets: crate::control::node_api::proxy::Targets {
+                    host_ips: vec![config.host_ip],
+                    status: handle.status.clone(),
+                },
                 data_dir: config.data_dir.clone(),
                 run_dir: config.run_dir.clone(),
                 node_id: sync.node_id.clone(),
@@ -151,12 +156,21 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
                     // over it, the running image's path reads "(deleted)".
                     binary: logger_binary.clone(),
                     args: std::env::args().collect(),
+                    busy: Arc::default(),
                 },
             };
+            let controls = crate::control::node_api::control_ids(
+                sync.control_node_ids
+                    .iter()
+                    .chain(&config.control_node_ids)
+                    .cloned(),
+            );
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
-            let routes = crate::control::services::spawn(&sync, config.node_api_listen, node).await;
+            let routes =
+                crate::control::services::spawn(&sync, config.node_api_listen, node, controls)
+                    .await;
             tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)

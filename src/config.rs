@@ -58,6 +58,13 @@ pub struct Settings {
     /// Ephemeral host ports for published ports, `LO-HI` (default 30000-32767).
     #[serde(alias = "host_port_range")]
     pub host_port_range: Option<String>,
+    /// Processes per container (default 4096; 0 = unlimited).
+    #[serde(alias = "pids_limit")]
+    pub pids_limit: Option<u32>,
+    /// Node ids allowed to call the node API besides the control peers the
+    /// join named.
+    #[serde(alias = "control_node_ids")]
+    pub control_node_ids: Option<Vec<String>>,
 }
 
 impl Settings {
@@ -102,6 +109,8 @@ impl Settings {
             node_api_listen: top.node_api_listen.or(self.node_api_listen),
             upgrade_base_url: top.upgrade_base_url.or(self.upgrade_base_url),
             host_port_range: top.host_port_range.or(self.host_port_range),
+            pids_limit: top.pids_limit.or(self.pids_limit),
+            control_node_ids: top.control_node_ids.or(self.control_node_ids),
         }
     }
 
@@ -134,6 +143,10 @@ impl Settings {
         };
         Ok(Config {
             host_port_range,
+            pids_limit: self
+                .pids_limit
+                .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
+            control_node_ids: self.control_node_ids.unwrap_or_default(),
             bridge_prefix: self.bridge_prefix,
             subnet_pool,
             manifests: self.manifests,
@@ -169,6 +182,8 @@ pub struct Config {
     pub node_api_listen: SocketAddr,
     pub upgrade_base_url: Option<String>,
     pub host_port_range: zattera_netns::PortRange,
+    pub pids_limit: u32,
+    pub control_node_ids: Vec<String>,
 }
 
 fn parse_pool(text: &str) -> Option<(u8, u8)> {

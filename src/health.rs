@@ -224,13 +224,17 @@ pub fn spawn(
         let mut verdicts = Verdicts::new(timing);
         let http = reqwest::Client::builder()
             .no_proxy()
-            .redirect(reqwest::redirect::Policy::limited(10))
+            .redirect(same_instance_redirects(&task_probe))
             .timeout(timing.timeout)
             .build();
         loop {
             tokio::time::sleep(timing.interval).await;
+            // Each kind bounds itself: an exec probe must run to its own
+            // timeout, which kills the process and removes its FIFOs;
+            // dropping it half-way would leak both (and two threads). The
+            // outer bound only catches a stuck containerd.
             let passed = tokio::time::timeout(
-                timing.timeout,
+                timing.timeout + EXEC_CLEANUP_GRACE,
                 run_probe(&task_probe, http.as_ref().ok(), &exec_ctx, timing.timeout),
             )
             .await
@@ -248,6 +252,33 @@ pub fn spawn(
     }
 }
 
+/// Time an exec probe gets past its timeout to kill and clean up.
+const EXEC_CLEANUP_GRACE: Duration = Duration::from_secs(15);
+
+/// Redirects are followed only to the instance itself: the probe runs in the
+/// host's network namespace, and a container must not point it anywhere else
+/// (the host's own services, another instance, the internet).
+fn same_instance_redirects(probe: &Probe) -> reqwest::redirect::Policy {
+    let Probe::Http { addr, .. } = probe else {
+        return reqwest::redirect::Policy::none();
+    };
+    let instance = *addr;
+    reqwest::redirect::Policy::custom(move |attempt| {
+        let url = attempt.url();
+        let same = url.scheme() == "http"
+            && url
+                .host_str()
+                .and_then(|h| h.parse::<std::net::IpAddr>().ok())
+                == Some(instance.ip())
+            && url.port_or_known_default() == Some(instance.port());
+        if attempt.previous().len() >= 10 || !same {
+            attempt.stop()
+        } else {
+            attempt.follow()
+        }
+    })
+}
+
 async fn run_probe(
     probe: &Probe,
     http: Option<&reqwest::Client>,
@@ -256,7 +287,9 @@ async fn run_probe(
 ) -> bool {
     match probe {
         Probe::None => true,
-        Probe::Tcp { addr } => tokio::net::TcpStream::connect(addr).await.is_ok(),
+        Probe::Tcp { addr } => tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
+            .await
+            .is_ok_and(|r| r.is_ok()),
         Probe::Http { addr, path } => {
             let Some(client) = http else { return false };
             client

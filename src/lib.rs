@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod beneath;
 pub mod config;
 pub mod control;
 pub mod doctor;

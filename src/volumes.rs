@@ -2,17 +2,28 @@
 //! gives is resolved inside it (wire.md §1.5 "Volume path rules", §7).
 //!
 //! A volume of environment E named N is the directory
-//! `<data dir>/volumes/zt-<E[..8]>-<N>/_data`, bind-mounted into containers;
-//! the derivation is the reference's Docker volume name, so
-//! `volume_docker_name` keeps resolving. A name that could leave the volume
-//! root (`/`, `..`) is refused, wherever it comes from.
+//! `<data dir>/volumes/zt-<E>-<N>/_data`, bind-mounted into containers. The
+//! reference kept only 8 characters of E, so two environments whose ULIDs
+//! were minted within about a second shared one directory (VOL-1); the full
+//! id is used here, and a volume under its old short name is moved to the
+//! new one by [`ensure`] the first time its environment asks for it (the old
+//! name stays as a symlink, for containers created before the move). Names
+//! follow Docker's rule, `[A-Za-z0-9][A-Za-z0-9_.-]*`, which also keeps any
+//! path trick out, wherever a name comes from.
 
 use std::path::{Component, Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum VolumeError {
-    #[error("volume name {0:?} is not a plain name (1 to 200 characters, no '/', not '.' or '..')")]
+    #[error("volume name {0:?} is not a name: [A-Za-z0-9][A-Za-z0-9_.-]*, at most 200 characters")]
     BadName(String),
+    #[error("environment id {0:?} is not an id: [A-Za-z0-9][A-Za-z0-9_.-]*")]
+    BadEnvironment(String),
+    #[error("volume {volume:?} is in use by container(s) {}", containers.join(", "))]
+    InUse {
+        volume: String,
+        containers: Vec<String>,
+    },
     #[error("path {0:?} escapes the volume")]
     Escapes(String),
     #[error("volume {0:?} does not exist on this node")]
@@ -23,23 +34,120 @@ pub enum VolumeError {
     PermissionDenied(String),
     #[error("{path:?}: {message}")]
     Io { path: String, message: String },
+    #[error("mount path {0:?} is not an absolute path without '..' (and not /)")]
+    BadMountPath(String),
+}
+
+/// Where a volume may be mounted in a container: an absolute path, not `/`,
+/// with no `..` component (wherever the assignment came from).
+pub fn check_mount_path(path: &str) -> Result<(), VolumeError> {
+    let p = Path::new(path);
+    let ok = p.is_absolute()
+        && !path.contains('\0')
+        && p.components().any(|c| matches!(c, Component::Normal(_)))
+        && !p.components().any(|c| matches!(c, Component::ParentDir));
+    if ok {
+        Ok(())
+    } else {
+        Err(VolumeError::BadMountPath(path.to_owned()))
+    }
+}
+
+/// Docker's rule for names: `[A-Za-z0-9][A-Za-z0-9_.-]*`.
+fn is_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+        && s.len() <= 200
 }
 
 /// The node-local name of logical volume `name` of `environment_id`.
 pub fn local_name(environment_id: &str, name: &str) -> Result<String, VolumeError> {
-    let plain = !name.is_empty()
-        && name.len() <= 200
-        && name != "."
-        && name != ".."
-        && !name.contains(['/', '\0']);
-    if !plain {
+    if !is_name(name) {
         return Err(VolumeError::BadName(name.to_owned()));
     }
-    let env: String = environment_id.chars().take(8).collect();
-    if env.contains(['/', '\0']) || env == "." || env == ".." {
-        return Err(VolumeError::BadName(environment_id.to_owned()));
+    if !is_name(environment_id) {
+        return Err(VolumeError::BadEnvironment(environment_id.to_owned()));
     }
-    Ok(format!("zt-{env}-{name}"))
+    Ok(format!("zt-{environment_id}-{name}"))
+}
+
+/// The reference's name (8 characters of the environment id), which
+/// volumes made before VOL-1's fix still carry.
+fn legacy_name(environment_id: &str, name: &str) -> Option<String> {
+    let short: String = environment_id.chars().take(8).collect();
+    (short.len() < environment_id.len()).then(|| format!("zt-{short}-{name}"))
+}
+
+/// The volume's local name, with a volume kept under its legacy name moved
+/// to it first (module doc). Creates nothing else.
+pub fn ensure(data_dir: &Path, environment_id: &str, name: &str) -> Result<String, VolumeError> {
+    let local = local_name(environment_id, name)?;
+    let new = volume_dir(data_dir, &local);
+    if std::fs::symlink_metadata(&new).is_ok() {
+        return Ok(local);
+    }
+    let Some(legacy) = legacy_name(environment_id, name) else {
+        return Ok(local);
+    };
+    let old = volume_dir(data_dir, &legacy);
+    // Only a real directory moves: a symlink there is an earlier move's.
+    if std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir()) {
+        std::fs::rename(&old, &new).map_err(|e| io_error(name, &e))?;
+        std::os::unix::fs::symlink(&local, &old).map_err(|e| io_error(name, &e))?;
+        tracing::info!(from = %legacy, to = %local, "volume moved to its full-id name (VOL-1)");
+    }
+    Ok(local)
+}
+
+/// Managed containers whose spec mounts the volume directory `dir` (or its
+/// legacy symlink), running or stopped (VOL-5).
+pub async fn users(
+    ctd: &crate::runtime::Containerd,
+    data_dir: &Path,
+    local: &str,
+) -> Result<Vec<String>, crate::runtime::RuntimeError> {
+    let dir = volume_dir(data_dir, local);
+    let listed =
+        crate::runtime::containers::list(ctd, &crate::executor::labels::OWNED_FILTER).await?;
+    let aliases: Vec<PathBuf> = std::fs::read_dir(data_dir.join("volumes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == Path::new(local)))
+        .map(|e| e.path())
+        .chain(std::iter::once(dir))
+        .collect();
+    Ok(listed
+        .iter()
+        .filter(|c| {
+            let spec = c
+                .spec
+                .as_ref()
+                .and_then(|any| serde_json::from_slice::<oci_spec::runtime::Spec>(&any.value).ok());
+            spec.and_then(|s| s.mounts().clone())
+                .unwrap_or_default()
+                .iter()
+                .any(|m| {
+                    m.source()
+                        .as_ref()
+                        .is_some_and(|src| aliases.iter().any(|a| src.starts_with(a)))
+                })
+        })
+        .map(|c| c.id.clone())
+        .collect())
+}
+
+/// Removes the legacy-name symlinks that lead to `local` (after a removal).
+pub fn remove_aliases(data_dir: &Path, local: &str) {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("volumes")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if std::fs::read_link(e.path()).is_ok_and(|t| t == Path::new(local)) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// The directory holding a volume (removed whole by `RemoveVolume`).
@@ -96,23 +204,27 @@ pub(crate) fn io_error(request: &str, e: &std::io::Error) -> VolumeError {
 /// Go's `FileMode.String()` notation (`drwxr-xr-x`, `-rw-r--r--`,
 /// `Lrwxrwxrwx`, `Dcrw-rw-rw-`), which control shows as is.
 pub fn go_mode_string(meta: &std::fs::Metadata) -> String {
-    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-    let ft = meta.file_type();
-    let mode = meta.permissions().mode();
+    use std::os::unix::fs::PermissionsExt;
+    go_mode_string_of(meta.permissions().mode())
+}
+
+/// The same from a raw `st_mode` (type and permission bits).
+pub fn go_mode_string_of(mode: u32) -> String {
+    let kind = mode & 0o170_000;
     let mut s = String::new();
-    if ft.is_dir() {
+    if kind == 0o040_000 {
         s.push('d');
     }
-    if ft.is_symlink() {
+    if kind == 0o120_000 {
         s.push('L');
     }
-    if ft.is_block_device() || ft.is_char_device() {
+    if kind == 0o060_000 || kind == 0o020_000 {
         s.push('D');
     }
-    if ft.is_fifo() {
+    if kind == 0o010_000 {
         s.push('p');
     }
-    if ft.is_socket() {
+    if kind == 0o140_000 {
         s.push('S');
     }
     if mode & 0o4000 != 0 {
@@ -121,7 +233,7 @@ pub fn go_mode_string(meta: &std::fs::Metadata) -> String {
     if mode & 0o2000 != 0 {
         s.push('g');
     }
-    if ft.is_char_device() {
+    if kind == 0o020_000 {
         s.push('c');
     }
     if mode & 0o1000 != 0 {
@@ -141,15 +253,58 @@ mod tests {
     use super::*;
 
     #[test]
-    fn local_names_follow_the_reference_and_refuse_escapes() {
+    fn local_names_use_the_whole_environment_id_and_refuse_escapes() {
         assert_eq!(
             local_name("01JENVIRONMENT", "data").unwrap(),
-            "zt-01JENVIR-data"
+            "zt-01JENVIRONMENT-data"
         );
-        for bad in ["", ".", "..", "a/b", "../../etc", "x\0y"] {
+        // Two ULIDs of the same second no longer share a name.
+        assert_ne!(
+            local_name("01JENVIR00000000000000000A", "pg").unwrap(),
+            local_name("01JENVIR00000000000000000B", "pg").unwrap()
+        );
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "../../etc",
+            "x\0y",
+            "-x",
+            "_x",
+            "a b",
+            "é",
+        ] {
             assert!(local_name("env", bad).is_err(), "{bad:?}");
         }
+        for good in ["data", "pg-data", "a.b_c", "0"] {
+            assert!(local_name("env", good).is_ok(), "{good:?}");
+        }
         assert!(local_name("../../x", "data").is_err());
+    }
+
+    #[test]
+    fn a_legacy_volume_moves_to_its_full_name_without_losing_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = "01JENVIR00000000000000000A";
+        let legacy = volume_dir(dir.path(), "zt-01JENVIR-pg");
+        std::fs::create_dir_all(legacy.join("_data")).unwrap();
+        std::fs::write(legacy.join("_data/db"), "rows").unwrap();
+        let local = ensure(dir.path(), env, "pg").unwrap();
+        assert_eq!(local, format!("zt-{env}-pg"));
+        assert_eq!(
+            std::fs::read_to_string(volume_root(dir.path(), &local).join("db")).unwrap(),
+            "rows"
+        );
+        // The old name still leads there (containers made before the move).
+        assert_eq!(
+            std::fs::read_to_string(legacy.join("_data/db")).unwrap(),
+            "rows"
+        );
+        // Another environment of the same second gets its own, empty one.
+        let other = ensure(dir.path(), "01JENVIR00000000000000000B", "pg").unwrap();
+        assert!(!volume_dir(dir.path(), &other).exists());
+        assert_eq!(ensure(dir.path(), env, "pg").unwrap(), local, "idempotent");
     }
 
     #[test]
@@ -210,5 +365,8 @@ mod tests {
         std::os::unix::fs::symlink("f", dir.path().join("l")).unwrap();
         let l = std::fs::symlink_metadata(dir.path().join("l")).unwrap();
         assert_eq!(go_mode_string(&l), "Lrwxrwxrwx");
+        assert_eq!(go_mode_string_of(0o104_755), "urwxr-xr-x");
+        assert_eq!(go_mode_string_of(0o041_777), "dtrwxrwxrwx");
+        assert_eq!(go_mode_string_of(0o020_666), "Dcrw-rw-rw-");
     }
 }

@@ -23,7 +23,7 @@ use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::identity::IdentityDir;
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
-use zattera_agent::control::node_api::NodeApi;
+use zattera_agent::control::node_api::{NodeApi, control_ids};
 use zattera_agent::control::routes::{self, RoutesConfig};
 use zattera_agent::control::sync::{self, SyncConfig};
 use zattera_agent::control::tls::{self, NodeTls};
@@ -507,6 +507,7 @@ impl Node {
             cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
             parallelism: 4,
             host_port_range: zattera_netns::PortRange::DEFAULT,
+            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
             standalone: false,
             source: format!("control {}", cp.address()),
         };
@@ -899,6 +900,17 @@ async fn call_top(
         .map_err(|s| Some((s.code(), s.message().to_owned())))
 }
 
+/// Port-forward targets of a node that runs nothing.
+fn no_targets() -> zattera_agent::control::node_api::proxy::Targets {
+    zattera_agent::control::node_api::proxy::Targets {
+        host_ips: vec!["127.0.0.1".parse().unwrap()],
+        status: watch::channel(Arc::new(
+            zattera_agent::executor::status::StatusSnapshot::default(),
+        ))
+        .1,
+    }
+}
+
 fn client_with(ca: &TestCa, identity: Option<(String, String)>) -> rustls::ClientConfig {
     if let Some((cert, key)) = identity {
         return tls::node_client(&NodeTls {
@@ -928,9 +940,14 @@ async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
     let cp = ControlPlane::start(&[SECRET]).await;
     let (data, node_id) = joined(&cp).await;
     let node = IdentityDir::new(data.path()).load_tls().unwrap();
-    let api = NodeApi::bind("127.0.0.1:0".parse().unwrap(), &node, None)
-        .await
-        .unwrap();
+    let api = NodeApi::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &node,
+        None,
+        control_ids([control_plane::CONTROL_NODE_ID]),
+    )
+    .await
+    .unwrap();
     let addr = api.local_addr().unwrap().to_string();
     let _server = AbortOnDrop(tokio::spawn(async move {
         let _ = api.serve().await;
@@ -1036,6 +1053,7 @@ async fn node_api_volume_files_stay_inside_the_volume() {
             Some(zattera_agent::control::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired,
+                targets: no_targets(),
                 data_dir: data.path().to_owned(),
                 run_dir: data.path().join("run"),
                 node_id: node_id.clone(),
@@ -1044,8 +1062,10 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                     base_url: None,
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),
+                    busy: Arc::default(),
                 },
             }),
+            control_ids([control_plane::CONTROL_NODE_ID]),
         )
         .await
         .unwrap();

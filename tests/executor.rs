@@ -58,6 +58,7 @@ impl Agent {
             cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
             parallelism: 4,
             host_port_range: zattera_netns::PortRange::DEFAULT,
+            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
             standalone: true,
             source: "test".into(),
         };

@@ -69,15 +69,18 @@ print(json.dumps(stats), flush=True)
 "#;
 
 /// Listens on 127.0.0.1:`argv[1]` and answers `host` to every connection;
-/// prints `ready` once bound.
+/// prints `ready` once bound. SO_REUSEADDR, as servers set it: its closed
+/// connections' TIME_WAIT then does not keep the port from the agent.
 const SQUATTER: &str = r#"
 import socket, sys
 s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("127.0.0.1", int(sys.argv[1])))
 s.listen(16)
 print("ready", flush=True)
 while True:
     c, _ = s.accept()
+    c.recv(4096)  # the request first: unread data would make close() a reset
     c.sendall(b"host")
     c.close()
 "#;

@@ -26,7 +26,7 @@ use sha2::Digest;
 use tokio::sync::watch;
 use zattera_agent::control::identity::IdentityDir;
 use zattera_agent::control::join::{JoinOptions, join};
-use zattera_agent::control::node_api::{NodeApi, NodeContext, upgrade::UpgradeConfig};
+use zattera_agent::control::node_api::{NodeApi, NodeContext, control_ids, upgrade::UpgradeConfig};
 use zattera_agent::control::tls;
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::{
@@ -143,6 +143,13 @@ impl Node {
             Some(NodeContext {
                 ctd: ctd.clone(),
                 desired,
+                targets: zattera_agent::control::node_api::proxy::Targets {
+                    host_ips: vec!["127.0.0.1".parse().unwrap()],
+                    status: watch::channel(Arc::new(
+                        zattera_agent::executor::status::StatusSnapshot::default(),
+                    ))
+                    .1,
+                },
                 data_dir: data.path().to_owned(),
                 run_dir: data.path().join("run"),
                 node_id: joined.node_id.clone(),
@@ -151,8 +158,10 @@ impl Node {
                     base_url: None,
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),
+                    busy: Arc::default(),
                 },
             }),
+            control_ids([control_plane::CONTROL_NODE_ID]),
         )
         .await
         .unwrap();
@@ -161,7 +170,7 @@ impl Node {
             let _ = api.serve().await;
         });
         let name = ServerName::try_from(format!("node-{}", joined.node_id)).unwrap();
-        let (cert, key) = cp.ca.node_identity("control-1", false);
+        let (cert, key) = cp.ca.node_identity(control_plane::CONTROL_NODE_ID, false);
         let client = tls::node_client(&tls::NodeTls {
             key_pem: key.into_bytes(),
             cert_pem: cert.into_bytes(),
@@ -717,6 +726,7 @@ async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &
     };
     let labels = HashMap::from([
         ("dev.zattera/managed".to_owned(), "true".to_owned()),
+        ("dev.zattera/role".to_owned(), "service".to_owned()),
         ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
     ]);
     containers::create(

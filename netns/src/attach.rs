@@ -77,6 +77,8 @@ async fn build(nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
         .await?;
     drop(ns);
 
+    // The address may have been another container's a moment ago.
+    nl.forget_neighbour(net.index, &net.bridge, att.ip).await?;
     let (ip, gateway) = (att.ip, att.gateway);
     in_netns(&att.netns_path, move |inner| async move {
         if let Some(lo) = inner.link("lo").await? {

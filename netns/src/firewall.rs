@@ -18,10 +18,17 @@
 //! - `forward` (filter): established/related and DNATed flows accepted;
 //!   inside one bridge accepted; between two of our bridges dropped; out of a
 //!   bridge accepted; unsolicited traffic into a bridge dropped.
-//! - `input` (filter): DNS from each bridge to its own gateway accepted;
-//!   service VIPs reachable only from the bridges of the VIP's own scope
-//!   (runtime.md V-6's allowed deviation: the reference lets every container
-//!   reach every VIP), refused from the others with a TCP reset or an ICMP
+//! - `guard` (filter, prerouting at raw priority, before conntrack and
+//!   routing): a packet arriving on a bridge to 127.0.0.0/8 is dropped (with
+//!   `route_localnet` on, a container with CAP_NET_RAW could otherwise reach
+//!   the host's loopback services: CVE-2020-8558), and so is one whose source
+//!   is not in that bridge's subnet (spoofing another container, environment
+//!   or the host).
+//! - `input` (filter): from a bridge, the host accepts only replies to its
+//!   own connections, DNS to that bridge's own gateway, and the service VIPs
+//!   of the bridge's own scope (runtime.md V-6's allowed deviation: the
+//!   reference lets every container reach every VIP and the whole host);
+//!   everything else is refused with a TCP reset or an ICMP
 //!   admin-prohibited, so a client fails at once instead of timing out.
 
 use std::fmt::Write as _;
@@ -274,10 +281,21 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("    iifname @bridges oifname @bridges drop\n");
     s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
 
+    s.push_str("  chain guard {\n    type filter hook prerouting priority raw; policy accept;\n");
+    s.push_str("    iifname @bridges ip daddr 127.0.0.0/8 drop\n");
+    for b in &bridges {
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ip saddr != {} drop",
+            b.bridge, b.subnet
+        );
+    }
+    s.push_str("  }\n");
+
     s.push_str("  chain input {\n    type filter hook input priority filter; policy accept;\n");
+    s.push_str("    iifname != @bridges accept\n");
+    s.push_str("    ct state established,related accept\n");
     s.push_str("    iifname . ip daddr @vip_access accept\n");
-    s.push_str("    iifname @bridges ip daddr @vips meta l4proto tcp reject with tcp reset\n");
-    s.push_str("    iifname @bridges ip daddr @vips reject with icmpx type admin-prohibited\n");
     for b in &bridges {
         for p in ["udp", "tcp"] {
             let _ = writeln!(
@@ -288,6 +306,8 @@ pub fn render(table: &str, state: &FirewallState) -> String {
             );
         }
     }
+    s.push_str("    meta l4proto tcp reject with tcp reset\n");
+    s.push_str("    reject with icmpx type admin-prohibited\n");
     s.push_str("  }\n}\n");
     s
 }
@@ -371,7 +391,15 @@ mod tests {
             "{script}"
         );
         assert!(script.contains("iifname . ip daddr @vip_access accept"));
-        assert!(script.contains("iifname @bridges ip daddr @vips meta l4proto tcp reject"));
+        // From a bridge, anything not accepted above is refused.
+        assert!(
+            script.contains("iifname != @bridges accept\n    ct state established,related accept")
+        );
+        assert!(script.contains("    meta l4proto tcp reject with tcp reset\n"));
+        // Before routing: no loopback destinations, no foreign sources.
+        assert!(script.contains("type filter hook prerouting priority raw"));
+        assert!(script.contains("iifname @bridges ip daddr 127.0.0.0/8 drop"));
+        assert!(script.contains("iifname \"ztbr5\" ip saddr != 10.201.5.0/24 drop"));
         assert!(script.starts_with("table inet zattera_t\ndelete table inet zattera_t\n"));
         assert!(!script.contains("flush ruleset"));
         assert!(script.contains("127.0.0.1 . 8080 : 10.201.5.2 . 80"));

@@ -255,6 +255,43 @@ impl Netlink {
             .map_err(|e| Error::netlink("add address to", format!("{name} ({ip}/{prefix})"), e))
     }
 
+    /// Forgets what the host's neighbour (ARP) cache knows about `ip` on link
+    /// `index`: an address reused by a new container comes with a new MAC,
+    /// and a stale entry would blackhole traffic to it until the cache gives
+    /// up on the old one (up to a minute).
+    pub async fn forget_neighbour(&self, index: u32, name: &str, ip: Ipv4Addr) -> Result<()> {
+        use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute};
+        let entries: Vec<_> = self
+            .handle
+            .neighbours()
+            .get()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(|e| Error::netlink("list neighbours of", name, e))?;
+        for entry in entries {
+            let ours = entry.header.ifindex == index
+                && entry.attributes.iter().any(|a| {
+                    matches!(a, NeighbourAttribute::Destination(NeighbourAddress::Inet(d)) if *d == ip)
+                });
+            if !ours {
+                continue;
+            }
+            match self.handle.neighbours().del(entry).execute().await {
+                Ok(()) => {}
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == ENOENT => {}
+                Err(e) => {
+                    return Err(Error::netlink(
+                        "forget the neighbour",
+                        format!("{ip} on {name}"),
+                        e,
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Removes one IPv4 address from a link; an absent one is not an error.
     pub async fn remove_address(&self, index: u32, name: &str, ip: Ipv4Addr) -> Result<()> {
         let msgs = self.address_messages(index, name).await?;

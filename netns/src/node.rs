@@ -72,6 +72,7 @@ impl NetNode {
         let finished = async {
             sysctl::enable_forwarding()?;
             sysctl::enable_route_localnet(&name)?;
+            sysctl::enable_rp_filter(&name)?;
             self.update_rules(|s| {
                 s.bridges.retain(|b| b.bridge != name);
                 s.bridges.push(BridgeRules {

@@ -245,12 +245,25 @@ fn bind(proto: Proto, ip: Ipv4Addr, port: u16) -> std::io::Result<Socket> {
         Proto::Tcp => (Type::STREAM, Protocol::TCP),
         Proto::Udp => (Type::DGRAM, Protocol::UDP),
     };
+    let addr = SocketAddrV4::new(ip, port).into();
     let socket = Socket::new(Domain::IPV4, ty, Some(protocol))?;
     if proto == Proto::Udp {
         socket.set_recv_buffer_size(0)?;
     }
-    socket.bind(&SocketAddrV4::new(ip, port).into())?;
-    Ok(socket)
+    match socket.bind(&addr) {
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && proto == Proto::Tcp => {
+            // Connections a departed server left in TIME_WAIT keep the port
+            // for a minute. SO_REUSEADDR binds over them (and over nothing
+            // live), and is cleared at once, so no one else can bind it.
+            let retry = Socket::new(Domain::IPV4, ty, Some(protocol))?;
+            retry.set_reuse_address(true)?;
+            retry.bind(&addr).map_err(|_| e)?;
+            retry.set_reuse_address(false)?;
+            Ok(retry)
+        }
+        Err(e) => Err(e),
+        Ok(()) => Ok(socket),
+    }
 }
 
 /// Who holds a port, for the error that says why it cannot be published.
@@ -422,6 +435,28 @@ mod tests {
             "the holder is named: {text}"
         );
         assert!(ports.hold(Proto::Tcp, lo, busy).is_err());
+    }
+
+    #[test]
+    fn a_port_left_in_time_wait_is_held_and_then_refused_to_others() {
+        use std::io::{Read, Write};
+        let lo = Ipv4Addr::LOCALHOST;
+        let server = TcpListener::bind((lo, 0)).unwrap();
+        let port = server.local_addr().unwrap().port();
+        let mut client = TcpStream::connect((lo, port)).unwrap();
+        let (mut accepted, _) = server.accept().unwrap();
+        // The server side closes first: its end of the connection sits in
+        // TIME_WAIT on the port.
+        accepted.write_all(b"bye").unwrap();
+        drop(accepted);
+        let mut buf = Vec::new();
+        client.read_to_end(&mut buf).unwrap();
+        drop(client);
+        drop(server);
+        let mut ports = HostPorts::new(range_with_free_ports());
+        ports.hold(Proto::Tcp, lo, port).unwrap();
+        // Held: not even a SO_REUSEADDR listener (std's) may take it.
+        assert!(TcpListener::bind((lo, port)).is_err());
     }
 
     #[test]

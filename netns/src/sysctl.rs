@@ -1,4 +1,4 @@
-//! The two kernel switches the data path needs, written through /proc/sys.
+//! The kernel switches the data path needs, written through /proc/sys.
 
 use std::path::PathBuf;
 
@@ -24,7 +24,15 @@ pub fn enable_forwarding() -> Result<()> {
 }
 
 /// `route_localnet=1` on a bridge, so 127.0.0.1 can be DNATed to a
-/// container behind it (published ports on loopback).
+/// container behind it (published ports on loopback). It also lets a
+/// container's crafted packet *to* 127.0.0.1 be routed to the host, which
+/// the table's `guard` chain drops before routing (CVE-2020-8558).
 pub fn enable_route_localnet(bridge: &str) -> Result<()> {
     write(&format!("net.ipv4.conf.{bridge}.route_localnet"), "1")
+}
+
+/// Strict reverse-path filtering on a bridge: a packet whose source would
+/// not be routed back through the bridge is dropped (spoofing).
+pub fn enable_rp_filter(bridge: &str) -> Result<()> {
+    write(&format!("net.ipv4.conf.{bridge}.rp_filter"), "1")
 }

@@ -34,6 +34,9 @@ pub struct RunArgs {
     /// Ephemeral host ports for published ports [default: 30000-32767]
     #[arg(long, value_name = "LO-HI")]
     host_port_range: Option<String>,
+    /// Processes per container, 0 = unlimited [default: 4096]
+    #[arg(long, value_name = "N")]
+    pids_limit: Option<u32>,
 }
 
 impl RunArgs {
@@ -49,6 +52,7 @@ impl RunArgs {
             node_api_listen: self.node_api_listen,
             upgrade_base_url: self.upgrade_base_url.clone(),
             host_port_range: self.host_port_range.clone(),
+            pids_limit: self.pids_limit,
             ..base
         }
     }

@@ -69,18 +69,23 @@ pub struct Which {
 }
 
 impl Which {
-    /// The root and a name for messages and default ids.
-    fn resolve(&self, config: &Config) -> Result<(PathBuf, String)> {
+    /// The root, a name for messages and default ids, and the node-local
+    /// name of a volume (one kept under its legacy name is moved first).
+    fn resolve(&self, config: &Config) -> Result<(PathBuf, String, Option<String>)> {
         match (&self.environment, &self.volume, &self.path) {
             (Some(env), Some(name), None) => {
-                let local = volumes::local_name(env, name)?;
-                Ok((volumes::volume_root(&config.data_dir, &local), name.clone()))
+                let local = volumes::ensure(&config.data_dir, env, name)?;
+                Ok((
+                    volumes::volume_root(&config.data_dir, &local),
+                    name.clone(),
+                    Some(local),
+                ))
             }
             (None, None, Some(p)) => {
                 let shown = p
                     .file_name()
                     .map_or_else(|| "dir".into(), |n| n.to_string_lossy().into_owned());
-                Ok((p.clone(), shown))
+                Ok((p.clone(), shown, None))
             }
             _ => bail!("name a volume (--environment and --volume) or a directory (--path)"),
         }
@@ -257,15 +262,19 @@ fn now_unix() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0))
 }
 
-/// The running managed containers that mount `root`, when containerd answers.
-async fn users(config: &Config, root: &Path) -> Result<Vec<String>> {
+/// The running managed containers that mount the volume (or `root`), when
+/// containerd answers.
+async fn users(config: &Config, root: &Path, local: Option<&str>) -> Result<Vec<String>> {
     let ctd = tokio::time::timeout(
         Duration::from_secs(5),
         Containerd::connect(&config.containerd_address, config.namespace.clone()),
     )
     .await
     .context("containerd did not answer in 5 s")??;
-    Ok(hooks::running_users(&ctd, root).await?)
+    Ok(match local {
+        Some(local) => hooks::running_users_of(&ctd, &config.data_dir, local).await?,
+        None => hooks::running_users(&ctd, root).await?,
+    })
 }
 
 pub async fn run(config: &Config, cmd: VolumeCommand) -> Result<()> {
@@ -276,7 +285,7 @@ pub async fn run(config: &Config, cmd: VolumeCommand) -> Result<()> {
             create_bucket,
             target,
         } => {
-            let (root, name) = which.resolve(config)?;
+            let (root, name, _) = which.resolve(config)?;
             if !root.is_dir() {
                 bail!("{}: no such volume directory", root.display());
             }
@@ -320,10 +329,10 @@ pub async fn run(config: &Config, cmd: VolumeCommand) -> Result<()> {
             force,
             target,
         } => {
-            let (root, name) = which.resolve(config)?;
+            let (root, name, local) = which.resolve(config)?;
             let engine = target.engine()?;
             let _lock = VolumeLock::acquire(&root, &name)?;
-            match users(config, &root).await {
+            match users(config, &root, local.as_deref()).await {
                 Ok(running) if !running.is_empty() => {
                     bail!(
                         "{name} is mounted by running container {}; stop it first",

@@ -2,7 +2,8 @@
 //!
 //! `<data>/node/`: `node.key` (0600, never leaves the node), `node.crt`,
 //! `ca.crt`, and `node.json` (0600: it holds the registry password) with the
-//! node id, mesh IP, control and registry addresses.
+//! node id, mesh IP, control and registry addresses, and the control-plane
+//! node ids the join's peer set named (who may call the node API).
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -21,6 +22,9 @@ pub struct Enrollment {
     pub registry_addr: String,
     pub registry_username: String,
     pub registry_password: String,
+    /// `is_control` peers of the join's `initial_peers`.
+    #[serde(default)]
+    pub control_node_ids: Vec<String>,
 }
 
 impl std::fmt::Debug for Enrollment {
@@ -31,6 +35,7 @@ impl std::fmt::Debug for Enrollment {
             .field("mesh_ip", &self.mesh_ip)
             .field("control_addr", &self.control_addr)
             .field("registry_addr", &self.registry_addr)
+            .field("control_node_ids", &self.control_node_ids)
             .finish_non_exhaustive()
     }
 }
@@ -171,6 +176,7 @@ mod tests {
             registry_addr: "127.0.0.1:5000".into(),
             registry_username: "node-n1".into(),
             registry_password: "pw".into(),
+            control_node_ids: vec!["c1".into()],
         };
         let tls = NodeTls {
             key_pem: b"key".to_vec(),

@@ -184,6 +184,13 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         registry_addr: resp.registry_addr,
         registry_username: resp.registry_username,
         registry_password: resp.registry_password,
+        control_node_ids: resp
+            .initial_peers
+            .iter()
+            .flat_map(|set| &set.peers)
+            .filter(|p| p.is_control && !p.node_id.is_empty())
+            .map(|p| p.node_id.clone())
+            .collect(),
     };
     let node_tls = NodeTls {
         key_pem: key.serialize_pem().into_bytes(),

@@ -18,8 +18,14 @@ pub async fn spawn(
     sync: &SyncConfig,
     listen: SocketAddr,
     node: NodeContext,
+    controls: super::node_api::ControlIds,
 ) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
-    match NodeApi::bind(listen, &sync.tls, Some(node)).await {
+    if controls.borrow().is_empty() {
+        tracing::warn!(
+            "no control-plane node id is known (the join named none and control-node-ids is unset): the node API refuses every caller"
+        );
+    }
+    match NodeApi::bind(listen, &sync.tls, Some(node), controls).await {
         Ok(api) => {
             tracing::info!(%listen, "node API listening");
             tokio::spawn(async move {

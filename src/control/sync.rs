@@ -48,6 +48,8 @@ pub struct SyncConfig {
     pub heartbeat: Duration,
     /// Limits of the status queue: batches, reports.
     pub queue_limits: (usize, usize),
+    /// Control-plane node ids known from the enrollment.
+    pub control_node_ids: Vec<String>,
 }
 
 impl SyncConfig {
@@ -67,6 +69,7 @@ impl SyncConfig {
             data_dir: data_dir.to_owned(),
             heartbeat: HEARTBEAT,
             queue_limits: (super::queue::DEFAULT_BATCHES, super::queue::DEFAULT_ENTRIES),
+            control_node_ids: enrollment.control_node_ids,
         })
     }
 }

@@ -100,8 +100,14 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
     // Volumes seen empty now get the image's content at their path (C-8).
     let mut fresh_volumes = Vec::new();
     for v in &spec_input.volumes {
-        let name = crate::volumes::local_name(&plan.assignment.environment_id, &v.volume_name)
-            .map_err(|e| Failure(format!("ensure volume: {e}")))?;
+        let name = crate::volumes::ensure(
+            &h.cfg.data_dir,
+            &plan.assignment.environment_id,
+            &v.volume_name,
+        )
+        .map_err(|e| Failure(format!("ensure volume: {e}")))?;
+        crate::volumes::check_mount_path(&v.mount_path)
+            .map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
         let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);
         std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
         let empty = std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none());
@@ -183,7 +189,7 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
             mounts: mounts.clone(),
             cpu_millis: resources.cpu_millis,
             memory_mb: resources.memory_mb,
-            pids_limit: 0,
+            pids_limit: i64::from(pids_limit(&h.cfg, &spec_input)),
             netns: attachment.as_ref().map(|a| a.netns_path.clone()),
             cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
         };
@@ -321,6 +327,30 @@ pub async fn tear_down(h: &Handles, owned: &OwnedContainer) -> Result<(), String
     }
     let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&owned.container_id));
     Ok(())
+}
+
+/// The node's limit, or a standalone manifest's when it is lower: a
+/// manifest can ask for less, never for more.
+fn pids_limit(cfg: &ExecutorConfig, spec: &crate::proto::v1::ServiceSpec) -> u32 {
+    let asked = cfg
+        .standalone
+        .then(|| spec.placement_constraints.get(super::PIDS_LIMIT_KEY))
+        .flatten()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|n| *n > 0);
+    match (asked, cfg.pids_limit) {
+        (Some(a), 0) => a,
+        (Some(a), node) if a <= node => a,
+        (Some(a), node) => {
+            tracing::warn!(
+                asked = a,
+                node,
+                "a manifest asks for more processes than the node allows; the node's limit applies"
+            );
+            node
+        }
+        (None, node) => node,
+    }
 }
 
 fn read_host_resolv() -> String {

@@ -42,6 +42,11 @@ use crate::runtime::pull::Puller;
 use crate::runtime::{Containerd, RuntimeError};
 
 const TICK: Duration = Duration::from_secs(5);
+/// Where a standalone manifest's `resources.pids` travels in the spec.
+pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
+/// Processes per container unless configured (`pids-limit`): contains a
+/// fork bomb, and far above what a service needs.
+pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
 /// Bring-up attempts before an assignment is parked until its hash changes (E-9).
 const MAX_FAILURES: u32 = 3;
 
@@ -59,6 +64,8 @@ pub struct ExecutorConfig {
     pub parallelism: usize,
     /// Where ephemeral host ports come from.
     pub host_port_range: PortRange,
+    /// Processes per container (0 = unlimited); a manifest may lower it.
+    pub pids_limit: u32,
     /// Standalone: requested host ports come from the desired
     /// `Assignment.mesh_port_bindings`, and DNS answers local instances.
     pub standalone: bool,

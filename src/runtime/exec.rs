@@ -134,6 +134,64 @@ pub(super) async fn process_for(
         .map_err(|e| RuntimeError::Invalid(format!("exec in {id}: encoding process: {e}")))
 }
 
+/// The host pid of an exec'd process.
+async fn exec_pid(ctd: &Containerd, id: &str, exec_id: &str) -> Option<u32> {
+    let got = ctd
+        .tasks()
+        .get(ctd.request(containerd_client::services::v1::GetRequest {
+            container_id: id.into(),
+            exec_id: exec_id.into(),
+        }))
+        .await
+        .ok()?;
+    got.into_inner().process.map(|p| p.pid).filter(|p| *p > 0)
+}
+
+/// SIGKILLs `root` and every descendant of it, from /proc (twice, for
+/// children forked meanwhile).
+fn kill_tree(root: u32) {
+    for _ in 0..2 {
+        let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                // `pid (comm) state ppid …`; comm may hold spaces and ')'.
+                let ppid = stat
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()?;
+                Some((pid, ppid))
+            })
+            .collect();
+        let mut tree = vec![root];
+        let mut i = 0;
+        while i < tree.len() {
+            let parent = tree[i];
+            tree.extend(
+                parents
+                    .iter()
+                    .filter(|(_, pp)| *pp == parent)
+                    .map(|(p, _)| *p),
+            );
+            i += 1;
+        }
+        for pid in tree {
+            if let Ok(pid) = i32::try_from(pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
 async fn run(
     ctd: &Containerd,
     id: &str,
@@ -177,6 +235,11 @@ async fn run(
             Ok(Ok(r)) => Ok((r.into_inner().exit_status, false)),
             Ok(Err(s)) => Err(RuntimeError::grpc(context.clone())(s)),
             Err(_) => {
+                // The whole tree: `sh -c 'sleep 1000; true'` leaves its
+                // sleep behind when only sh is killed.
+                if let Some(pid) = exec_pid(ctd, id, exec_id).await {
+                    kill_tree(pid);
+                }
                 let _ = ctd
                     .tasks()
                     .kill(ctd.request(KillRequest {

@@ -22,6 +22,7 @@ mod names;
 pub mod pull;
 pub mod reference;
 pub mod rootfs;
+pub mod seccomp;
 pub mod spec;
 pub mod stats;
 pub mod unpack;

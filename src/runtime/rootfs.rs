@@ -4,8 +4,6 @@
 //! directory, read, and unmounted again.
 
 use std::fs;
-use std::io;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use containerd_client::services::v1::snapshots::{
@@ -48,21 +46,14 @@ pub async fn copy_up(
     };
     let target = scratch.join(format!("rootfs-{snapshot_key}"));
     fs::create_dir_all(&target).map_err(|e| fail("scratch dir", &e))?;
-    let relative = inside.trim_start_matches('/').to_owned();
+    let inside = Path::new(inside).to_owned();
     let (dest_owned, target_owned) = (dest.to_path_buf(), target.clone());
     let result = tokio::task::spawn_blocking(move || -> Result<(), String> {
         for m in &mounts {
             mount_one(m, &target_owned)
                 .map_err(|e| format!("mounting the rootfs ({}): {e}", m.r#type))?;
         }
-        let copied = {
-            let source = target_owned.join(&relative);
-            if source.is_dir() {
-                copy_tree(&source, &dest_owned).map_err(|e| e.to_string())
-            } else {
-                Ok(())
-            }
-        };
+        let copied = copy_image_dir(&target_owned, &inside, &dest_owned);
         let unmounted = nix::mount::umount2(&target_owned, MntFlags::MNT_DETACH);
         copied?;
         unmounted.map_err(|e| format!("unmounting the rootfs: {e}"))
@@ -73,13 +64,47 @@ pub async fn copy_up(
     result.map_err(|e| fail("copy", &e))
 }
 
+/// The image directory `inside`, resolved as the container would resolve it
+/// (its symlinks lead somewhere inside the rootfs, never onto the host),
+/// copied into the empty volume root `dest` through directory handles.
+fn copy_image_dir(rootfs: &Path, inside: &Path, dest: &Path) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    let root = crate::beneath::open_dir(rootfs).map_err(|e| format!("opening the rootfs: {e}"))?;
+    let source = match crate::beneath::open_in_root(
+        root.as_fd(),
+        inside,
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_DIRECTORY,
+    ) {
+        Ok(fd) => fd,
+        // The image has nothing there, or not a directory: nothing to copy.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(nix::libc::ENOENT | nix::libc::ENOTDIR)
+            ) =>
+        {
+            return Ok(());
+        }
+        Err(e) => return Err(format!("opening {} in the image: {e}", inside.display())),
+    };
+    let dest = crate::beneath::open_dir(dest).map_err(|e| format!("opening the volume: {e}"))?;
+    if !crate::beneath::names(dest.as_fd())
+        .map_err(|e| format!("reading the volume: {e}"))?
+        .is_empty()
+    {
+        // Filled meanwhile (another container of the volume): leave it be.
+        return Ok(());
+    }
+    crate::beneath::copy_tree(source.as_fd(), dest.as_fd()).map_err(|e| e.to_string())
+}
+
 /// Files larger than this are not read from an image.
 const MAX_IMAGE_FILE: u64 = 1024 * 1024;
 
 /// Reads small files (`etc/passwd`, …) from the rootfs of the image whose
 /// top snapshot is `chain_id`, through a read-only view (C-5). A file that
-/// is absent, too big, or resolves outside the rootfs (a symlink leading
-/// out) reads as `None`. `scratch` is a private directory for the mount.
+/// is absent, too big or not a regular file reads as `None`; symlinks
+/// resolve inside the rootfs, as in the container. `scratch` is a private directory for the mount.
 pub async fn read_image_files(
     ctd: &Containerd,
     chain_id: &str,
@@ -138,18 +163,32 @@ fn read_mounted(
     for m in mounts {
         mount_one(m, target).map_err(|e| format!("mounting ({}): {e}", m.r#type))?;
     }
-    let read = paths
-        .iter()
-        .map(|p| {
-            let real = crate::volumes::resolve(target, p).ok()?;
-            let meta = fs::metadata(&real).ok()?;
-            (meta.is_file() && meta.len() <= MAX_IMAGE_FILE)
-                .then(|| fs::read(&real).ok())
-                .flatten()
-        })
-        .collect();
+    let read = crate::beneath::open_dir(target).ok().map_or_else(
+        || vec![None; paths.len()],
+        |root| paths.iter().map(|p| read_small_file(&root, p)).collect(),
+    );
     nix::mount::umount2(target, MntFlags::MNT_DETACH).map_err(|e| format!("unmounting: {e}"))?;
     Ok(read)
+}
+
+/// A regular file of the image, resolved inside its rootfs.
+fn read_small_file(root: &std::os::fd::OwnedFd, path: &str) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    let fd = crate::beneath::open_in_root(
+        root.as_fd(),
+        Path::new(path),
+        nix::fcntl::OFlag::O_RDONLY | nix::fcntl::OFlag::O_NONBLOCK,
+    )
+    .ok()?;
+    let file = fs::File::from(fd);
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() > MAX_IMAGE_FILE {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_IMAGE_FILE).read_to_end(&mut bytes).ok()?;
+    Some(bytes)
 }
 
 fn mount_one(m: &containerd_client::types::Mount, target: &Path) -> nix::Result<()> {
@@ -176,69 +215,4 @@ fn mount_one(m: &containerd_client::types::Mount, target: &Path) -> nix::Result<
         flags,
         (!data.is_empty()).then_some(data.as_str()),
     )
-}
-
-/// Copies the contents of `from` into the existing directory `to`.
-fn copy_tree(from: &Path, to: &Path) -> io::Result<()> {
-    let meta = fs::symlink_metadata(from)?;
-    fs::set_permissions(to, fs::Permissions::from_mode(meta.mode() & 0o7777))?;
-    std::os::unix::fs::lchown(to, Some(meta.uid()), Some(meta.gid()))?;
-    for entry in fs::read_dir(from)? {
-        let entry = entry?;
-        let src = entry.path();
-        let dst = to.join(entry.file_name());
-        let meta = fs::symlink_metadata(&src)?;
-        let kind = meta.file_type();
-        if kind.is_dir() {
-            fs::create_dir(&dst)?;
-            copy_tree(&src, &dst)?;
-        } else if kind.is_symlink() {
-            std::os::unix::fs::symlink(fs::read_link(&src)?, &dst)?;
-            std::os::unix::fs::lchown(&dst, Some(meta.uid()), Some(meta.gid()))?;
-        } else if kind.is_file() {
-            fs::copy(&src, &dst)?;
-            fs::set_permissions(&dst, fs::Permissions::from_mode(meta.mode() & 0o7777))?;
-            std::os::unix::fs::lchown(&dst, Some(meta.uid()), Some(meta.gid()))?;
-        }
-        // Devices, sockets and FIFOs are not copied: a volume holds data.
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use std::os::unix::fs::PermissionsExt;
-
-    use super::copy_tree;
-
-    #[test]
-    fn copies_files_dirs_links_and_modes() {
-        let src = tempfile::tempdir().unwrap();
-        let dst = tempfile::tempdir().unwrap();
-        std::fs::create_dir(src.path().join("sub")).unwrap();
-        std::fs::write(src.path().join("sub/a.txt"), "a").unwrap();
-        std::os::unix::fs::symlink("sub/a.txt", src.path().join("link")).unwrap();
-        std::fs::set_permissions(
-            src.path().join("sub/a.txt"),
-            std::fs::Permissions::from_mode(0o640),
-        )
-        .unwrap();
-        copy_tree(src.path(), dst.path()).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(dst.path().join("sub/a.txt")).unwrap(),
-            "a"
-        );
-        assert_eq!(
-            std::fs::read_link(dst.path().join("link"))
-                .unwrap()
-                .to_str(),
-            Some("sub/a.txt")
-        );
-        let mode = std::fs::metadata(dst.path().join("sub/a.txt"))
-            .unwrap()
-            .permissions()
-            .mode()
-            & 0o777;
-        assert_eq!(mode, 0o640);
-    }
 }

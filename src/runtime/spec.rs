@@ -3,7 +3,9 @@
 //! containerd adds no defaults server-side (the Go client's defaults are
 //! client code), so the spec written here is complete: Docker's default
 //! capabilities, masked and read-only paths, a deny-all device cgroup
-//! (runc adds its standard devices), and limits from the assignment.
+//! (runc adds its standard devices), and limits from the assignment. Beyond
+//! Docker's defaults: `no_new_privileges`, a cgroup namespace on every host,
+//! a pids limit, and the seccomp allow-list of [`super::seccomp`].
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -191,7 +193,8 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
                 .hard(nofile_limit())
                 .build()?,
         ])
-        .no_new_privileges(false)
+        // setuid binaries cannot raise privileges inside the container.
+        .no_new_privileges(true)
         .build()?;
 
     let mut resources = LinuxResourcesBuilder::default().devices(vec![
@@ -229,6 +232,7 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
         LinuxNamespaceType::Uts,
         LinuxNamespaceType::Mount,
         LinuxNamespaceType::Network,
+        LinuxNamespaceType::Cgroup,
     ]
     .into_iter()
     .map(|typ| {
@@ -249,6 +253,7 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
         .cgroups_path(c.cgroups_path.clone())
         .masked_paths(default_linux.masked_paths().clone().unwrap_or_default())
         .readonly_paths(default_linux.readonly_paths().clone().unwrap_or_default())
+        .seccomp(super::seccomp::default_profile()?)
         .build()?;
 
     let mut mounts = default_mounts()?;

@@ -50,6 +50,26 @@ pub async fn running_users(ctd: &Containerd, root: &Path) -> Result<Vec<String>,
     Ok(out)
 }
 
+/// The managed containers with a running task that mount node-local volume
+/// `local` (under its legacy name too, see [`crate::volumes::users`]).
+pub async fn running_users_of(
+    ctd: &Containerd,
+    data_dir: &Path,
+    local: &str,
+) -> Result<Vec<String>, SnapshotError> {
+    let mut out = Vec::new();
+    for id in crate::volumes::users(ctd, data_dir, local).await? {
+        if matches!(
+            containers::task_state(ctd, &id).await?,
+            TaskState::Running { .. }
+        ) {
+            out.push(id);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Runs `/bin/sh -c command` in container `id` (SNAP-2): "pre-hook exec:
 /// …" when it cannot run, "pre-hook exited N" when it fails.
 pub async fn run_pre_hook(

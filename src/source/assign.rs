@@ -203,7 +203,16 @@ pub fn service_spec(spec: &EnvSpec, m: &AppManifest) -> ServiceSpec {
         cron: Vec::new(),
         stop_grace: Some(duration(spec.stop_grace)),
         command: spec.command.clone().unwrap_or_default(),
-        placement_constraints: BTreeMap::new(),
+        // The wire has no pids limit; standalone carries the manifest's here
+        // (no scheduler reads it), and only standalone executors honour it.
+        placement_constraints: if spec.resources.pids > 0 {
+            BTreeMap::from([(
+                crate::executor::PIDS_LIMIT_KEY.to_owned(),
+                spec.resources.pids.to_string(),
+            )])
+        } else {
+            BTreeMap::new()
+        },
         rate_limit: None,
     }
 }

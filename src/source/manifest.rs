@@ -75,11 +75,13 @@ pub struct EnvSpec {
     pub volumes: Vec<VolumeDecl>,
 }
 
-/// Limits; 0 means unlimited (runtime.md C-6).
+/// Limits; 0 means unlimited (runtime.md C-6), or for `pids` the node's
+/// default (`pids-limit`), which a manifest can lower but not raise.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Resources {
     pub cpu_millis: u32,
     pub memory_mb: u32,
+    pub pids: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -294,6 +296,8 @@ struct RawResources {
     cpu_millis: u32,
     #[serde(default)]
     memory_mb: u32,
+    #[serde(default)]
+    pids: u32,
 }
 
 #[derive(Deserialize)]
@@ -482,6 +486,7 @@ fn validate(raw: RawManifest, file: &Path) -> Result<AppManifest, ManifestError>
             resources: Resources {
                 cpu_millis: env.resources.cpu_millis,
                 memory_mb: env.resources.memory_mb,
+                pids: env.resources.pids,
             },
             ports,
             variables,
@@ -708,7 +713,8 @@ image = "busybox"
             env.resources,
             Resources {
                 cpu_millis: 500,
-                memory_mb: 256
+                memory_mb: 256,
+                pids: 0
             }
         );
         assert_eq!(

@@ -304,3 +304,51 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// `pids.current` of a container's cgroup (v2, or v1's pids hierarchy),
+/// under the agent binary's parent `/zattera/<namespace>`.
+pub fn cgroup_pids(namespace: &str, container_id: &str) -> Option<u64> {
+    [
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup",
+        "/sys/fs/cgroup/unified",
+    ]
+    .iter()
+    .map(|root| {
+        Path::new(root)
+            .join("zattera")
+            .join(namespace)
+            .join(container_id)
+            .join("pids.current")
+    })
+    .find_map(|p| std::fs::read_to_string(p).ok())
+    .and_then(|t| t.trim().parse().ok())
+}
+
+/// TCP sockets process `pid` holds open (an fd, not an orphan) to
+/// `ip:port`, from its /proc view.
+pub fn tcp_sockets_to(pid: u32, ip: &str, port: u16) -> usize {
+    let Ok(addr) = ip.parse::<std::net::Ipv4Addr>() else {
+        return 0;
+    };
+    // /proc/net/tcp prints the address as the raw little-endian word.
+    let want = format!("{:08X}:{port:04X}", u32::from_le_bytes(addr.octets()));
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    let inodes: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            (cols.get(2) == Some(&want.as_str()) && cols.get(9) != Some(&"0"))
+                .then(|| format!("socket:[{}]", cols[9]))
+        })
+        .collect();
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |fds| {
+        fds.flatten()
+            .filter(|fd| {
+                std::fs::read_link(fd.path())
+                    .is_ok_and(|t| inodes.iter().any(|i| *i == t.to_string_lossy()))
+            })
+            .count()
+    })
+}

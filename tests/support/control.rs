@@ -33,6 +33,9 @@ use zattera_agent::proto::cluster::{
 };
 use zattera_agent::proto::v1::AssignmentObserved;
 
+/// The node id of the test control plane's own node certificate.
+pub const CONTROL_NODE_ID: &str = "control-1";
+
 /// A cluster CA made for one test.
 pub struct TestCa {
     issuer: Issuer<'static, KeyPair>,
@@ -446,6 +449,16 @@ impl JoinService for Svc {
             registry_addr: "127.0.0.1:5000".into(),
             registry_username: format!("node-{node_id}"),
             registry_password: "registry-secret".into(),
+            // The control node itself: the one identity the node API serves.
+            initial_peers: Some(zattera_agent::proto::cluster::PeerSet {
+                version: 1,
+                peers: vec![zattera_agent::proto::cluster::Peer {
+                    node_id: CONTROL_NODE_ID.into(),
+                    is_control: true,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
             ..JoinResponse::default()
         }))
     }
@@ -539,5 +552,229 @@ impl RouteService for Svc {
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// A free loopback `host:port` (bound, then released).
+pub async fn free_loopback_addr() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    addr
+}
+
+/// One assignment of app `app` in environment `env`, with the test image
+/// and `command`, on subnet slot `slot`.
+pub fn assignment(
+    id: &str,
+    env: &str,
+    slot: u8,
+    command: &str,
+) -> (
+    zattera_agent::proto::v1::Assignment,
+    zattera_agent::proto::cluster::AssignmentRuntime,
+) {
+    use zattera_agent::proto::v1::{Assignment, AssignmentDesired, Meta, ServiceSpec};
+    let a = Assignment {
+        meta: Some(Meta {
+            id: id.into(),
+            ..Meta::default()
+        }),
+        project_id: "proj".into(),
+        app_id: format!("app-{id}"),
+        environment_id: env.into(),
+        desired: AssignmentDesired::Run as i32,
+        config_hash: "h1".into(),
+        release_id: "r1".into(),
+        ..Assignment::default()
+    };
+    let rt = zattera_agent::proto::cluster::AssignmentRuntime {
+        image_ref: crate::support::TEST_IMAGE.into(),
+        spec: Some(ServiceSpec {
+            command: command.into(),
+            ..ServiceSpec::default()
+        }),
+        subnet_cidr: format!("10.201.{slot}.0/24"),
+        ..Default::default()
+    };
+    (a, rt)
+}
+
+/// A set of the given assignments.
+pub fn set_of(
+    version: u64,
+    items: Vec<(
+        zattera_agent::proto::v1::Assignment,
+        zattera_agent::proto::cluster::AssignmentRuntime,
+    )>,
+) -> AssignmentSet {
+    let mut set = AssignmentSet {
+        version,
+        ..AssignmentSet::default()
+    };
+    for (a, rt) in items {
+        let id = a.meta.as_ref().unwrap().id.clone();
+        set.assignments.push(a);
+        set.runtime.insert(id, rt);
+    }
+    set
+}
+
+/// The real agent binary joined to a test control plane and running under
+/// it, with its node API on a loopback port. Killed, and its cgroup parent
+/// removed, when dropped.
+pub struct ControlledAgent {
+    pub child: std::process::Child,
+    pub dir: tempfile::TempDir,
+    pub node_id: String,
+    pub api_addr: String,
+    pub namespace: String,
+    _net: crate::support::NetCleanup,
+}
+
+impl ControlledAgent {
+    /// Joins with token `secret` (one `cp` accepts) and starts the agent.
+    pub async fn start(
+        cp: &ControlPlane,
+        secret: &str,
+        rig: &crate::support::Rig,
+        namespace: &str,
+        prefix: &str,
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let run_dir = dir.path().join("run");
+        let bin = crate::support::agent::run_bin();
+        let join = std::process::Command::new(&bin)
+            .args(["--config", "/dev/null", "--data-dir"])
+            .arg(&data)
+            .args([
+                "join",
+                "--control",
+                &cp.address(),
+                "--token",
+                &cp.ca.token(secret),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            join.status.success(),
+            "join: {}",
+            String::from_utf8_lossy(&join.stderr)
+        );
+        let node_id = zattera_agent::control::identity::IdentityDir::new(&data)
+            .load_enrollment()
+            .unwrap()
+            .node_id;
+        let net_cfg = zattera_netns::NetConfig::for_namespace(namespace, &run_dir).unwrap();
+        let net = crate::support::NetCleanup {
+            prefix: prefix.into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let api_addr = free_loopback_addr().await;
+        let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
+        let child = cp
+            .agent_command(&AgentRun {
+                binary: std::path::Path::new(&bin),
+                socket: &rig.socket,
+                namespace,
+                run_dir: &run_dir,
+                data_dir: &data,
+                bridge_prefix: prefix,
+                api_addr: &api_addr,
+            })
+            .env("RUST_LOG", "info")
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Self {
+            child,
+            dir,
+            node_id,
+            api_addr,
+            namespace: namespace.into(),
+            _net: net,
+        }
+    }
+
+    pub fn data_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("data")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// Polls `status --json` until `done` holds (90 s).
+    pub fn wait_for(
+        &self,
+        what: &str,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        let mut last = None;
+        while std::time::Instant::now() < deadline {
+            let out = std::process::Command::new(crate::support::agent::BIN)
+                .arg("--run-dir")
+                .arg(self.dir.path().join("run"))
+                .args(["status", "--json"])
+                .output()
+                .unwrap();
+            if let Ok(s) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+                if done(&s) {
+                    return s;
+                }
+                last = Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        panic!(
+            "not {what} within 90 s; last status {last:#?}\nagent log:\n{}",
+            self.log()
+        );
+    }
+
+    /// A node API client presenting a certificate for `caller`.
+    pub async fn api_as(
+        &self,
+        cp: &ControlPlane,
+        caller: &str,
+    ) -> zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient<
+        tonic::transport::Channel,
+    > {
+        let (cert, key) = cp.ca.node_identity(caller, false);
+        let cfg = tls::node_client(&zattera_agent::control::tls::NodeTls {
+            key_pem: key.into_bytes(),
+            cert_pem: cert.into_bytes(),
+            ca_pem: cp.ca.pem.clone().into_bytes(),
+        })
+        .unwrap();
+        let name =
+            rustls::pki_types::ServerName::try_from(format!("node-{}", self.node_id)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match tls::connect_as(&self.api_addr, name.clone(), cfg.clone()).await {
+                Ok(channel) => {
+                    return zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(channel);
+                }
+                Err(e) if std::time::Instant::now() < deadline => {
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!(
+                    "node API at {}: {e}; agent log:\n{}",
+                    self.api_addr,
+                    self.log()
+                ),
+            }
+        }
+    }
+}
+
+impl Drop for ControlledAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

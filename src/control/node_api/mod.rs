@@ -1,9 +1,14 @@
 //! The node API server: `AgentLocalService`, which control dials on port
 //! 8444 (wire.md §1.5), on every node (§9 item 2).
 //!
-//! Stricter than the reference (DESIGN.md decision 7): the TLS handshake
-//! requires a client certificate chaining to the cluster CA, and every call
-//! requires a `zattera://node/` identity in it.
+//! Stricter than the reference (DESIGN.md decision 7, AGENT-4): the TLS
+//! handshake requires a client certificate chaining to the cluster CA, and
+//! every call requires the `zattera://node/` identity of a control-plane
+//! node ([`ControlIds`]: the `is_control` peers of the latest peer set, and
+//! any `control-node-ids` configured). A worker's certificate is as valid as
+//! control's in the handshake, and is refused here with PERMISSION_DENIED:
+//! one enrolled node must not drive another. HTTP/2 keepalive pings find a
+//! dead caller, so its exec sessions and log follows end.
 //!
 //! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
@@ -21,10 +26,12 @@ pub mod top;
 pub mod upgrade;
 pub mod volume_files;
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
 use tokio::sync::watch;
@@ -58,13 +65,23 @@ pub enum NodeApiError {
     },
 }
 
+/// The node ids allowed to call the node API: control-plane nodes.
+pub type ControlIds = watch::Receiver<BTreeSet<String>>;
+
+/// A fixed set of control ids (configuration, tests).
+pub fn control_ids<S: Into<String>>(ids: impl IntoIterator<Item = S>) -> ControlIds {
+    watch::channel(ids.into_iter().map(Into::into).collect()).1
+}
+
 /// What the served methods read: the node's containerd, the executor's
-/// current set, the data dir (logs live under it), the run dir (exec
-/// FIFOs), and the metrics store.
+/// current set and status, the data dir (logs live under it), the run dir
+/// (exec FIFOs), and the metrics store.
 #[derive(Debug, Clone)]
 pub struct NodeContext {
     pub ctd: Containerd,
     pub desired: watch::Receiver<Option<AssignmentSet>>,
+    /// What port-forwards may reach (PX-3).
+    pub targets: proxy::Targets,
     pub data_dir: PathBuf,
     pub run_dir: PathBuf,
     pub node_id: String,
@@ -78,15 +95,18 @@ pub struct NodeApi {
     listener: tokio::net::TcpListener,
     tls: Arc<rustls::ServerConfig>,
     node: Option<NodeContext>,
+    controls: ControlIds,
 }
 
 impl NodeApi {
     /// Binds `addr` with the node certificate; clients must present one of
-    /// the cluster CA. Without `node` (no runtime) every method declines.
+    /// the cluster CA, naming a node in `controls`. Without `node` (no
+    /// runtime) every method declines.
     pub async fn bind(
         addr: SocketAddr,
         identity: &NodeTls,
         node: Option<NodeContext>,
+        controls: ControlIds,
     ) -> Result<Self, NodeApiError> {
         let tls = tls::server(
             &identity.cert_pem,
@@ -105,6 +125,7 @@ impl NodeApi {
             listener,
             tls: Arc::new(tls),
             node,
+            controls,
         })
     }
 
@@ -115,7 +136,14 @@ impl NodeApi {
     /// Serves until the task is dropped.
     pub async fn serve(self) -> Result<(), tonic::transport::Error> {
         tonic::transport::Server::builder()
-            .add_service(AgentLocalServiceServer::new(Service { node: self.node }))
+            // A caller that vanished (a dead control connection) is found
+            // within 30 s, and its streams end.
+            .http2_keepalive_interval(Some(Duration::from_secs(15)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(15)))
+            .add_service(AgentLocalServiceServer::new(Service {
+                node: self.node,
+                controls: self.controls,
+            }))
             .serve_with_incoming(tls::incoming(self.listener, self.tls))
             .await
     }
@@ -124,38 +152,49 @@ impl NodeApi {
 #[derive(Debug, Clone)]
 struct Service {
     node: Option<NodeContext>,
+    controls: ControlIds,
 }
 
 impl Service {
     /// The caller, checked, and the node context the method needs.
     fn serving<T>(&self, req: &Request<T>, capability: &str) -> Result<&NodeContext, Status> {
-        let caller = authorize(req)?;
+        let caller = self.authorize(req)?;
         tracing::debug!(%caller, capability, "node API call");
         self.node.as_ref().ok_or_else(|| {
             Status::unimplemented(format!("{capability}: this node has no container runtime"))
         })
     }
-}
 
-/// The caller must be a node of the cluster (its certificate's URI SAN).
-fn authorize<T>(req: &Request<T>) -> Result<String, Status> {
-    req.extensions()
-        .get::<PeerIdentity>()
-        .and_then(|p| p.node_id.clone())
-        .ok_or_else(|| {
-            Status::permission_denied(
-                "node API: the client certificate carries no zattera://node/ identity",
-            )
-        })
-}
+    /// The caller must be a control-plane node of the cluster (its
+    /// certificate's URI SAN, and the control ids this node knows).
+    fn authorize<T>(&self, req: &Request<T>) -> Result<String, Status> {
+        let caller = req
+            .extensions()
+            .get::<PeerIdentity>()
+            .and_then(|p| p.node_id.clone())
+            .ok_or_else(|| {
+                Status::permission_denied(
+                    "node API: the client certificate carries no zattera://node/ identity",
+                )
+            })?;
+        if self.controls.borrow().contains(&caller) {
+            Ok(caller)
+        } else {
+            tracing::warn!(%caller, "node API call from a node that is not a control-plane node: refused");
+            Err(Status::permission_denied(format!(
+                "node API: node {caller} is not a control-plane node; only control may call this API"
+            )))
+        }
+    }
 
-/// Checks the caller, then declines: `capability` has not landed here.
-fn declined<T, R>(req: &Request<T>, capability: &str) -> Result<R, Status> {
-    let caller = authorize(req)?;
-    tracing::debug!(%caller, capability, "node API call for a capability not implemented");
-    Err(Status::unimplemented(format!(
-        "{capability} is not implemented on this node yet"
-    )))
+    /// Checks the caller, then declines: `capability` has not landed here.
+    fn declined<T, R>(&self, req: &Request<T>, capability: &str) -> Result<R, Status> {
+        let caller = self.authorize(req)?;
+        tracing::debug!(%caller, capability, "node API call for a capability not implemented");
+        Err(Status::unimplemented(format!(
+            "{capability} is not implemented on this node yet"
+        )))
+    }
 }
 
 pub(crate) type Out<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -213,21 +252,22 @@ impl AgentLocalService for Service {
         &self,
         req: Request<Streaming<TcpChunk>>,
     ) -> Result<Response<Self::ProxyTCPStream>, Status> {
-        let caller = authorize(&req)?;
-        tracing::debug!(%caller, "node API ProxyTCP");
-        Ok(Response::new(proxy::proxy_tcp(req.into_inner()).await?))
+        let node = self.serving(&req, "port-forward (ProxyTCP)")?;
+        Ok(Response::new(
+            proxy::proxy_tcp(&node.targets, req.into_inner()).await?,
+        ))
     }
     async fn run_build(
         &self,
         req: Request<RunBuildRequest>,
     ) -> Result<Response<Self::RunBuildStream>, Status> {
-        declined(&req, "image builds (RunBuild)")
+        self.declined(&req, "image builds (RunBuild)")
     }
     async fn cancel_build(
         &self,
         req: Request<CancelBuildRequest>,
     ) -> Result<Response<CancelBuildResponse>, Status> {
-        declined(&req, "image builds (CancelBuild)")
+        self.declined(&req, "image builds (CancelBuild)")
     }
     async fn snapshot_volume(
         &self,
@@ -263,7 +303,7 @@ impl AgentLocalService for Service {
         &self,
         req: Request<Streaming<AgentWriteFileChunk>>,
     ) -> Result<Response<AgentWriteFileResponse>, Status> {
-        declined(&req, "volume files (WriteVolumeFile)")
+        self.declined(&req, "volume files (WriteVolumeFile)")
     }
     async fn remove_volume(
         &self,
@@ -271,7 +311,7 @@ impl AgentLocalService for Service {
     ) -> Result<Response<AgentRemoveVolumeResponse>, Status> {
         let node = self.serving(&req, "volumes (RemoveVolume)")?;
         let r = req.into_inner();
-        volume_files::remove(&node.data_dir, &r.environment_id, &r.volume_name).await?;
+        volume_files::remove(&node.ctd, &node.data_dir, &r.environment_id, &r.volume_name).await?;
         Ok(Response::new(AgentRemoveVolumeResponse {}))
     }
     async fn upgrade_binary(

@@ -117,20 +117,23 @@ fn engine(target: Option<S3Target>) -> Result<Engine, SnapshotError> {
     )
 }
 
+/// The volume's logical name, node-local name and root; a volume kept
+/// under its legacy name is moved first ([`volumes::ensure`]).
 fn located(
     data_dir: &std::path::Path,
     v: Option<&crate::proto::v1::Volume>,
-) -> Result<(String, std::path::PathBuf), SnapshotError> {
+) -> Result<(String, String, std::path::PathBuf), SnapshotError> {
     let v = v.ok_or_else(|| SnapshotError::BadRequest("no volume given".into()))?;
-    let local = volumes::local_name(&v.environment_id, &v.name)
+    let local = volumes::ensure(data_dir, &v.environment_id, &v.name)
         .map_err(|e| SnapshotError::BadRequest(e.to_string()))?;
-    Ok((v.name.clone(), volumes::volume_root(data_dir, &local)))
+    let root = volumes::volume_root(data_dir, &local);
+    Ok((v.name.clone(), local, root))
 }
 
 pub fn snapshot(node: &NodeContext, req: AgentSnapshotVolumeRequest) -> Out<VolumeOpProgress> {
     let node = node.clone();
     streamed("SnapshotVolume", move |tx| async move {
-        let (name, root) = located(&node.data_dir, req.volume.as_ref())?;
+        let (name, local, root) = located(&node.data_dir, req.volume.as_ref())?;
         if !root.is_dir() {
             return Err(SnapshotError::NoVolume(name));
         }
@@ -138,7 +141,7 @@ pub fn snapshot(node: &NodeContext, req: AgentSnapshotVolumeRequest) -> Out<Volu
         let command = req.pre_hook_command.trim();
         if !command.is_empty() {
             let container = if req.pre_hook_container_id.is_empty() {
-                hooks::running_users(&node.ctd, &root)
+                hooks::running_users_of(&node.ctd, &node.data_dir, &local)
                     .await?
                     .into_iter()
                     .next()
@@ -200,12 +203,12 @@ pub fn snapshot(node: &NodeContext, req: AgentSnapshotVolumeRequest) -> Out<Volu
 pub fn restore(node: &NodeContext, req: AgentRestoreVolumeRequest) -> Out<VolumeOpProgress> {
     let node = node.clone();
     streamed("RestoreVolume", move |tx| async move {
-        let (name, root) = located(&node.data_dir, req.volume.as_ref())?;
+        let (name, local, root) = located(&node.data_dir, req.volume.as_ref())?;
         if req.manifest_key.is_empty() {
             return Err(SnapshotError::BadRequest("no manifest_key given".into()));
         }
         let _lock = VolumeLock::acquire(&root, &name)?;
-        if let Some(container) = hooks::running_users(&node.ctd, &root)
+        if let Some(container) = hooks::running_users_of(&node.ctd, &node.data_dir, &local)
             .await?
             .into_iter()
             .next()

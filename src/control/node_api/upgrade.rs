@@ -1,15 +1,20 @@
 //! `UpgradeBinary`: replace the agent binary and restart into it.
 //!
 //! Only URLs under the configured `upgrade-base-url` are fetched (`*` = any
-//! URL); at most 512 MiB are read, hashed as they arrive, into a file beside
-//! the binary; a SHA-256 mismatch installs nothing. The new file is renamed
-//! over the binary (atomic on one filesystem), the reply goes out, and about
-//! 500 ms later the agent re-executes itself with the same arguments: the
-//! same pid, so a supervisor sees no exit, and the containers, which belong
-//! to containerd's shims, keep running and are adopted by the new process.
+//! URL), and no redirect may lead outside it; at most 512 MiB are read,
+//! hashed as they arrive, into a file beside the binary; a SHA-256 mismatch
+//! installs nothing. A version older than the running one is refused unless
+//! its label says it is a rollback (`1.2.0+rollback`); one upgrade runs at a
+//! time. The running binary is kept as `<binary>.prev` (UPG-5), the new file
+//! is renamed over the binary (atomic on one filesystem) and the directory
+//! synced, the reply goes out, and about 500 ms later the agent re-executes
+//! itself with the same arguments: the same pid, so a supervisor sees no
+//! exit, and the containers, which belong to containerd's shims, keep
+//! running and are adopted by the new process.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -29,6 +34,48 @@ pub struct UpgradeConfig {
     pub binary: PathBuf,
     /// The arguments to restart with (argv).
     pub args: Vec<String>,
+    /// Held for the whole of one upgrade.
+    pub busy: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// The build-metadata suffix that marks a requested version as a rollback.
+const ROLLBACK: [&str; 2] = ["+rollback", "+downgrade"];
+
+/// `v1.2.3-rc1+meta` → ((1, 2, 3), Some("rc1")); `None` when not a version.
+fn parse_version(label: &str) -> Option<((u64, u64, u64), Option<String>)> {
+    let core = label.trim().trim_start_matches('v');
+    let core = core.split('+').next().unwrap_or(core);
+    let (numbers, pre) = match core.split_once('-') {
+        Some((n, p)) => (n, Some(p.to_owned())),
+        None => (core, None),
+    };
+    let mut it = numbers.split('.').map(str::parse::<u64>);
+    let v = (
+        it.next()?.ok()?,
+        it.next()?.ok()?,
+        it.next().unwrap_or(Ok(0)).ok()?,
+    );
+    Some((v, pre))
+}
+
+/// Why `requested` may not replace `running`, if it may not: an older
+/// version needs the rollback mark, an unordered label is refused.
+fn version_refusal(running: &str, requested: &str) -> Option<String> {
+    if ROLLBACK.iter().any(|r| requested.ends_with(r)) {
+        return None;
+    }
+    let (Some(have), Some(want)) = (parse_version(running), parse_version(requested)) else {
+        return Some(format!(
+            "version {requested:?} cannot be ordered against the running {running}; give a version (1.2.3)"
+        ));
+    };
+    // A pre-release sorts before its release.
+    let key = |(v, pre): &((u64, u64, u64), Option<String>)| (*v, pre.is_none(), pre.clone());
+    (key(&want) < key(&have)).then(|| {
+        format!(
+            "version {requested} is older than the running {running}; mark a rollback as {requested}+rollback"
+        )
+    })
 }
 
 /// Whether `url` lies under `base`: the same prefix, ending at a path or
@@ -71,14 +118,23 @@ pub async fn upgrade(
             req.url
         )));
     }
+    let running = env!("CARGO_PKG_VERSION");
+    if let Some(why) = version_refusal(running, &req.version) {
+        return Err(Status::failed_precondition(format!("UpgradeBinary: {why}")));
+    }
+    let Ok(_one_at_a_time) = cfg.busy.try_lock() else {
+        return Err(Status::aborted(
+            "UpgradeBinary: another upgrade is in progress on this node",
+        ));
+    };
     tracing::info!(version = %req.version, url = %req.url, "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
-    let result = download(&req.url, &staged, &want).await;
+    let result = download(base, &req.url, &staged, &want).await;
     if let Err(e) = result {
         let _ = std::fs::remove_file(&staged);
         return Err(e);
     }
-    if let Err(e) = std::fs::rename(&staged, &cfg.binary) {
+    if let Err(e) = install(&staged, &cfg.binary) {
         let _ = std::fs::remove_file(&staged);
         return Err(Status::internal(format!(
             "UpgradeBinary: installing the new binary: {e}"
@@ -96,6 +152,22 @@ pub async fn upgrade(
     })
 }
 
+/// Keeps the running binary as `<binary>.prev` (a copy: the binary stays in
+/// place if anything below fails), renames the staged file over it, and
+/// syncs the directory so the swap survives a power cut.
+fn install(staged: &Path, binary: &Path) -> std::io::Result<()> {
+    let mut prev = binary.as_os_str().to_owned();
+    prev.push(".prev");
+    if binary.exists() {
+        std::fs::copy(binary, &prev)?;
+    }
+    std::fs::rename(staged, binary)?;
+    if let Some(dir) = binary.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
 fn staging_path(binary: &Path) -> PathBuf {
     let name = binary.file_name().map_or_else(
         || "zattera-agent".into(),
@@ -106,14 +178,27 @@ fn staging_path(binary: &Path) -> PathBuf {
 
 /// Streams `url` into `path`, checking size and digest; the file is
 /// executable and synced when this returns Ok.
-async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
+async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), Status> {
     let unavailable = |e: &dyn std::fmt::Display| {
         Status::unavailable(format!("UpgradeBinary: downloading {url}: {e}"))
     };
+    // A redirect is followed only while it stays under the base URL.
+    let base_owned = base.to_owned();
+    let redirects = reqwest::redirect::Policy::custom(move |attempt| {
+        if attempt.previous().len() >= 10 {
+            attempt.error("too many redirects")
+        } else if allowed(&base_owned, attempt.url().as_str()) {
+            attempt.follow()
+        } else {
+            let to = attempt.url().to_string();
+            attempt.error(format!("redirected to {to}, outside the upgrade base URL"))
+        }
+    });
     // A stalled server fails the call instead of holding it forever.
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .read_timeout(Duration::from_secs(60))
+        .redirect(redirects)
         .build()
         .map_err(|e| unavailable(&e))?;
     let mut resp = client.get(url).send().await.map_err(|e| unavailable(&e))?;
@@ -181,6 +266,24 @@ fn restart(binary: &Path, args: &[String]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn older_versions_need_the_rollback_mark() {
+        assert_eq!(version_refusal("0.2.0", "0.2.1"), None);
+        assert_eq!(version_refusal("0.2.0", "v0.3.0"), None);
+        assert_eq!(version_refusal("0.2.0", "0.2.0"), None, "a reinstall");
+        assert!(
+            version_refusal("0.2.0", "0.1.9")
+                .unwrap()
+                .contains("+rollback")
+        );
+        assert_eq!(version_refusal("0.2.0", "0.1.9+rollback"), None);
+        assert!(
+            version_refusal("0.2.0", "0.2.0-rc1").is_some(),
+            "a pre-release is older"
+        );
+        assert!(version_refusal("0.2.0", "nightly").is_some());
+    }
 
     #[test]
     fn urls_must_lie_under_the_base() {

@@ -1,49 +1,89 @@
 //! `ListVolumeFiles`, `ReadVolumeFile` and `RemoveVolume`: the volume
 //! browser of the dashboard, on the node-local volume directories
-//! ([`crate::volumes`]). Paths follow the volume path rules; no error text
+//! ([`crate::volumes`]). Paths follow the volume path rules (VF-1) with
+//! kernel-enforced containment: everything is opened beneath a handle on the
+//! volume root ([`crate::beneath`]), never checked and then reopened by
+//! path, so a workload swapping a path component for a symlink or a FIFO
+//! gets nothing outside the volume and cannot hang a thread. No error text
 //! carries a host path.
 
+use std::collections::BinaryHeap;
+use std::ffi::OsString;
 use std::io::Read;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 
+use nix::fcntl::OFlag;
+use nix::sys::stat::SFlag;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
+use crate::beneath;
 use crate::proto::cluster::{
     AgentFileInfo, AgentListFilesRequest, AgentListFilesResponse, AgentReadFileRequest, TcpChunk,
 };
+use crate::runtime::Containerd;
 use crate::volumes::{self, VolumeError};
 
 use super::Out;
 
 /// Entries per listing (the reference's cap).
 pub const LIST_CAP: usize = 5000;
+/// Entries read from one directory at most: a directory of millions is
+/// reported truncated instead of taking the node's time.
+pub const SCAN_CAP: usize = 200_000;
 /// Bytes per `ReadVolumeFile` frame.
 pub const READ_CHUNK: usize = 64 * 1024;
 
 fn status(e: &VolumeError) -> Status {
     let text = e.to_string();
     match e {
-        VolumeError::BadName(_) | VolumeError::Escapes(_) => Status::invalid_argument(text),
+        VolumeError::BadName(_)
+        | VolumeError::BadEnvironment(_)
+        | VolumeError::Escapes(_)
+        | VolumeError::BadMountPath(_) => Status::invalid_argument(text),
         VolumeError::NoVolume(_) | VolumeError::NotFound(_) => Status::not_found(text),
         VolumeError::PermissionDenied(_) => Status::permission_denied(text),
+        VolumeError::InUse { .. } => Status::failed_precondition(text),
         VolumeError::Io { .. } => Status::internal(text),
     }
 }
 
-/// The existing root of a volume, or NOT_FOUND naming it.
+/// A handle on the existing root of a volume, or NOT_FOUND naming it.
 fn root_of(
     data_dir: &Path,
     environment_id: &str,
     name: &str,
-) -> Result<std::path::PathBuf, Status> {
-    let local = volumes::local_name(environment_id, name).map_err(|e| status(&e))?;
+) -> Result<(std::path::PathBuf, OwnedFd), Status> {
+    if name.is_empty() {
+        return Err(Status::invalid_argument("volume name is required"));
+    }
+    let local = volumes::ensure(data_dir, environment_id, name).map_err(|e| status(&e))?;
     let root = volumes::volume_root(data_dir, &local);
-    if root.is_dir() {
-        Ok(root)
-    } else {
-        Err(status(&VolumeError::NoVolume(name.to_owned())))
+    match beneath::open_dir(&root) {
+        Ok(fd) => Ok((root, fd)),
+        Err(_) => Err(status(&VolumeError::NoVolume(name.to_owned()))),
+    }
+}
+
+/// Opens the caller's `request` beneath the volume root (VF-1): `..` is
+/// clamped at the root, links inside are followed, anything leading out is
+/// refused by the kernel.
+fn open_in(root: &Path, root_fd: &OwnedFd, request: &str, flags: OFlag) -> Result<OwnedFd, Status> {
+    let rel = beneath::clean(request);
+    match beneath::open_beneath(root_fd.as_fd(), &rel, flags) {
+        Ok(fd) => Ok(fd),
+        Err(e) if e.raw_os_error() == Some(nix::libc::EXDEV) => {
+            // Leaving the root: an escape, or NOT_FOUND when the target
+            // does not exist (as the reference answers). Decided by looking
+            // only; nothing is opened.
+            Err(status(&match volumes::resolve(root, request) {
+                Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
+                _ => VolumeError::Escapes(request.to_owned()),
+            }))
+        }
+        Err(e) => Err(status(&volumes::io_error(request, &e))),
     }
 }
 
@@ -61,37 +101,64 @@ fn list_blocking(
     data_dir: &Path,
     req: &AgentListFilesRequest,
 ) -> Result<AgentListFilesResponse, Status> {
-    let root = root_of(data_dir, &req.environment_id, &req.volume_name)?;
-    let dir = volumes::resolve(&root, &req.path).map_err(|e| status(&e))?;
-    if !dir.is_dir() {
+    let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
+    let dir = open_in(
+        &root,
+        &root_fd,
+        &req.path,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
+    )?;
+    let st = nix::sys::stat::fstat(dir.as_fd())
+        .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
+    if beneath::kind(&st) != SFlag::S_IFDIR {
         return Err(Status::invalid_argument(format!(
             "{:?} is not a directory",
             req.path
         )));
     }
-    let entries = std::fs::read_dir(&dir).map_err(|e| status(&volumes::io_error(&req.path, &e)))?;
-    let mut files: Vec<AgentFileInfo> = entries
-        .flatten()
-        .filter_map(|entry| {
+    // The first LIST_CAP names by byte order, kept while reading: memory
+    // stays bounded by the cap, not by the directory.
+    let mut kept: BinaryHeap<OsString> = BinaryHeap::new();
+    let (mut seen, mut scan_truncated) = (0usize, false);
+    beneath::each_name(dir.as_fd(), |name| {
+        seen += 1;
+        if seen > SCAN_CAP {
+            scan_truncated = true;
+            return false;
+        }
+        if kept.len() < LIST_CAP {
+            kept.push(name.to_owned());
+        } else if kept
+            .peek()
+            .is_some_and(|largest| name < largest.as_os_str())
+        {
+            kept.pop();
+            kept.push(name.to_owned());
+        }
+        true
+    })
+    .map_err(|e| status(&volumes::io_error(&req.path, &e)))?;
+    let truncated = scan_truncated || seen > LIST_CAP;
+    let mut files: Vec<AgentFileInfo> = kept
+        .into_vec()
+        .into_iter()
+        .filter_map(|name| {
             // Listing shows links as links: nothing is followed.
-            let meta = entry.metadata().ok()?;
-            let mod_time_unix_ms = meta
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+            let st = beneath::stat_entry(dir.as_fd(), &name).ok()?;
+            let mod_time_unix_ms = st
+                .st_mtime
+                .saturating_mul(1000)
+                .saturating_add(st.st_mtime_nsec / 1_000_000);
             Some(AgentFileInfo {
-                name: entry.file_name().to_string_lossy().into_owned(),
-                dir: meta.is_dir(),
-                size_bytes: meta.len(),
+                name: name.to_string_lossy().into_owned(),
+                dir: beneath::kind(&st) == SFlag::S_IFDIR,
+                size_bytes: u64::try_from(st.st_size).unwrap_or(0),
                 mod_time_unix_ms,
-                mode: volumes::go_mode_string(&meta),
+                mode: volumes::go_mode_string_of(st.st_mode),
             })
         })
         .collect();
     files.sort_by(|a, b| b.dir.cmp(&a.dir).then_with(|| a.name.cmp(&b.name)));
-    let truncated = files.len() > LIST_CAP;
-    files.truncate(LIST_CAP);
     Ok(AgentListFilesResponse { files, truncated })
 }
 
@@ -122,26 +189,54 @@ pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Out<TcpC
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
 
-/// The regular file `req` names, opened.
+/// The regular file `req` names, opened once and checked through its handle
+/// (O_NONBLOCK: a FIFO swapped in is opened without waiting, then refused).
 fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::File, Status> {
-    let root = root_of(data_dir, &req.environment_id, &req.volume_name)?;
-    let path = volumes::resolve(&root, &req.path).map_err(|e| status(&e))?;
-    let meta = std::fs::metadata(&path).map_err(|e| status(&volumes::io_error(&req.path, &e)))?;
-    if !meta.is_file() {
-        return Err(Status::invalid_argument(format!(
+    let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
+    let fd = open_in(
+        &root,
+        &root_fd,
+        &req.path,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
+    )?;
+    let st = nix::sys::stat::fstat(fd.as_fd())
+        .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
+    match beneath::kind(&st) {
+        SFlag::S_IFREG => Ok(std::fs::File::from(fd)),
+        SFlag::S_IFDIR => Err(Status::invalid_argument(format!(
+            "{:?} is a directory",
+            req.path
+        ))),
+        _ => Err(Status::invalid_argument(format!(
             "{:?} is not a regular file",
             req.path
-        )));
+        ))),
     }
-    std::fs::File::open(&path).map_err(|e| status(&volumes::io_error(&req.path, &e)))
 }
 
 /// Deletes the volume's directory; an absent volume is already removed.
-pub async fn remove(data_dir: &Path, environment_id: &str, name: &str) -> Result<(), Status> {
-    let local = volumes::local_name(environment_id, name).map_err(|e| status(&e))?;
+/// Refused while any managed container, running or stopped, mounts it
+/// (VOL-5): its data would go from under it.
+pub async fn remove(
+    ctd: &Containerd,
+    data_dir: &Path,
+    environment_id: &str,
+    name: &str,
+) -> Result<(), Status> {
+    let local = volumes::ensure(data_dir, environment_id, name).map_err(|e| status(&e))?;
+    let users = volumes::users(ctd, data_dir, &local)
+        .await
+        .map_err(|e| Status::unavailable(format!("RemoveVolume: listing containers: {e}")))?;
+    if !users.is_empty() {
+        return Err(status(&VolumeError::InUse {
+            volume: name.to_owned(),
+            containers: users,
+        }));
+    }
     let dir = volumes::volume_dir(data_dir, &local);
     match tokio::fs::remove_dir_all(&dir).await {
         Ok(()) => {
+            volumes::remove_aliases(data_dir, &local);
             tracing::info!(volume = %local, "volume removed");
             Ok(())
         }

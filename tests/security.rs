@@ -1,0 +1,769 @@
+//! Attacks on the running agent (issue 12): a hostile image, a hostile
+//! container, a hostile enrolled node. Each test is an attack against the
+//! real agent binary, containerd, runc, nftables and kernel that succeeded
+//! before the fix it names; `ZATTERA_TEST_AGENT_BIN` runs them against
+//! another build. Every test has its own containerd namespace, bridge
+//! prefix, subnets and, where host listeners are involved, its own network
+//! namespace, and removes them even when it fails.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "support/control.rs"]
+mod control_plane;
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use control_plane::{CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, set_of};
+use support::agent::{AgentProc, KillOnDrop, TestNetns, row};
+use support::{rig, with_namespace};
+use zattera_agent::proto::cluster::{
+    AgentExecInput, AgentExecStart, AgentListFilesRequest, AgentReadFileRequest,
+    AgentRemoveVolumeRequest, AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest,
+    AgentTopRequest, AgentUpgradeRequest, AgentWriteFileChunk, CancelBuildRequest, RunBuildRequest,
+    TcpChunk,
+};
+use zattera_agent::proto::v1::{LogQuery, StatsQuery};
+use zattera_agent::runtime::exec::{ExecRequest, exec};
+use zattera_agent::runtime::{Containerd, import_archive};
+
+const SECRET: &str = "security-secret";
+const TOOLS: &str = "docker.io/zattera/busybox:tools";
+const SYMLINK: &str = "docker.io/zattera/busybox:symlink";
+const HOST_SECRET: &str = "/var/lib/zattera-rig/host-secret";
+
+/// Runs `script` with /bin/sh inside container `cid`; (exit code, stdout).
+async fn sh(ctd: &Containerd, cid: &str, script: &str) -> (u32, String) {
+    let fifos = tempfile::tempdir().unwrap();
+    let out = exec(
+        ctd,
+        cid,
+        fifos.path(),
+        &ExecRequest {
+            args: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            timeout: Duration::from_secs(10),
+            ..ExecRequest::default()
+        },
+    )
+    .await
+    .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.exit_code, text)
+}
+
+async fn import(ctd: &Containerd, rig: &support::Rig, file: &str) {
+    import_archive(ctd, &rig.images.join(file), None)
+        .await
+        .unwrap();
+}
+
+fn manifest(app: &str, env: &str, image: &str, command: &str, extra: &str) -> String {
+    format!(
+        "[app]\nname = \"{app}\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{image}\"\n\
+         [env.{env}]\nstop_grace = \"1s\"\ncommand = \"{command}\"\n{extra}"
+    )
+}
+
+const IDLE: &str = "trap 'exit 0' TERM; while true; do sleep 1; done";
+
+fn container_of(status: &serde_json::Value, app: &str) -> String {
+    row(status, app).unwrap()["container_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn ip_of(status: &serde_json::Value, app: &str) -> String {
+    row(status, app).unwrap()["ip"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn an_image_symlink_never_copies_a_host_directory_into_a_volume() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-copyup", |ctd, rig| async move {
+        import(&ctd, &rig, "symlink-oci.tar").await;
+        let before = std::fs::read_dir(HOST_SECRET).unwrap().count();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsa", "174-175");
+        // `/data` and `/srv` are symlinks onto host paths in the image.
+        agent.write_manifest(
+            "evil.toml",
+            &manifest(
+                "evil",
+                "prod",
+                SYMLINK,
+                IDLE,
+                "[[env.prod.volumes]]\nname = \"d1\"\nmount_path = \"/data\"\n\
+                 [[env.prod.volumes]]\nname = \"d2\"\nmount_path = \"/srv/host-secret\"\n",
+            ),
+        );
+        agent.start();
+        let status = agent.wait_for("evil up", |s| {
+            row(s, "evil").is_some_and(|r| r["state"] == "HEALTHY")
+        });
+        // Whatever became of the instance, no volume holds a host file...
+        let volumes = agent.data_dir().join("volumes");
+        let mut found = Vec::new();
+        for v in std::fs::read_dir(&volumes).into_iter().flatten().flatten() {
+            let data = v.path().join("_data");
+            for e in std::fs::read_dir(&data).into_iter().flatten().flatten() {
+                found.push(e.path());
+            }
+        }
+        let made = std::fs::read_dir(&volumes).map_or(0, Iterator::count);
+        assert_eq!(made, 2, "both volumes exist (copy-up ran): {status:#}");
+        assert!(
+            found.is_empty(),
+            "host files copied into the volumes: {found:?}"
+        );
+        // ...and the host directory is as it was.
+        assert_eq!(std::fs::read_dir(HOST_SECRET).unwrap().count(), before);
+        assert_eq!(
+            std::fs::read_to_string(Path::new(HOST_SECRET).join("secret.txt")).unwrap(),
+            "host secret\n"
+        );
+    })
+    .await;
+}
+
+/// A host process in `netns`: a TCP listener on 0.0.0.0:2222 (an SSH-like
+/// service) and a UDP one on 127.0.0.1:5555; prints a line per event.
+const HOST_SERVICES: &str = r#"
+import select, socket
+t = socket.socket(); t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+t.bind(("0.0.0.0", 2222)); t.listen(8)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("127.0.0.1", 5555))
+print("ready", flush=True)
+while True:
+    r, _, _ = select.select([t, u], [], [])
+    if t in r:
+        c, peer = t.accept(); print("tcp", peer, flush=True); c.close()
+    if u in r:
+        data, peer = u.recvfrom(2048); print("udp", peer, data, flush=True)
+"#;
+
+/// A bridge's MAC address, as iproute2 shows it in `netns`.
+fn bridge_mac(netns: &TestNetns, bridge: &str) -> String {
+    let line = netns.run(&["ip", "-o", "link", "show", bridge]);
+    line.split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap()
+        .to_owned()
+}
+
+/// The host services' events, once they print `ready`.
+fn host_events(services: &mut KillOnDrop) -> std::sync::mpsc::Receiver<String> {
+    let stdout = services.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "ready");
+    rx
+}
+
+#[tokio::test]
+async fn containers_reach_neither_the_host_nor_another_environment() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-host", |ctd, rig| async move {
+        import(&ctd, &rig, "tools-oci.tar").await;
+        let netns = TestNetns::new("sech");
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsb", "176-177");
+        agent.netns = Some(netns.path());
+        agent.write_manifest(
+            "attacker.toml",
+            &manifest("attacker", "prod", TOOLS, IDLE, ""),
+        );
+        agent.write_manifest(
+            "db.toml",
+            &manifest("db", "staging", TOOLS, "exec ztprobe udp-listen 5353", ""),
+        );
+        agent.start();
+        let status = agent.wait_for("both up", |s| {
+            ["attacker", "db"]
+                .iter()
+                .all(|a| row(s, a).is_some_and(|r| r["state"] == "HEALTHY"))
+        });
+        let (attacker, attacker_ip) = (
+            container_of(&status, "attacker"),
+            ip_of(&status, "attacker"),
+        );
+        let (db, db_ip) = (container_of(&status, "db"), ip_of(&status, "db"));
+        let gw = |ip: &str| format!("{}.1", ip.rsplit_once('.').unwrap().0);
+        let (prod_gw, staging_gw) = (gw(&attacker_ip), gw(&db_ip));
+        let bridge = format!("ztsb{}", attacker_ip.split('.').nth(2).unwrap());
+        let mac = bridge_mac(&netns, &bridge);
+
+        let mut services = KillOnDrop(
+            netns
+                .command("python3")
+                .args(["-c", HOST_SERVICES])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let events = host_events(&mut services);
+
+        // 1. The host's service on the gateway.
+        let (_, out) = sh(
+            &ctd,
+            &attacker,
+            &format!("echo hi | nc -w 2 {prod_gw} 2222; echo rc=$?"),
+        )
+        .await;
+        // 2. A crafted packet to the host's loopback (CVE-2020-8558).
+        let (_, raw) = sh(
+            &ctd,
+            &attacker,
+            &format!("ztprobe udp eth0 {mac} {attacker_ip} 127.0.0.1 40000 5555 pwned"),
+        )
+        .await;
+        assert!(raw.contains("sent"), "the raw packet went out: {raw}");
+        // 3. Another environment's resolver; its own answers.
+        let (_, foreign) = sh(
+            &ctd,
+            &attacker,
+            &format!("nslookup db.internal {staging_gw}"),
+        )
+        .await;
+        let (_, own) = sh(
+            &ctd,
+            &attacker,
+            &format!("nslookup attacker.internal {prod_gw}"),
+        )
+        .await;
+        // 4. A query with db's address as its source: the answer would go to db.
+        let (_, spoof) = sh(
+            &ctd,
+            &attacker,
+            &format!("ztprobe udp eth0 {mac} {db_ip} {prod_gw} 5353 53 dns:attacker.internal"),
+        )
+        .await;
+        assert!(spoof.contains("sent"), "{spoof}");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+
+        let host_saw: Vec<String> = events.try_iter().collect();
+        drop(services);
+        let answers =
+            std::fs::read_to_string(agent.data_dir().join("logs").join(format!("{db}.log")))
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("got "))
+                .count();
+        assert!(own.contains(&attacker_ip), "the own gateway answers: {own}");
+        assert!(
+            !foreign.contains(&db_ip),
+            "another environment's resolver answered: {foreign}"
+        );
+        assert!(
+            host_saw.is_empty(),
+            "the host's services were reached from a container: {host_saw:?} (nc: {out})"
+        );
+        assert_eq!(
+            answers, 0,
+            "a spoofed query's answer reached the other environment"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_container_cannot_unshare_use_keys_or_fork_bomb_the_node() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-confine", |ctd, rig| async move {
+        import(&ctd, &rig, "tools-oci.tar").await;
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsc", "178-179");
+        agent.write_manifest(
+            "bomb.toml",
+            &manifest(
+                "bomb",
+                "prod",
+                TOOLS,
+                IDLE,
+                "[env.prod.resources]\npids = 64\n",
+            ),
+        );
+        agent.write_manifest(
+            "bystander.toml",
+            &manifest("bystander", "prod", support::TEST_IMAGE, IDLE, ""),
+        );
+        agent.start();
+        let ids = agent.wait_all(2, "HEALTHY");
+        let status = agent.status().unwrap();
+        let bomb = container_of(&status, "bomb");
+
+        for (probe, what) in [
+            ("busybox unshare -U true; echo rc=$?", "unshare -U"),
+            ("ztprobe syscall unshare-user", "unshare(CLONE_NEWUSER)"),
+            ("ztprobe syscall keyctl", "keyctl"),
+            ("ztprobe syscall add-key", "add_key"),
+            ("ztprobe syscall bpf", "bpf"),
+            ("ztprobe syscall mount", "mount"),
+            ("ztprobe syscall settime", "clock_settime"),
+        ] {
+            let (_, out) = sh(&ctd, &bomb, probe).await;
+            assert!(
+                out.contains("blocked: EPERM") || out.contains("Operation not permitted"),
+                "{what} is not refused: {out}"
+            );
+        }
+        let (_, nnp) = sh(&ctd, &bomb, "grep NoNewPrivs /proc/self/status").await;
+        assert!(
+            nnp.split_whitespace().last() == Some("1"),
+            "no_new_privileges: {nnp}"
+        );
+        let (_, ok) = sh(&ctd, &bomb, "ztprobe syscall getpid").await;
+        assert!(ok.contains("allowed"), "ordinary calls work: {ok}");
+
+        // A fork bomb stays inside its pids limit; the node carries on.
+        let (_, _) = sh(&ctd, &bomb, "f() { f | f & }; f; sleep 3").await;
+        let pids = support::agent::cgroup_pids(ctd.namespace().as_str(), &bomb);
+        assert!(
+            pids.is_some_and(|n| n <= 64),
+            "pids in the container: {pids:?}"
+        );
+        assert_eq!(
+            agent.wait_all(2, "HEALTHY"),
+            ids,
+            "no container was replaced"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_hanging_exec_probe_leaks_no_process_fifo_or_thread() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-probe", |ctd, rig| async move {
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsd", "180-181");
+        agent.write_manifest(
+            "hang.toml",
+            &format!(
+                "[app]\nname = \"hang\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{}\"\n\
+                 [deploy.healthcheck]\ntype = \"exec\"\ncommand = \"sleep 1000; true\"\ninterval = \"1s\"\ntimeout = \"1s\"\n\
+                 [env.prod]\nstop_grace = \"1s\"\ncommand = \"{IDLE}\"\n",
+                support::TEST_IMAGE
+            ),
+        );
+        agent.start();
+        let status = agent.wait_for("hang running", |s| {
+            row(s, "hang").is_some_and(|r| r["state"] == "RUNNING")
+        });
+        let cid = container_of(&status, "hang");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let pid = agent.pid().unwrap();
+        let threads = || std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().count();
+        let fifos = || {
+            std::fs::read_dir(agent.run_dir().join("exec")).map_or(0, Iterator::count)
+        };
+        let before = threads();
+        // 20 intervals of a probe that never ends on its own.
+        tokio::time::sleep(Duration::from_secs(22)).await;
+        let (_, ps) = sh(&ctd, &cid, "ps -o pid,args | grep -c '[s]leep 1000' || true").await;
+        let sleeping: usize = ps.trim().lines().last().unwrap_or("0").trim().parse().unwrap_or(99);
+        assert!(
+            sleeping <= 2,
+            "probe processes left behind in the container: {sleeping}"
+        );
+        assert!(fifos() <= 1, "exec FIFO dirs left: {}", fifos());
+        assert!(
+            threads() <= before + 4,
+            "agent threads grew from {before} to {}",
+            threads()
+        );
+    })
+    .await;
+}
+
+/// Whether a call was refused for who the caller is.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// PERMISSION_DENIED because the caller is not control.
+    NotControl,
+    /// Anything else: the call reached the method.
+    None,
+}
+
+impl Refusal {
+    fn of(s: &tonic::Status) -> Self {
+        if s.code() == tonic::Code::PermissionDenied
+            && s.message().contains("not a control-plane node")
+        {
+            Refusal::NotControl
+        } else {
+            Refusal::None
+        }
+    }
+}
+
+/// Every node API method, called; whether each was refused for its caller.
+async fn call_every_method(
+    api: &mut zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient<
+        tonic::transport::Channel,
+    >,
+) -> Vec<(&'static str, Refusal)> {
+    async fn first<T, S>(r: Result<tonic::Response<S>, tonic::Status>) -> Refusal
+    where
+        S: futures::Stream<Item = Result<T, tonic::Status>> + Unpin,
+    {
+        use futures::StreamExt;
+        match r {
+            Err(s) => Refusal::of(&s),
+            Ok(resp) => {
+                match tokio::time::timeout(Duration::from_secs(5), resp.into_inner().next()).await {
+                    Ok(Some(Err(s))) => Refusal::of(&s),
+                    _ => Refusal::None,
+                }
+            }
+        }
+    }
+    fn code<T>(r: Result<tonic::Response<T>, tonic::Status>) -> Refusal {
+        r.map_or_else(|s| Refusal::of(&s), |_| Refusal::None)
+    }
+    let one = |frame: TcpChunk| tokio_stream::iter(vec![frame]);
+    vec![
+        (
+            "QueryLogs",
+            first(api.query_logs(LogQuery::default()).await).await,
+        ),
+        (
+            "Exec",
+            first(
+                api.exec(tokio_stream::iter(vec![AgentExecInput {
+                    start: Some(AgentExecStart {
+                        container_id: "x".into(),
+                        command: vec!["true".into()],
+                        ..AgentExecStart::default()
+                    }),
+                    ..AgentExecInput::default()
+                }]))
+                .await,
+            )
+            .await,
+        ),
+        (
+            "Top",
+            code(
+                api.top(AgentTopRequest {
+                    container_id: "x".into(),
+                })
+                .await,
+            ),
+        ),
+        ("Stats", code(api.stats(StatsQuery::default()).await)),
+        (
+            "ProxyTCP",
+            first(
+                api.proxy_tcp(one(TcpChunk {
+                    dial_addr: "127.0.0.1:1".into(),
+                    data: Vec::new(),
+                }))
+                .await,
+            )
+            .await,
+        ),
+        (
+            "RunBuild",
+            first(api.run_build(RunBuildRequest::default()).await).await,
+        ),
+        (
+            "CancelBuild",
+            code(api.cancel_build(CancelBuildRequest::default()).await),
+        ),
+        (
+            "SnapshotVolume",
+            first(
+                api.snapshot_volume(AgentSnapshotVolumeRequest::default())
+                    .await,
+            )
+            .await,
+        ),
+        (
+            "RestoreVolume",
+            first(
+                api.restore_volume(AgentRestoreVolumeRequest::default())
+                    .await,
+            )
+            .await,
+        ),
+        (
+            "ListVolumeFiles",
+            code(
+                api.list_volume_files(AgentListFilesRequest::default())
+                    .await,
+            ),
+        ),
+        (
+            "ReadVolumeFile",
+            first(api.read_volume_file(AgentReadFileRequest::default()).await).await,
+        ),
+        (
+            "WriteVolumeFile",
+            code(
+                api.write_volume_file(tokio_stream::iter(vec![AgentWriteFileChunk::default()]))
+                    .await,
+            ),
+        ),
+        (
+            "RemoveVolume",
+            code(api.remove_volume(AgentRemoveVolumeRequest::default()).await),
+        ),
+        (
+            "UpgradeBinary",
+            code(api.upgrade_binary(AgentUpgradeRequest::default()).await),
+        ),
+    ]
+}
+
+/// Waits until the agent's node API serves a control caller.
+async fn serving(agent: &ControlledAgent, cp: &ControlPlane) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut api = agent.api_as(cp, CONTROL_NODE_ID).await;
+        match api
+            .top(AgentTopRequest {
+                container_id: "x".into(),
+            })
+            .await
+        {
+            Err(s) if s.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            _ => return,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-api", |ctd, rig| async move {
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztse").await;
+        // web: a published port; idle: holds port-forwards open, never reads.
+        let (mut web, mut web_rt) = assignment("w1", "env", 182, "httpd -f -p 80 -h /var/www");
+        web.app_id = "web".into();
+        web_rt.spec.as_mut().unwrap().ports = vec![zattera_agent::proto::v1::PortSpec {
+            name: "http".into(),
+            container_port: 80,
+            protocol: zattera_agent::proto::v1::Protocol::Http as i32,
+            public_l4_port: 0,
+        }];
+        let idle = assignment("i1", "env", 182, "nc -ll -p 9000 -e sleep 3600");
+        cp.push_set(set_of(1, vec![(web, web_rt), idle]));
+        serving(&agent, &cp).await;
+
+        // A worker's certificate: refused on every method.
+        let mut worker = agent.api_as(&cp, "worker-7").await;
+        for (method, refusal) in call_every_method(&mut worker).await {
+            assert_eq!(refusal, Refusal::NotControl, "{method} answered a worker");
+        }
+        // Control's: every call reaches the service.
+        let mut control = agent.api_as(&cp, CONTROL_NODE_ID).await;
+        for (method, refusal) in call_every_method(&mut control).await {
+            assert_eq!(refusal, Refusal::None, "{method} refused control");
+        }
+
+        // Port-forwards: not to a host service, not to an unpublished port,
+        // not to another machine.
+        let host = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let host_port = host.local_addr().unwrap().port();
+        for target in [
+            format!("127.0.0.1:{host_port}"),
+            "127.0.0.1:1".to_owned(),
+            "192.0.2.1:80".to_owned(),
+        ] {
+            let r = control
+                .proxy_tcp(tokio_stream::iter(vec![TcpChunk {
+                    dial_addr: target.clone(),
+                    data: Vec::new(),
+                }]))
+                .await;
+            let code = match r {
+                Err(s) => s.code(),
+                Ok(resp) => {
+                    let mut s = resp.into_inner();
+                    s.message()
+                        .await
+                        .err()
+                        .map_or(tonic::Code::Ok, |e| e.code())
+                }
+            };
+            assert_eq!(code, tonic::Code::PermissionDenied, "ProxyTCP to {target}");
+        }
+        let accepted = tokio::time::timeout(Duration::from_millis(200), host.accept()).await;
+        assert!(accepted.is_err(), "the host listener got a connection");
+
+        // To an instance: works; when the caller goes away, the socket closes.
+        let status = agent.wait_for("both instances up", |s| {
+            ["w1", "i1"].iter().all(|id| {
+                s["assignments"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|r| r["id"] == *id && r["state"] == "HEALTHY")
+            })
+        });
+        let idle_ip = support::agent::rows_by_id(&status, "ip")["i1"].clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tx.send(TcpChunk {
+            dial_addr: format!("{idle_ip}:9000"),
+            data: b"hello".to_vec(),
+        })
+        .await
+        .unwrap();
+        let call = control
+            .proxy_tcp(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let pid = agent.child.id();
+        assert_eq!(
+            support::agent::tcp_sockets_to(pid, &idle_ip, 9000),
+            1,
+            "the forward is open"
+        );
+        drop(call);
+        drop(tx);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while support::agent::tcp_sockets_to(pid, &idle_ip, 9000) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            support::agent::tcp_sockets_to(pid, &idle_ip, 9000),
+            0,
+            "the upstream socket outlived its caller"
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-vol", |ctd, rig| async move {
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent = ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsf").await;
+        // Two environments whose ULIDs share their first 8 characters.
+        let (env_a, env_b) = ("01JENVIR00000000000000000A", "01JENVIR00000000000000000B");
+        let volume = |(mut a, mut rt): (
+            zattera_agent::proto::v1::Assignment,
+            zattera_agent::proto::cluster::AssignmentRuntime,
+        )| {
+            a.app_id = a.meta.as_ref().unwrap().id.clone();
+            rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+                volume_name: "data".into(),
+                mount_path: "/data".into(),
+            }];
+            (a, rt)
+        };
+        // The workload swaps /data/f between a file, a link to a host file
+        // and a FIFO, as fast as it can.
+        let swap = format!(
+            "cd /data; echo kept > keep; while true; do echo inside > f; ln -sfn {HOST_SECRET}/secret.txt f; \
+             rm -f f; mkfifo f; rm -f f; ln -sfn {HOST_SECRET} f; rm -f f; done"
+        );
+        cp.push_set(set_of(
+            1,
+            vec![
+                volume(assignment("va", env_a, 184, &swap)),
+                volume(assignment("vb", env_b, 185, IDLE)),
+            ],
+        ));
+        agent.wait_for("both volume users running", |s| {
+            ["va", "vb"].iter().all(|id| {
+                s["assignments"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|r| r["id"] == *id && r["state"] == "HEALTHY")
+            })
+        });
+        let dirs: Vec<String> = std::fs::read_dir(agent.data_dir().join("volumes"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(dirs.len(), 2, "one directory per environment: {dirs:?}");
+
+        let mut api = agent.api_as(&cp, CONTROL_NODE_ID).await;
+        let (mut reads, mut refused) = (0, 0);
+        for _ in 0..300 {
+            let call = api.read_volume_file(AgentReadFileRequest {
+                environment_id: env_a.into(),
+                volume_name: "data".into(),
+                path: "f".into(),
+            });
+            let got = tokio::time::timeout(Duration::from_secs(5), async {
+                let mut body = Vec::new();
+                match call.await {
+                    Err(_) => return None,
+                    Ok(resp) => {
+                        let mut s = resp.into_inner();
+                        while let Ok(Some(chunk)) = s.message().await {
+                            body.extend(chunk.data);
+                        }
+                    }
+                }
+                Some(body)
+            })
+            .await
+            .expect("a ReadVolumeFile call hung (a FIFO swapped in?)");
+            match got {
+                Some(body) => {
+                    assert_ne!(
+                        String::from_utf8_lossy(&body),
+                        "host secret\n",
+                        "a host file was read through the volume"
+                    );
+                    reads += 1;
+                }
+                None => refused += 1,
+            }
+            let listed = tokio::time::timeout(
+                Duration::from_secs(5),
+                api.list_volume_files(AgentListFilesRequest {
+                    environment_id: env_a.into(),
+                    volume_name: "data".into(),
+                    path: "f".into(),
+                }),
+            )
+            .await
+            .expect("a ListVolumeFiles call hung");
+            if let Ok(l) = listed {
+                assert!(
+                    !l.into_inner().files.iter().any(|f| f.name == "secret.txt"),
+                    "a host directory was listed through the volume"
+                );
+            }
+        }
+        assert!(reads + refused == 300 && reads > 0, "{reads} reads, {refused} refused");
+
+        // The volume is mounted by a running container: it stays.
+        let err = api
+            .remove_volume(AgentRemoveVolumeRequest {
+                environment_id: env_a.into(),
+                volume_name: "data".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+        let keep = agent
+            .data_dir()
+            .join("volumes")
+            .join(format!("zt-{env_a}-data/_data/keep"));
+        assert_eq!(std::fs::read_to_string(keep).unwrap(), "kept\n");
+    })
+    .await;
+}
