@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-eval "$(scripts/rig.sh)"
+eval "$(ZATTERA_RIG_S3=0 scripts/rig.sh)" # the demo needs no S3 server
 . scripts/need-cargo.sh
 
 echo "== building zattera-agent and zattera-netns"

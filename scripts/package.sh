@@ -23,7 +23,9 @@ CARGO_DEB_VERSION=3.8.0
 CARGO_RPM_VERSION=0.21.1
 
 need=()
-for p in protobuf-compiler lintian rpm rpmlint man-db gzip; do
+# libzstd-dev: the snapshot engine links the system libzstd (Debian policy: no
+# embedded copies).
+for p in protobuf-compiler libzstd-dev pkg-config lintian rpm rpmlint man-db gzip; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -7,6 +7,8 @@
 #   ZATTERA_RIG_DIR   where the rig keeps containerd's root, logs and images
 #                     (default /var/lib/zattera-rig)
 #   ZATTERA_RIG_RUN   containerd's state dir and socket (default /run/zattera-rig)
+#   ZATTERA_RIG_S3_PORT  the loopback port of the rig's S3 server (default 9555)
+#   ZATTERA_RIG_S3=0     no S3 server (the demo needs none)
 set -euo pipefail
 
 RIG_DIR=${ZATTERA_RIG_DIR:-/var/lib/zattera-rig}
@@ -23,7 +25,8 @@ fi
 
 # --- packages --------------------------------------------------------------
 PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
-          docker-registry skopeo python3 ca-certificates procps curl gcc libc6-dev)
+          docker-registry skopeo python3 ca-certificates procps curl gcc libc6-dev
+          libzstd-dev pkg-config python3-venv)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
@@ -96,7 +99,42 @@ if [ ! -s "$IMAGES/tools-oci.tar" ] || [ ! -s "$IMAGES/symlink-oci.tar" ] || [ !
   ZTPROBE="$IMAGES/ztprobe" python3 "$HERE/mkimage.py" "$IMAGES" >&2
 fi
 
+# --- S3 server ---------------------------------------------------------------
+# moto's S3 server on loopback for the snapshot tests and bench/snapshot, in a
+# venv of its own with what tests/snapshot_ref.py needs (the independent
+# Tier A writer: cryptography's AES-GCM, zstandard). moto over s3s-fs: a pip
+# install in seconds, where `cargo install s3s-fs` compiles for many minutes
+# on a small machine; both speak path-style S3 with V4 signatures.
+S3_VENV="$RIG_DIR/s3-venv"
+S3_PORT=${ZATTERA_RIG_S3_PORT:-9555}
+if [ "${ZATTERA_RIG_S3:-1}" != 0 ]; then
+  if ! "$S3_VENV/bin/python" -c 'import moto.server, cryptography, zstandard' 2>/dev/null; then
+    say "installing moto[server], cryptography and zstandard into $S3_VENV"
+    rm -rf "$S3_VENV"
+    /usr/bin/python3 -m venv "$S3_VENV"
+    "$S3_VENV/bin/pip" install -q --disable-pip-version-check 'moto[server]>=5,<6' 'cryptography>=41' 'zstandard>=0.22' >&2
+  fi
+  if curl -fsS -o /dev/null "http://127.0.0.1:$S3_PORT/moto-api/data.json" 2>/dev/null; then
+    say "S3 server already running on 127.0.0.1:$S3_PORT"
+  else
+    say "starting moto's S3 server on 127.0.0.1:$S3_PORT (log: $RIG_DIR/s3.log)"
+    setsid nohup "$S3_VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT" >>"$RIG_DIR/s3.log" 2>&1 < /dev/null &
+    echo $! > "$RIG_RUN/s3.pid"
+    for _ in $(seq 1 100); do
+      curl -fsS -o /dev/null "http://127.0.0.1:$S3_PORT/moto-api/data.json" 2>/dev/null && break
+      sleep 0.1
+    done
+    if ! curl -fsS -o /dev/null "http://127.0.0.1:$S3_PORT/moto-api/data.json" 2>/dev/null; then
+      echo "rig.sh: the S3 server did not come up; last log lines:" >&2
+      tail -n 20 "$RIG_DIR/s3.log" >&2
+      exit 1
+    fi
+  fi
+fi
+
 cat <<ENV
 export ZATTERA_TEST_CONTAINERD=$SOCK
 export ZATTERA_TEST_IMAGES=$IMAGES
+export ZATTERA_TEST_S3=http://127.0.0.1:$S3_PORT
+export ZATTERA_TEST_S3_PYTHON=$S3_VENV/bin/python
 ENV

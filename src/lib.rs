@@ -18,5 +18,6 @@ pub mod metrics;
 pub mod proto;
 pub mod redact;
 pub mod runtime;
+pub mod snapshot;
 pub mod source;
 pub mod volumes;

@@ -7,6 +7,7 @@ mod join;
 mod pull_progress;
 mod run;
 mod status;
+mod volume;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -91,6 +92,9 @@ enum Command {
     Image(image::ImageCommand),
     /// Enroll this node with a control plane.
     Join(join::JoinArgs),
+    /// Snapshot and restore volumes in S3 without a control plane.
+    #[command(subcommand)]
+    Volume(volume::VolumeCommand),
     /// Check what the agent needs from this host; each failure with its fix.
     Doctor(doctor::DoctorArgs),
     /// Print a shell completion script (bash, zsh, fish, ...).
@@ -120,6 +124,7 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Status(args) => status::run(&g.load(None)?, &args).await?,
         Command::Image(cmd) => image::run(&g.load(None)?, cmd).await?,
         Command::Join(args) => join::run(&g.load(None)?, args).await?,
+        Command::Volume(cmd) => volume::run(&g.load(None)?, cmd).await?,
         Command::Doctor(args) => return doctor::run(g, &args).await,
         Command::Completions(args) => docs::completions(&args)?,
         Command::Man(args) => docs::man(&args)?,

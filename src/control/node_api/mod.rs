@@ -12,14 +12,16 @@
 //!
 //! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
-//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`])
-//! and `UpgradeBinary` ([`upgrade`]). The others (builds, volume snapshots,
-//! `WriteVolumeFile`) answer UNIMPLEMENTED naming the missing capability,
+//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]),
+//! `SnapshotVolume`, `RestoreVolume` ([`snapshot`]) and `UpgradeBinary`
+//! ([`upgrade`]). The others (builds, `WriteVolumeFile`) answer
+//! UNIMPLEMENTED naming the missing capability,
 //! which is what control expects from a node lacking an RPC.
 
 pub mod exec;
 pub mod logs;
 pub mod proxy;
+pub mod snapshot;
 pub mod top;
 pub mod upgrade;
 pub mod volume_files;
@@ -271,13 +273,15 @@ impl AgentLocalService for Service {
         &self,
         req: Request<AgentSnapshotVolumeRequest>,
     ) -> Result<Response<Self::SnapshotVolumeStream>, Status> {
-        self.declined(&req, "volume snapshots (SnapshotVolume)")
+        let node = self.serving(&req, "volume snapshots (SnapshotVolume)")?;
+        Ok(Response::new(snapshot::snapshot(node, req.into_inner())))
     }
     async fn restore_volume(
         &self,
         req: Request<AgentRestoreVolumeRequest>,
     ) -> Result<Response<Self::RestoreVolumeStream>, Status> {
-        self.declined(&req, "volume restores (RestoreVolume)")
+        let node = self.serving(&req, "volume restores (RestoreVolume)")?;
+        Ok(Response::new(snapshot::restore(node, req.into_inner())))
     }
     async fn list_volume_files(
         &self,
