@@ -8,7 +8,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
 use zattera_netns::{NetNode, Subnet, network_name};
 
 use super::labels::{self, NamedPort, OwnedContainer};
@@ -29,9 +28,12 @@ pub struct Handles {
     pub puller: Puller,
     pub net: Option<Arc<NetNode>>,
     pub cfg: Arc<ExecutorConfig>,
-    /// Intermediate reports (PULLING, STARTING), sent as they happen (E-8).
-    pub reports: mpsc::UnboundedSender<Observation>,
 }
+
+/// Where a bring-up sends its intermediate reports (PULLING, STARTING) as
+/// they happen (E-8): the worker's own channel, so they stay in order with
+/// what the worker says afterwards.
+pub type Progress<'a> = &'a (dyn Fn(Observation) + Send + Sync);
 
 /// Everything decided before a bring-up starts: addresses and ports are
 /// allocated by the executor, which owns IPAM.
@@ -76,9 +78,13 @@ impl Plan {
 pub struct Failure(pub String);
 
 /// Brings one instance up. On failure nothing it made is left behind.
-pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failure> {
+pub async fn bring_up(
+    h: &Handles,
+    plan: &Plan,
+    progress: Progress<'_>,
+) -> Result<OwnedContainer, Failure> {
     let id = plan.assignment_id().to_owned();
-    let _ = h.reports.send(Observation::new(&id, State::Pulling));
+    progress(Observation::new(&id, State::Pulling));
     let reference: ImageRef = plan
         .runtime
         .image_ref
@@ -246,9 +252,7 @@ pub async fn bring_up(h: &Handles, plan: &Plan) -> Result<OwnedContainer, Failur
                 return Err(Failure(format!("ensure volume {name}: {e}")));
             }
         }
-        let _ = h
-            .reports
-            .send(Observation::new(&id, State::Starting).container(&cid));
+        progress(Observation::new(&id, State::Starting).container(&cid));
         let uri = logshim::log_uri(&h.cfg.logger_binary, &log_path);
         if let Err(e) = containers::start(&h.ctd, &cid, &uri).await {
             // Never leave a dead container to be adopted.

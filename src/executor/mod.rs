@@ -105,8 +105,6 @@ pub struct Executor {
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
-    /// PULLING and STARTING from bring-ups, as they happen (E-8).
-    early_rx: mpsc::UnboundedReceiver<Observation>,
     networks: BTreeSet<Subnet>,
 }
 
@@ -136,7 +134,6 @@ impl Executor {
             source: cfg.source.clone(),
             ..StatusSnapshot::default()
         }));
-        let (early_tx, early_rx) = mpsc::unbounded_channel();
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
         let puller = Puller::new(ctd.clone(), vec![]);
         let ports = HostPorts::new(cfg.host_port_range);
@@ -146,7 +143,6 @@ impl Executor {
             puller,
             net,
             cfg: Arc::new(cfg),
-            reports: early_tx,
         };
         let ctx = Ctx {
             h: h.clone(),
@@ -166,7 +162,6 @@ impl Executor {
             status_tx,
             ctx,
             reports_rx,
-            early_rx,
             networks: BTreeSet::new(),
         };
         let handle = ExecutorHandle {
@@ -215,10 +210,6 @@ impl Executor {
                     }
                 },
                 Some(report) = self.reports_rx.recv() => self.on_report(report).await,
-                Some(obs) = self.early_rx.recv() => {
-                    self.board.emit(vec![obs]);
-                    self.publish_status();
-                }
             }
         }
         tracing::info!("executor stopped");
@@ -293,6 +284,12 @@ impl Executor {
                 network_name(&o.project_id, &o.environment_id),
             ),
         };
+        // One worker per container id, ever at a time: two would race on
+        // the same namespace file, veth and task.
+        if self.workers.contains_key(&cid) {
+            tracing::debug!(container = %cid, "a worker for it runs already");
+            return;
+        }
         let worker = Worker::spawn(self.ctx.clone(), cid.clone(), aid, scope, start, spec);
         self.workers.insert(cid, worker);
     }
@@ -310,31 +307,15 @@ impl Executor {
                 return;
             }
         };
-        let listed_ids: BTreeSet<String> = listed.iter().map(|o| o.container_id.clone()).collect();
         // Classify (E-5); duplicates of one assignment are removed (E-2 deviation).
         let classified = diff::classify(&desired, listed);
         // STOPPED goes out once the removal is done (E-15), with `Down`.
         let mut batch = Vec::new();
 
         // A supervised container that vanished from containerd (removed
-        // behind our back): its worker goes, its allocations are freed, and
-        // the RUN below makes it again.
-        let vanished: Vec<String> = self
-            .workers
-            .iter()
-            .filter(|(cid, w)| w.phase == Phase::Up && !listed_ids.contains(*cid))
-            .map(|(cid, _)| cid.clone())
-            .collect();
-        for cid in vanished {
-            if let Some(w) = self.workers.remove(&cid) {
-                w.send(Cmd::Forget);
-                if let Some(o) = self.owned.remove(&w.assignment_id) {
-                    tracing::warn!(container = %cid, "container vanished from containerd; making it again");
-                    self.release(&o);
-                }
-            }
-        }
-
+        // behind our back) is its worker's to find: its poll sees no task,
+        // the restart fails, and it reports `Discarded`; until then no second
+        // worker may touch the same container id.
         // What is kept: the listed ones, plus those still coming up.
         let mut owned = classified.owned;
         for (id, o) in &self.owned {

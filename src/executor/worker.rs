@@ -46,8 +46,6 @@ pub(super) enum Cmd {
     Exited,
     /// The service's current spec: a monitor is started if there is none.
     Spec(Option<Box<ServiceSpec>>),
-    /// Forget the container without touching it (it is gone already).
-    Forget,
 }
 
 /// What a worker tells the loop, for its container.
@@ -181,9 +179,10 @@ async fn run(
     };
     match start {
         Start::Run(plan) => {
+            let progress = |obs| report(Event::Observed(obs));
             let result = {
                 let _slot = ctx.slots.acquire().await;
-                instance::bring_up(&ctx.h, &plan).await
+                instance::bring_up(&ctx.h, &plan, &progress).await
             };
             match result {
                 Ok(owned) => {
@@ -360,7 +359,7 @@ impl<'a> Supervisor<'a> {
             let due = self.crash.map(|c| tokio::time::Instant::from_std(c.due));
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
-                    None | Some(Cmd::Forget) => return,
+                    None => return,
                     Some(Cmd::Stop) => {
                         self.monitor = None;
                         remove(self.ctx, self.owned.clone()).await;
