@@ -291,7 +291,7 @@ async fn feed_from_manifests(
 ) {
     use crate::source::standalone::StandaloneSource;
     use crate::source::watch::watch;
-    let mut source = StandaloneSource::new(dir.clone(), state_dir.join("subnets.json"));
+    let mut source = StandaloneSource::new(dir.clone(), &state_dir);
     // Slots outside the pool belong to someone else (another agent, a test).
     source.reserve_subnets(
         (0..=255u8)

@@ -380,3 +380,138 @@ async fn the_agent_started_before_containerd_waits_and_converges() {
     ));
     support::purge_namespace(&ctd).await;
 }
+
+/// `sleeper` with a fixed host port.
+fn published(app: &str, replicas: u32, host_port: u16) -> String {
+    format!(
+        "{}[[env.prod.ports]]\nname = \"http\"\ncontainer_port = 8080\nhost_port = {host_port}\n",
+        sleeper(app, replicas)
+    )
+}
+
+/// Waits until `status` reports an error for `file` and returns its message.
+fn error_for(agent: &AgentProc, file: &str) -> String {
+    let s = agent.wait_for(&format!("an error for {file}"), |s| {
+        s["errors"].as_array().is_some_and(|e| {
+            e.iter()
+                .any(|e| e["file"].as_str().is_some_and(|f| f.ends_with(file)))
+        })
+    });
+    s["errors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["file"].as_str().is_some_and(|f| f.ends_with(file)))
+        .map(|e| e["message"].as_str().unwrap_or_default().to_owned())
+        .unwrap_or_default()
+}
+
+/// Issue 21: a file that claims what a running app holds (its host port, or
+/// the app itself) is the error, whatever its name or age; the running
+/// app's containers and tasks are untouched while it is there, after it
+/// goes, and across a restart; once the winner goes, the other file runs.
+#[tokio::test]
+async fn a_conflicting_manifest_never_evicts_what_runs() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-conflict", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let netns = support::agent::TestNetns::new("kcfl");
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztki", "166-167");
+        agent.netns = Some(netns.path());
+        agent.write_manifest("web.toml", &published("web", 2, 18098));
+        agent.start();
+        let running = agent.wait_all(2, "HEALTHY");
+        let pids = task_pids(&ctd, running.values()).await;
+        assert_eq!(pids.len(), 2);
+        let unchanged = |what: &str, pids: &BTreeMap<String, u32>| {
+            let what = what.to_owned();
+            let pids = pids.clone();
+            let ctd = ctd.clone();
+            async move {
+                let now = task_pids(&ctd, pids.keys()).await;
+                assert_eq!(now, pids, "{what}: web's containers and tasks are the same");
+            }
+        };
+
+        // Each kind of conflict, from a file that sorts first and is older.
+        let kinds = [
+            (
+                "the same host port",
+                published("bad", 1, 18098),
+                "host port 18098/tcp is already requested by",
+            ),
+            (
+                "the same app",
+                sleeper("web", 1),
+                "app \"web\" of project \"p\" is already defined in",
+            ),
+        ];
+        for (kind, text, says) in &kinds {
+            agent.write_manifest("bad.toml", text);
+            let file = agent.manifests().join("bad.toml");
+            let old = std::time::SystemTime::now() - Duration::from_secs(86_400);
+            std::fs::File::options()
+                .write(true)
+                .open(&file)
+                .unwrap()
+                .set_modified(old)
+                .unwrap();
+            let message = error_for(&agent, "bad.toml");
+            assert!(
+                message.contains(says)
+                    && message.contains("bad.toml")
+                    && message.contains("web.toml"),
+                "{kind}: the newcomer is the error, naming both files: {message}"
+            );
+            tokio::time::sleep(Duration::from_secs(6)).await; // a tick passes
+            assert_eq!(
+                agent.wait_all(2, "HEALTHY"),
+                running,
+                "{kind}: nothing of bad.toml runs"
+            );
+            unchanged(kind, &pids).await;
+            assert!(
+                agent.log().contains("bad.toml"),
+                "{kind}: the log names the rejected file"
+            );
+
+            // A restart with both files present keeps the winner's containers.
+            agent.kill9();
+            agent.start();
+            assert_eq!(
+                error_for(&agent, "bad.toml"),
+                message,
+                "{kind}: same verdict after a restart"
+            );
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            assert_eq!(
+                agent.wait_all(2, "HEALTHY"),
+                running,
+                "{kind}: after a restart"
+            );
+            unchanged(&format!("{kind}, after a restart"), &pids).await;
+
+            std::fs::remove_file(&file).unwrap();
+            agent.wait_for("no errors", |s| {
+                s["errors"].as_array().is_none_or(Vec::is_empty)
+            });
+            unchanged(&format!("{kind}, once bad.toml is gone"), &pids).await;
+        }
+
+        // The winner goes: the other file is considered again and runs.
+        agent.write_manifest("bad.toml", &published("bad", 1, 18098));
+        error_for(&agent, "bad.toml");
+        std::fs::remove_file(agent.manifests().join("web.toml")).unwrap();
+        let s = agent.wait_for("bad running in web's place", |s| {
+            let rows = s["assignments"].as_array().cloned().unwrap_or_default();
+            rows.len() == 1
+                && rows[0]["app"] == "bad"
+                && rows[0]["state"] == "HEALTHY"
+                && s["errors"].as_array().is_none_or(Vec::is_empty)
+        });
+        assert_eq!(s["assignments"][0]["ports"]["http"], 18098, "{s:#}");
+    })
+    .await;
+}

@@ -8,7 +8,7 @@
 //! [`watch`](mod@watch) says when the directory changed. The agent's loop is:
 //!
 //! ```text
-//! let mut source = StandaloneSource::new(dir, data_dir.join("standalone/subnets.json"));
+//! let mut source = StandaloneSource::new(dir, data_dir.join("standalone"));
 //! let (_watcher, mut changed) = watch(dir)?;
 //! loop { let Loaded { set, errors } = source.load(); /* log errors, submit set */
 //!        changed.recv().await; }
@@ -21,6 +21,7 @@
 //! named there on that host port, and picks an ephemeral one otherwise.
 
 pub mod assign;
+mod claims;
 mod keypath;
 pub mod manifest;
 pub mod name;

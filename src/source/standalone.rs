@@ -2,15 +2,19 @@
 //! `AssignmentSet` out, exactly the type a control plane sends.
 //!
 //! Rules (DESIGN.md "Standalone manifests"):
-//! * Only regular `*.toml` files whose name does not start with `.` count;
-//!   they are read in file-name order.
+//! * Only regular `*.toml` files whose name does not start with `.` count.
 //! * A file that does not read or parse is reported, and the last version of
 //!   it that was accepted stays in the set, so its running instances are left
 //!   alone. A deleted file's instances leave the set.
 //! * Two files may not define the same (project, app), request the same host
-//!   port, or produce the same assignment id: the later file (by name) is the
-//!   error, naming both files, and keeps its last accepted version if that one
-//!   does not collide.
+//!   port, or produce the same assignment id. What is already in the set
+//!   wins: the files of the last set keep their claims (an edit that takes
+//!   another file's claim is refused, the file's accepted version stays), and
+//!   files new to the set are considered after them, the older first (by
+//!   modification time, then by name). The loser is the error, naming both
+//!   files, and nothing of it runs; once the winner goes, it is considered
+//!   again. Which files made the set is kept in `accepted.json`, so a restart
+//!   keeps the same winners (and their running containers).
 //! * Each (project, environment) in use gets a subnet from the
 //!   [`SubnetBook`]; pairs no longer used are freed.
 //! * `version` grows by one whenever the set differs from the previous load
@@ -27,10 +31,13 @@ use std::path::{Path, PathBuf};
 
 use zattera_netns::Subnet;
 
-use super::assign::{Instance, assignment_id, env_instances};
+use std::time::SystemTime;
+
+use super::assign::{Instance, env_instances};
+use super::claims::Claims;
 use super::keypath::render_key;
 use super::manifest::{self, AppManifest};
-use super::subnets::{BookError, EnvKey, SubnetBook};
+use super::subnets::{BookError, EnvKey, SubnetBook, write_atomically};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::Assignment;
 
@@ -59,6 +66,8 @@ pub struct StandaloneSource {
     book_errors: Vec<BookError>,
     /// File name → the last version of it that made it into the set.
     accepted: BTreeMap<OsString, AppManifest>,
+    /// The names of the files in the last set, kept across restarts.
+    standing: Standing,
     /// Subnets that new environments must not take (see [`Self::reserve_subnets`]).
     reserved: BTreeSet<Subnet>,
     version: u64,
@@ -66,16 +75,19 @@ pub struct StandaloneSource {
 }
 
 impl StandaloneSource {
-    /// A source for `dir`, allocating subnets in the book at `subnet_book`
-    /// (the agent passes `<data_dir>/standalone/subnets.json`). Nothing is
-    /// read from `dir` until [`load`](Self::load).
-    pub fn new(dir: impl Into<PathBuf>, subnet_book: impl Into<PathBuf>) -> Self {
-        let (book, book_errors) = SubnetBook::open(subnet_book);
+    /// A source for `dir`, keeping its state in `state_dir` (the agent
+    /// passes `<data_dir>/standalone`): the subnet book `subnets.json` and
+    /// `accepted.json`. Nothing is read from `dir` until [`load`](Self::load).
+    pub fn new(dir: impl Into<PathBuf>, state_dir: impl AsRef<Path>) -> Self {
+        let state_dir = state_dir.as_ref();
+        let (book, book_errors) = SubnetBook::open(state_dir.join("subnets.json"));
+        let standing = Standing::open(state_dir.join("accepted.json"));
         Self {
             dir: dir.into(),
             book,
             book_errors,
             accepted: BTreeMap::new(),
+            standing,
             reserved: BTreeSet::new(),
             version: 0,
             last: None,
@@ -102,6 +114,12 @@ impl StandaloneSource {
             .drain(..)
             .map(|e| book_error(self.book.path(), &e))
             .collect();
+        if let Some(message) = self.standing.opened.take() {
+            errors.push(FileError {
+                file: self.standing.path.clone(),
+                message: format!("{}: {message}", self.standing.path.display()),
+            });
+        }
 
         let files = match list_manifests(&self.dir) {
             Ok(files) => Some(files),
@@ -117,68 +135,110 @@ impl StandaloneSource {
             }
         };
 
-        let mut claims = Claims::default();
         let mut chosen: Vec<(PathBuf, AppManifest)> = Vec::new();
         match files {
-            // The directory is unreadable: keep every file's accepted version.
+            // The directory is unreadable: keep what was accepted (it all
+            // fitted together).
             None => {
                 for (name, m) in &self.accepted {
-                    let path = self.dir.join(name);
-                    if claims.check(m, &path).is_ok() {
-                        claims.register(m, &path);
-                        chosen.push((path, m.clone()));
-                    }
+                    chosen.push((self.dir.join(name), m.clone()));
                 }
             }
             Some(files) => {
-                let mut accepted = BTreeMap::new();
-                for (name, path) in files {
-                    let fresh = fs::read_to_string(&path)
-                        .map_err(|e| format!("{}: cannot read: {e}", path.display()))
-                        .and_then(|text| manifest::parse(&text, &path).map_err(|e| e.to_string()));
-                    let previous = self.accepted.get(&name);
-                    let mut fresh_error = None;
-                    let mut pick = None;
-                    match fresh {
-                        Ok(m) => match claims.check(&m, &path) {
-                            Ok(()) => pick = Some(m),
-                            Err(conflict) => fresh_error = Some(conflict),
-                        },
-                        Err(message) => fresh_error = Some(message),
-                    }
-                    if let Some(message) = fresh_error {
-                        errors.push(FileError {
-                            file: path.clone(),
-                            message,
-                        });
-                        if let Some(prev) = previous {
-                            match claims.check(prev, &path) {
-                                Ok(()) => pick = Some(prev.clone()),
-                                Err(conflict) => errors.push(FileError {
-                                    file: path.clone(),
-                                    message: format!(
-                                        "{conflict} (in its last accepted version, so nothing \
-                                         from this file runs)"
-                                    ),
-                                }),
-                            }
-                        }
-                    }
-                    if let Some(m) = pick {
-                        claims.register(&m, &path);
-                        accepted.insert(name, m.clone());
-                        chosen.push((path, m));
-                    } else if let Some(prev) = previous {
-                        // Still the last accepted version, should the conflict go away.
-                        accepted.insert(name, prev.clone());
+                let candidates = self.in_order(files);
+                // The files of the last set hold their claims while their
+                // edits and the newcomers are checked.
+                let mut claims = Claims::default();
+                for c in &candidates {
+                    if let Some(prev) = self.accepted.get(&c.name) {
+                        claims.register(prev, &c.path);
                     }
                 }
+                let mut accepted = BTreeMap::new();
+                // Edits refused for a claim another file held, with their
+                // errors: one may fit once a later file let the claim go.
+                let mut refused = Vec::new();
+                for c in candidates {
+                    let pick = match c.fresh {
+                        Ok(m) => match claims.check(&m, &c.path) {
+                            Ok(()) => Some(m),
+                            Err(message) => {
+                                refused.push((c.name.clone(), c.path.clone(), m, errors.len()));
+                                errors.push(FileError {
+                                    file: c.path.clone(),
+                                    message,
+                                });
+                                self.accepted.get(&c.name).cloned()
+                            }
+                        },
+                        Err(message) => {
+                            errors.push(FileError {
+                                file: c.path.clone(),
+                                message,
+                            });
+                            self.accepted.get(&c.name).cloned()
+                        }
+                    };
+                    match pick {
+                        Some(m) => {
+                            claims.register(&m, &c.path);
+                            accepted.insert(c.name, (c.path, m));
+                        }
+                        None => claims.release(&c.path),
+                    }
+                }
+                let mut resolved = BTreeSet::new();
+                while let Some(i) = refused
+                    .iter()
+                    .position(|(_, path, m, _)| claims.check(m, path).is_ok())
+                {
+                    let (name, path, m, error) = refused.remove(i);
+                    claims.register(&m, &path);
+                    accepted.insert(name, (path, m));
+                    resolved.insert(error);
+                }
+                let mut index = 0;
+                errors.retain(|_| {
+                    index += 1;
+                    !resolved.contains(&(index - 1))
+                });
+                chosen = accepted.values().cloned().collect();
+                let accepted = accepted.into_iter().map(|(n, (_, m))| (n, m)).collect();
                 self.accepted = accepted;
+                if let Err(e) = self.standing.save(self.accepted.keys()) {
+                    errors.push(FileError {
+                        file: self.standing.path.clone(),
+                        message: format!("{}: cannot save: {e}", self.standing.path.display()),
+                    });
+                }
             }
         }
-
         let set = self.build(&chosen, &mut errors);
         Loaded { set, errors }
+    }
+
+    /// Reads every file, and orders them for the claims: the files of the
+    /// last set first (by name), then the newcomers, the older first (by
+    /// modification time, then by name).
+    fn in_order(&self, files: Vec<(OsString, PathBuf)>) -> Vec<Candidate> {
+        let mut candidates: Vec<Candidate> = files
+            .into_iter()
+            .map(|(name, path)| {
+                let fresh = fs::read_to_string(&path)
+                    .map_err(|e| format!("{}: cannot read: {e}", path.display()))
+                    .and_then(|text| manifest::parse(&text, &path).map_err(|e| e.to_string()));
+                let modified = fs::metadata(&path).and_then(|m| m.modified()).ok();
+                let standing = self.standing.names.contains(&name);
+                Candidate {
+                    name,
+                    path,
+                    rank: (!standing, if standing { None } else { modified }),
+                    fresh,
+                }
+            })
+            .collect();
+        candidates.sort_by(|a, b| a.rank.cmp(&b.rank).then_with(|| a.name.cmp(&b.name)));
+        candidates
     }
 
     /// Subnets, then instances, then the set with its version.
@@ -277,81 +337,67 @@ fn list_manifests(dir: &Path) -> std::io::Result<Vec<(OsString, PathBuf)>> {
     Ok(files)
 }
 
-/// What the files accepted so far have claimed: apps, assignment ids and
-/// fixed host ports, each with the file that claimed it.
-#[derive(Default)]
-struct Claims {
-    apps: BTreeMap<(String, String), PathBuf>,
-    ids: BTreeMap<String, PathBuf>,
-    host_ports: BTreeMap<(&'static str, u16), (PathBuf, String)>,
+/// One manifest file, read, with its place in the order of claims.
+struct Candidate {
+    name: OsString,
+    path: PathBuf,
+    /// Standing files first (`false`), then newcomers by modification time.
+    rank: (bool, Option<SystemTime>),
+    fresh: Result<AppManifest, String>,
 }
 
-impl Claims {
-    /// Whether `m` from `file` fits with the files accepted so far; if not,
-    /// the message names both files.
-    fn check(&self, m: &AppManifest, file: &Path) -> Result<(), String> {
-        let here = file.display();
-        let app = (m.project.to_string(), m.app.to_string());
-        if let Some(other) = self.apps.get(&app) {
-            return Err(format!(
-                "{here}: app.name: app {:?} of project {:?} is already defined in {}",
-                app.1,
-                app.0,
-                other.display()
-            ));
+/// The names of the files that made the last set, on disk so that a
+/// restarted agent gives the same files the same claims.
+#[derive(Debug)]
+struct Standing {
+    path: PathBuf,
+    names: BTreeSet<OsString>,
+    /// Why the file could not be read at start (reported once).
+    opened: Option<String>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StandingOnDisk {
+    files: Vec<String>,
+}
+
+impl Standing {
+    fn open(path: PathBuf) -> Self {
+        let read = match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice::<StandingOnDisk>(&bytes)
+                .map(|d| d.files.into_iter().map(OsString::from).collect())
+                .map_err(|e| format!("not the list of accepted manifests ({e}); starting afresh")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeSet::new()),
+            Err(e) => Err(format!("cannot read ({e}); starting afresh")),
+        };
+        let (names, opened) = match read {
+            Ok(n) => (n, None),
+            Err(e) => (BTreeSet::new(), Some(e)),
+        };
+        Self {
+            path,
+            names,
+            opened,
         }
-        for (env, spec) in &m.envs {
-            let at = format!("env.{}", render_key(env.as_str()));
-            for index in 0..spec.replicas {
-                let id = assignment_id(&m.project, &m.app, env, index);
-                if let Some(other) = self.ids.get(&id) {
-                    return Err(format!(
-                        "{here}: {at}: assignment id {id:?} is also produced by {} \
-                         (project, app and environment names joined by '-' collide); rename one",
-                        other.display()
-                    ));
-                }
-            }
-            if spec.replicas == 0 {
-                continue;
-            }
-            for (i, p) in spec.ports.iter().enumerate() {
-                let Some(h) = p.host_port else { continue };
-                if let Some((other, key)) = self.host_ports.get(&(p.protocol.transport(), h)) {
-                    return Err(format!(
-                        "{here}: {at}.ports[{i}].host_port: host port {h}/{} is already requested by {} ({key})",
-                        p.protocol.transport(),
-                        other.display()
-                    ));
-                }
-            }
-        }
-        Ok(())
     }
 
-    fn register(&mut self, m: &AppManifest, file: &Path) {
-        self.apps
-            .insert((m.project.to_string(), m.app.to_string()), file.to_owned());
-        for (env, spec) in &m.envs {
-            let at = format!("env.{}", render_key(env.as_str()));
-            for index in 0..spec.replicas {
-                self.ids.insert(
-                    assignment_id(&m.project, &m.app, env, index),
-                    file.to_owned(),
-                );
-            }
-            if spec.replicas == 0 {
-                continue;
-            }
-            for (i, p) in spec.ports.iter().enumerate() {
-                if let Some(h) = p.host_port {
-                    self.host_ports.insert(
-                        (p.protocol.transport(), h),
-                        (file.to_owned(), format!("{at}.ports[{i}].host_port")),
-                    );
-                }
-            }
+    /// Records `names` as the last set's files (written only on a change).
+    fn save<'a>(&mut self, names: impl Iterator<Item = &'a OsString>) -> std::io::Result<()> {
+        let names: BTreeSet<OsString> = names.cloned().collect();
+        if names == self.names && self.path.exists() {
+            return Ok(());
         }
+        let on_disk = StandingOnDisk {
+            files: names
+                .iter()
+                .filter_map(|n| n.to_str().map(str::to_owned))
+                .collect(),
+        };
+        let mut bytes = serde_json::to_vec_pretty(&on_disk).map_err(std::io::Error::other)?;
+        bytes.push(b'\n');
+        write_atomically(&self.path, &bytes)?;
+        self.names = names;
+        Ok(())
     }
 }
 
@@ -383,7 +429,7 @@ mod tests {
         }
 
         fn source(&self) -> StandaloneSource {
-            StandaloneSource::new(&self.dir, &self.book)
+            StandaloneSource::new(&self.dir, self.book.parent().unwrap())
         }
     }
 
@@ -727,5 +773,151 @@ mod tests {
         assert!(set.assignments.is_empty());
         let text = fs::read_to_string(&f.book).unwrap_or_default();
         assert!(!text.contains("demo/production"), "{text}");
+    }
+
+    fn http_port(hp: u16) -> String {
+        format!(
+            "[[env.production.ports]]\nname = \"http\"\ncontainer_port = 80\nhost_port = {hp}\n"
+        )
+    }
+
+    /// Sets `name`'s modification time `secs` seconds into the past.
+    fn age(f: &Fixture, name: &str, secs: u64) {
+        let file = fs::File::options()
+            .write(true)
+            .open(f.dir.join(name))
+            .unwrap();
+        let when = SystemTime::now() - std::time::Duration::from_secs(secs);
+        file.set_modified(when).unwrap();
+    }
+
+    #[test]
+    fn a_newcomer_never_takes_a_claim_from_the_set() {
+        for conflicting in [
+            app("demo", "other", "production", 1, &http_port(18098)),
+            app("demo", "web", "production", 1, ""),
+        ] {
+            let f = Fixture::new();
+            f.write(
+                "web.toml",
+                &app("demo", "web", "production", 2, &http_port(18098)),
+            );
+            let mut source = f.source();
+            let before = clean(source.load());
+
+            // Sorted first, and even older: what runs still wins.
+            f.write("bad.toml", &conflicting);
+            age(&f, "bad.toml", 3600);
+            let loaded = source.load();
+            assert_eq!(loaded.errors.len(), 1, "{:?}", loaded.errors);
+            let e = &loaded.errors[0];
+            assert_eq!(e.file, f.dir.join("bad.toml"));
+            assert!(
+                e.message.contains("bad.toml") && e.message.contains("web.toml"),
+                "both files are named: {}",
+                e.message
+            );
+            assert_eq!(hashes(&loaded.set), hashes(&before));
+
+            // The winner goes: the other file is considered again.
+            fs::remove_file(f.dir.join("web.toml")).unwrap();
+            let set = clean(source.load());
+            assert_eq!(set.assignments.len(), 1);
+            assert!(ids(&set)[0].starts_with("demo-"), "{:?}", ids(&set));
+            assert_ne!(hashes(&set), hashes(&before));
+        }
+    }
+
+    #[test]
+    fn an_edit_cannot_take_a_claim_of_another_file_in_the_set() {
+        let f = Fixture::new();
+        f.write(
+            "b.toml",
+            &app("demo", "web", "production", 1, &http_port(8080)),
+        );
+        f.write("a.toml", &app("demo", "api", "production", 1, ""));
+        let mut source = f.source();
+        let before = clean(source.load());
+        // a.toml sorts first, but b.toml holds the port.
+        f.write(
+            "a.toml",
+            &app("demo", "api", "production", 1, &http_port(8080)),
+        );
+        let loaded = source.load();
+        assert_eq!(loaded.errors.len(), 1, "{:?}", loaded.errors);
+        assert_eq!(loaded.errors[0].file, f.dir.join("a.toml"));
+        assert!(
+            loaded.errors[0].message.contains("b.toml"),
+            "{:?}",
+            loaded.errors
+        );
+        assert_eq!(
+            hashes(&loaded.set),
+            hashes(&before),
+            "a.toml's accepted version stays"
+        );
+        // b.toml lets the port go: a.toml's edit is taken in the same load.
+        f.write(
+            "b.toml",
+            &app("demo", "web", "production", 1, &http_port(8081)),
+        );
+        let set = clean(source.load());
+        let ports: BTreeMap<String, u32> = set
+            .assignments
+            .iter()
+            .map(|a| (a.app_id.clone(), a.mesh_port_bindings["http"]))
+            .collect();
+        assert_eq!(
+            ports.values().copied().collect::<BTreeSet<_>>(),
+            BTreeSet::from([8080, 8081])
+        );
+    }
+
+    #[test]
+    fn between_newcomers_the_older_file_wins_and_a_restart_keeps_the_winner() {
+        let f = Fixture::new();
+        f.write(
+            "a.toml",
+            &app("demo", "api", "production", 1, &http_port(9000)),
+        );
+        f.write(
+            "z.toml",
+            &app("demo", "web", "production", 1, &http_port(9000)),
+        );
+        age(&f, "z.toml", 3600);
+        let mut source = f.source();
+        let loaded = source.load();
+        assert_eq!(loaded.errors.len(), 1, "{:?}", loaded.errors);
+        assert_eq!(loaded.errors[0].file, f.dir.join("a.toml"));
+        assert_eq!(ids(&loaded.set), ["demo-web-production-0"]);
+
+        // A restart after a.toml became the older one keeps z.toml.
+        age(&f, "a.toml", 7200);
+        drop(source);
+        let loaded = f.source().load();
+        assert_eq!(loaded.errors.len(), 1, "{:?}", loaded.errors);
+        assert_eq!(loaded.errors[0].file, f.dir.join("a.toml"));
+        assert_eq!(ids(&loaded.set), ["demo-web-production-0"]);
+    }
+
+    #[test]
+    fn a_corrupt_list_of_accepted_files_is_reported_once() {
+        let f = Fixture::new();
+        f.write("a.toml", &app("demo", "web", "production", 1, ""));
+        let state = f.book.parent().unwrap();
+        fs::create_dir_all(state).unwrap();
+        fs::write(state.join("accepted.json"), "{nope").unwrap();
+        let mut source = f.source();
+        let loaded = source.load();
+        assert_eq!(loaded.errors.len(), 1, "{:?}", loaded.errors);
+        assert!(
+            loaded.errors[0].message.contains("accepted.json"),
+            "{:?}",
+            loaded.errors
+        );
+        assert_eq!(ids(&loaded.set), ["demo-web-production-0"]);
+        clean(source.load());
+        let text = fs::read_to_string(state.join("accepted.json")).unwrap();
+        assert!(text.contains("a.toml"), "{text}");
     }
 }

@@ -217,7 +217,7 @@ impl SubnetBook {
 
 /// Temporary file in the same directory, fsync, rename over `path`, fsync
 /// the directory: after a crash the file is either the old or the new one.
-fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
+pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
         _ => PathBuf::from("."),
