@@ -23,7 +23,7 @@ for p in containerd runc nftables; do
   dpkg-query -W -f='${Status}' "$p" | grep -q 'ok installed' || die "$p was not installed as a dependency"
 done
 files=(/usr/bin/zattera-agent /usr/bin/zattera-netns /etc/zattera/agent.toml
-  /lib/systemd/system/zattera-agent.service /usr/share/man/man1/zattera-agent.1.gz
+  /usr/lib/systemd/system/zattera-agent.service /usr/share/man/man1/zattera-agent.1.gz
   /usr/share/man/man1/zattera-netns.1.gz /usr/share/bash-completion/completions/zattera-agent
   /usr/share/bash-completion/completions/zattera-netns /usr/share/zsh/vendor-completions/_zattera-agent
   /usr/share/fish/vendor_completions.d/zattera-agent.fish)
@@ -33,7 +33,7 @@ done
 [ -L /etc/systemd/system/multi-user.target.wants/zattera-agent.service ] || die "the unit is not enabled"
 [ "$(stat -c %a /var/lib/zattera)" = 700 ] || die "/var/lib/zattera is not 0700"
 [ "$(stat -c %a /etc/zattera/agent.toml)" = 600 ] || die "/etc/zattera/agent.toml is not 0600"
-grep -q '^KillMode=process' /lib/systemd/system/zattera-agent.service || die "the unit lacks KillMode=process"
+grep -q '^KillMode=process' /usr/lib/systemd/system/zattera-agent.service || die "the unit lacks KillMode=process"
 /usr/bin/zattera-agent version
 
 say "containerd from the package, the demo image"

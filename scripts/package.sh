@@ -79,7 +79,7 @@ lintian --no-tag-display-limit "$deb" | tee dist/lintian.txt >&2 || true
 if grep -q '^E:' dist/lintian.txt; then die "lintian reports errors on $deb"; fi
 files=$(dpkg-deb -c "$deb")
 for f in ./usr/bin/zattera-agent ./usr/bin/zattera-netns ./etc/zattera/agent.toml \
-  ./lib/systemd/system/zattera-agent.service ./usr/share/man/man1/zattera-agent.1.gz \
+  ./usr/lib/systemd/system/zattera-agent.service ./usr/share/man/man1/zattera-agent.1.gz \
   ./usr/share/man/man1/zattera-netns.1.gz ./usr/share/bash-completion/completions/zattera-agent \
   ./usr/share/zsh/vendor-completions/_zattera-agent ./usr/share/fish/vendor_completions.d/zattera-agent.fish; do
   grep -qF " $f" <<<"$files" || die "$deb lacks $f"
