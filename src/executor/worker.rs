@@ -24,6 +24,8 @@ use crate::runtime::containers::{self, TaskState};
 
 /// The slow liveness poll; exits are also routed in as they happen.
 const POLL: Duration = Duration::from_secs(5);
+/// Health updates queued for a worker (a monitor sends one per change).
+const HEALTH_QUEUE: usize = 8;
 
 /// What a worker is spawned for.
 #[derive(Debug)]
@@ -252,7 +254,7 @@ struct Supervisor<'a> {
 
 impl<'a> Supervisor<'a> {
     fn new(ctx: &'a Ctx, owned: OwnedContainer, spec: Option<ServiceSpec>) -> Self {
-        let (health_tx, health_rx) = mpsc::channel(8);
+        let (health_tx, health_rx) = mpsc::channel(HEALTH_QUEUE);
         Self {
             ctx,
             owned,
@@ -291,10 +293,8 @@ impl<'a> Supervisor<'a> {
     /// A fresh monitor (H-1) for the current task: a restarted instance is
     /// judged anew, so HEALTHY comes back after a crash loop (L-3, X-8).
     fn start_monitor(&mut self) {
-        self.monitor = None;
+        self.stop_monitor();
         self.verdict = None;
-        // Updates of the monitor just dropped may still be queued.
-        while self.health_rx.try_recv().is_ok() {}
         let Some((probe, timing)) =
             health::resolve(self.spec.as_ref(), self.owned.ip, &self.owned.container_id)
         else {
@@ -316,6 +316,13 @@ impl<'a> Supervisor<'a> {
             exec,
             self.health_tx.clone(),
         ));
+    }
+
+    /// Drops the monitor, and its channel with it: an update it had queued
+    /// (a HEALTHY of the task that just crashed) is never read.
+    fn stop_monitor(&mut self) {
+        self.monitor = None;
+        (self.health_tx, self.health_rx) = mpsc::channel(HEALTH_QUEUE);
     }
 
     /// An adopted container: running as it is, or its lost task started
@@ -361,7 +368,7 @@ impl<'a> Supervisor<'a> {
                 cmd = cmds.recv() => match cmd {
                     None => return,
                     Some(Cmd::Stop) => {
-                        self.monitor = None;
+                        self.stop_monitor();
                         remove(self.ctx, self.owned.clone()).await;
                         return;
                     }
@@ -436,7 +443,7 @@ impl<'a> Supervisor<'a> {
                         containers::add_labels(&self.ctx.h.ctd, &self.owned.container_id, labels)
                             .await;
                     self.owned.exit_code = Some(exit_code);
-                    self.monitor = None;
+                    self.stop_monitor();
                 }
                 self.report(Event::Observed(obs));
             }
@@ -445,7 +452,7 @@ impl<'a> Supervisor<'a> {
                 if self.crash.is_none() {
                     let delay = backoff::next_delay(self.last_delay, now - self.started_at);
                     self.last_delay = Some(delay);
-                    self.monitor = None;
+                    self.stop_monitor();
                     tracing::info!(container = %self.owned.container_id, exit_code, ?delay, "service exited; restarting after back-off");
                     self.crash = Some(Crash {
                         due: now + delay,
@@ -489,7 +496,7 @@ impl<'a> Supervisor<'a> {
     /// Removes a container that cannot be restarted, so that it is made
     /// afresh.
     async fn discard(&mut self) {
-        self.monitor = None;
+        self.stop_monitor();
         let result = {
             let _slot = self.ctx.slots.acquire().await;
             instance::tear_down(&self.ctx.h, &self.owned).await

@@ -1,0 +1,90 @@
+//! A node as a cluster sees it (issue 13): the real agent binary joined to
+//! the test control plane, judged by what reaches control through the sync
+//! stream. `ZATTERA_TEST_AGENT_BIN` runs these against another build.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "support/control.rs"]
+mod control_plane;
+mod support;
+
+use std::time::Duration;
+
+use control_plane::{ControlPlane, ControlledAgent, assignment, set_of};
+use support::{rig, with_namespace};
+use zattera_agent::proto::v1::{HealthCheck, HealthCheckType, InstanceState};
+use zattera_agent::runtime::import_archive;
+
+const SECRET: &str = "cluster-secret";
+
+/// A shell that fails its first `fails` runs (each after `delay` seconds)
+/// and then stays up; the count lives in the container's own rootfs, which
+/// a restart of the task keeps.
+fn crashing(fails: u32, delay: u32) -> String {
+    format!(
+        "n=$(cat /run.count 2>/dev/null || echo 0); n=$((n+1)); echo $n > /run.count; \
+         if [ $n -le {fails} ]; then sleep {delay}; exit 3; fi; exec sleep 3600"
+    )
+}
+
+fn seconds(s: i64) -> Option<prost_types::Duration> {
+    Some(prost_types::Duration {
+        seconds: s,
+        nanos: 0,
+    })
+}
+
+/// L-3, X-8: after FAILED and a restart by the supervisor, HEALTHY comes
+/// back, for a service without a health check and for one whose probe
+/// passed before the crash (its state did not change across it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthy_comes_back_after_a_crash_loop() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-heal", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcl").await;
+        // No health check: crashes twice at once, then stays up.
+        let plain = assignment("plain", "env", 190, &crashing(2, 0));
+        // An exec probe that always passes: HEALTHY, a crash after 4 s, up again.
+        let (probed, mut probed_rt) = assignment("probed", "env", 190, &crashing(1, 4));
+        probed_rt.spec.as_mut().unwrap().healthcheck = Some(HealthCheck {
+            r#type: HealthCheckType::Exec as i32,
+            command: "true".into(),
+            interval: seconds(1),
+            timeout: seconds(1),
+            grace_period: seconds(0),
+            ..HealthCheck::default()
+        });
+        cp.push_set(set_of(1, vec![plain, (probed, probed_rt)]));
+
+        let (healthy, failed) = (InstanceState::Healthy as i32, InstanceState::Failed as i32);
+        for id in ["plain", "probed"] {
+            let states = cp
+                .wait_for(
+                    &format!("{id}: HEALTHY after FAILED"),
+                    Duration::from_secs(90),
+                    |r| {
+                        let s = r.states_of(id);
+                        let last_failed = s.iter().rposition(|x| *x == failed)?;
+                        s[last_failed..].contains(&healthy).then_some(s)
+                    },
+                )
+                .await;
+            if id == "probed" {
+                let first_failed = states.iter().position(|x| *x == failed).unwrap();
+                assert!(
+                    states[..first_failed].contains(&healthy),
+                    "probed was HEALTHY before its crash: {states:?}"
+                );
+            }
+            let latest = cp.with(|r| r.latest_of(id)).unwrap();
+            assert!(latest.restarts >= 1, "{id}: {latest:?}");
+        }
+        drop(agent);
+    })
+    .await;
+}
