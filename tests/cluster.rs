@@ -27,11 +27,11 @@ fn crashing(fails: u32, delay: u32) -> String {
     )
 }
 
-fn seconds(s: i64) -> Option<prost_types::Duration> {
-    Some(prost_types::Duration {
+fn seconds(s: i64) -> prost_types::Duration {
+    prost_types::Duration {
         seconds: s,
         nanos: 0,
-    })
+    }
 }
 
 /// L-3, X-8: after FAILED and a restart by the supervisor, HEALTHY comes
@@ -54,9 +54,9 @@ async fn healthy_comes_back_after_a_crash_loop() {
         probed_rt.spec.as_mut().unwrap().healthcheck = Some(HealthCheck {
             r#type: HealthCheckType::Exec as i32,
             command: "true".into(),
-            interval: seconds(1),
-            timeout: seconds(1),
-            grace_period: seconds(0),
+            interval: Some(seconds(1)),
+            timeout: Some(seconds(1)),
+            grace_period: Some(seconds(0)),
             ..HealthCheck::default()
         });
         cp.push_set(set_of(1, vec![plain, (probed, probed_rt)]));
