@@ -175,7 +175,11 @@ pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
             let routes =
                 crate::control::services::spawn(&sync, config.node_api_listen, node, controls)
                     .await;
-            tokio::spawn(crate::control::vip::run(Arc::clone(&net), routes.clone()));
+            tokio::spawn(crate::control::vip::run(
+                Arc::clone(&net),
+                routes.clone(),
+                handle.networks.clone(),
+            ));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
                 .with_context(|| format!("--control {addr}: the node identity"))?

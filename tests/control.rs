@@ -1217,7 +1217,7 @@ async fn the_binary_joins_and_runs_under_control() {
         let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
         let child = cp
             .agent_command(&AgentRun {
-                binary: Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
+                binary: Path::new(&support::agent::run_bin()),
                 socket: &rig.socket,
                 namespace: ctd.namespace().as_str(),
                 run_dir: &run_dir,
@@ -1246,12 +1246,16 @@ async fn the_binary_joins_and_runs_under_control() {
         .unwrap_or_else(|_| panic!("no hello; agent log:\n{}", dump()));
         assert_eq!(hello.node_id, node_id);
 
-        // A web instance and a client in one environment, a stranger in
-        // another.
+        // A web instance and a client of another app in an environment of
+        // the same name (control gives every app its own environment ids,
+        // hence its own subnet and bridge, N-7); strangers in another
+        // environment and in another project.
         let mut set = one("b1", 1, AssignmentDesired::Run);
+        set.assignments[0].environment_id = "env-web".into();
         {
             let rt = set.runtime.get_mut("b1").unwrap();
             rt.subnet_cidr = "10.201.182.0/24".into();
+            rt.env.insert("ZATTERA_ENV".into(), "env".into());
             let spec = rt.spec.as_mut().unwrap();
             spec.command = "httpd -f -p 80 -h /var/www".into();
             spec.ports = vec![PortSpec {
@@ -1261,12 +1265,19 @@ async fn the_binary_joins_and_runs_under_control() {
                 public_l4_port: 0,
             }];
         }
-        for (id, env, slot) in [("c1", "env", 182), ("x1", "env2", 183)] {
+        for (id, project, env, env_name, slot) in [
+            ("c1", "proj", "env-client", "env", 186),
+            ("x1", "proj", "env2", "env2", 183),
+            ("x2", "other", "env-other", "env", 187),
+        ] {
             let mut other = one(id, 1, AssignmentDesired::Run);
             let mut a = other.assignments.remove(0);
+            a.project_id = project.into();
+            a.app_id = format!("app-{id}");
             a.environment_id = env.into();
             let mut rt = other.runtime.remove(id).unwrap();
             rt.subnet_cidr = format!("10.201.{slot}.0/24");
+            rt.env.insert("ZATTERA_ENV".into(), env_name.into());
             // Output for QueryLogs: two lines, then one a second.
             rt.spec.as_mut().unwrap().command =
                 "echo hello-from-c1; echo oops-from-c1 >&2; while true; do echo tick; sleep 1; done"
@@ -1276,7 +1287,7 @@ async fn the_binary_joins_and_runs_under_control() {
         }
         cp.push_set(set);
         let healthy = InstanceState::Healthy as i32;
-        for id in ["b1", "c1", "x1"] {
+        for id in ["b1", "c1", "x1", "x2"] {
             cp.wait_for(
                 &format!("HEALTHY {id} from the binary"),
                 Duration::from_secs(60),
@@ -1316,7 +1327,7 @@ async fn the_binary_joins_and_runs_under_control() {
             let svc = &mut vip_snapshot.internal_services[0];
             svc.fqdn = "svc.env.proj.internal.".into();
             svc.project_id = "proj".into();
-            svc.environment_id = "env".into();
+            svc.environment_id = "env-web".into();
             svc.ports = vec![InternalPort {
                 name: "http".into(),
                 port: 80,
@@ -1331,8 +1342,8 @@ async fn the_binary_joins_and_runs_under_control() {
             }];
         }
         cp.push_routes(vip_snapshot);
-        // DNS on the assignment's gateway answers the service VIP (scope:
-        // project id and environment name; here the ids stand in for names).
+        // DNS on the client's gateway answers the service VIP (scope:
+        // project id and environment name, D-7).
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             let out = std::process::Command::new("dig")
@@ -1340,7 +1351,7 @@ async fn the_binary_joins_and_runs_under_control() {
                     "+short",
                     "+time=1",
                     "+tries=1",
-                    "@10.201.182.1",
+                    "@10.201.186.1",
                     "svc.internal",
                 ])
                 .output()
@@ -1403,23 +1414,29 @@ async fn the_binary_joins_and_runs_under_control() {
             );
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        // Another environment's container is refused at the VIP (V-6's
-        // deviation: nftables scopes VIPs to their environment's bridges).
-        let stranger = observed("x1").container_id;
-        let out = zattera_agent::runtime::exec::exec(&ctd, &stranger, &fifo, &get("10.97.0.9"))
-            .await
-            .unwrap();
-        assert!(
-            out.stdout.is_empty() && out.exit_code != 0,
-            "another environment reached the VIP: {out:?}"
-        );
+        // Another environment's container, and another project's in an
+        // environment of the same name, are refused at the VIP (V-6's
+        // deviation: nftables scopes VIPs to the bridges of their scope).
+        for id in ["x1", "x2"] {
+            let stranger = observed(id).container_id;
+            let out = zattera_agent::runtime::exec::exec(&ctd, &stranger, &fifo, &get("10.97.0.9"))
+                .await
+                .unwrap();
+            assert!(
+                out.stdout.is_empty() && out.exit_code != 0,
+                "{id} reached the VIP: {out:?}"
+            );
+        }
         let table = std::process::Command::new("nft")
             .args(["list", "set", "inet", &net_cfg.nft_table, "vip_access"])
             .output()
             .unwrap();
         let table = String::from_utf8_lossy(&table.stdout);
         assert!(
-            table.contains("\"ztcq182\" . 10.97.0.9") && !table.contains("ztcq183"),
+            table.contains("\"ztcq182\" . 10.97.0.9")
+                && table.contains("\"ztcq186\" . 10.97.0.9")
+                && !table.contains("ztcq183")
+                && !table.contains("ztcq187"),
             "{table}"
         );
 

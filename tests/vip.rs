@@ -88,7 +88,12 @@ async fn vip_connections_reach_healthy_endpoints_only() {
 
     let vip = "10.97.250.7";
     let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(snapshot(1, vip, &endpoint, true))));
-    let proxy = tokio::spawn(zattera_agent::control::vip::run(Arc::clone(&net), rx));
+    let (_networks_tx, networks) = tokio::sync::watch::channel(Arc::new(Vec::new()));
+    let proxy = tokio::spawn(zattera_agent::control::vip::run(
+        Arc::clone(&net),
+        rx,
+        networks,
+    ));
     wait_until("the VIP on ztvpvip", || {
         vip_addresses("ztvpvip").contains("10.97.250.7/32")
     })

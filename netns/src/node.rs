@@ -204,26 +204,32 @@ impl NetNode {
                     scope,
                 });
             }
-            // A VIP's scope is that of a bridge allowed to reach it; one no
-            // bridge reaches stays unscoped until the VIP owner sets it again.
-            let vips = current
-                .vips
-                .iter()
-                .map(|addr| ScopedVip {
-                    addr: *addr,
-                    scope: current
-                        .vip_access
-                        .iter()
-                        .filter(|(_, ip)| ip == addr)
-                        .find_map(|(name, _)| {
-                            bridges
-                                .iter()
-                                .find(|b| &b.bridge == name)
-                                .map(|b| b.scope.clone())
-                        })
-                        .unwrap_or_default(),
-                })
-                .collect();
+            // A VIP's scopes are those of the bridges allowed to reach it;
+            // one no bridge reaches stays unscoped until its owner sets it.
+            let mut vips = Vec::new();
+            for addr in &current.vips {
+                let mut scopes: Vec<String> = current
+                    .vip_access
+                    .iter()
+                    .filter(|(_, ip)| ip == addr)
+                    .filter_map(|(name, _)| {
+                        bridges
+                            .iter()
+                            .find(|b| &b.bridge == name)
+                            .map(|b| b.scope.clone())
+                    })
+                    .collect();
+                scopes.sort();
+                scopes.dedup();
+                if scopes.is_empty() {
+                    scopes.push(String::new());
+                }
+                vips.extend(
+                    scopes
+                        .into_iter()
+                        .map(|scope| ScopedVip { addr: *addr, scope }),
+                );
+            }
             *slot = Some(FirewallState {
                 bridges,
                 published: current.published,

@@ -22,9 +22,9 @@ pub fn interface_name(node: &NetNode) -> String {
 
 /// Makes the VIP interface carry exactly the VIPs of `scoped` (as /32s):
 /// missing ones are added first, unwanted ones removed last (V-2). The
-/// firewall follows: a VIP is reachable from the bridges of its scope (a
-/// [`crate::network_name`]) only.
-pub async fn set_vips(node: &NetNode, scoped: &BTreeMap<Ipv4Addr, String>) -> Result<()> {
+/// firewall follows: a VIP is reachable from the bridges of its scopes
+/// ([`crate::network_name`]s) only; one with no scope from none.
+pub async fn set_vips(node: &NetNode, scoped: &BTreeMap<Ipv4Addr, BTreeSet<String>>) -> Result<()> {
     let vips: BTreeSet<Ipv4Addr> = scoped.keys().copied().collect();
     let nl = node.netlink();
     let name = interface_name(node);
@@ -57,16 +57,20 @@ pub async fn set_vips(node: &NetNode, scoped: &BTreeMap<Ipv4Addr, String>) -> Re
     for ip in vips.difference(&current) {
         nl.add_address(link.index, &name, *ip, 32).await?;
     }
-    node.set_vips(
-        scoped
-            .iter()
-            .map(|(addr, scope)| crate::ScopedVip {
+    let mut rules = Vec::new();
+    for (addr, scopes) in scoped {
+        if scopes.is_empty() {
+            rules.push(crate::ScopedVip {
                 addr: *addr,
-                scope: scope.clone(),
-            })
-            .collect(),
-    )
-    .await?;
+                scope: String::new(),
+            });
+        }
+        rules.extend(scopes.iter().map(|scope| crate::ScopedVip {
+            addr: *addr,
+            scope: scope.clone(),
+        }));
+    }
+    node.set_vips(rules).await?;
     for ip in current.difference(&vips) {
         nl.remove_address(link.index, &name, *ip).await?;
     }

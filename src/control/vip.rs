@@ -22,6 +22,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use zattera_netns::NetNode;
 
+use crate::executor::LocalNetwork;
 use crate::proto::cluster::RouteSnapshot;
 
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,26 +46,40 @@ impl Drop for Listener {
     }
 }
 
-/// What one snapshot asks for: VIPs with the network scope that may reach
-/// them, and healthy endpoints per `VIP:port`.
+/// What one snapshot asks for: VIPs with the networks that may reach them,
+/// and healthy endpoints per `VIP:port`.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Wanted {
-    pub vips: BTreeMap<Ipv4Addr, String>,
+    pub vips: BTreeMap<Ipv4Addr, BTreeSet<String>>,
     pub listeners: BTreeMap<SocketAddr, Vec<SocketAddr>>,
 }
 
 /// V-1: every service with a VIP; a listener per TCP port other than 0.
-pub fn wanted(snapshot: &RouteSnapshot) -> Wanted {
+/// A VIP is reachable from the networks of the scope DNS answers it in
+/// (D-7): its project, and its environment's *name* (the FQDN's second
+/// label), so that `db.internal` from app `api` connects as it resolves.
+pub fn wanted(snapshot: &RouteSnapshot, networks: &[LocalNetwork]) -> Wanted {
     let mut w = Wanted::default();
     for service in &snapshot.internal_services {
         let Ok(vip) = service.vip.parse::<Ipv4Addr>() else {
             continue;
         };
-        // The bridges of the service's own environment (V-6).
-        w.vips.insert(
-            vip,
-            zattera_netns::network_name(&service.project_id, &service.environment_id),
-        );
+        let mut scopes = BTreeSet::from([zattera_netns::network_name(
+            &service.project_id,
+            &service.environment_id,
+        )]);
+        if let Some(env) = environment_label(&service.fqdn) {
+            scopes.extend(
+                networks
+                    .iter()
+                    .filter(|n| {
+                        n.project_id == service.project_id
+                            && n.environment.eq_ignore_ascii_case(env)
+                    })
+                    .map(|n| n.name.clone()),
+            );
+        }
+        w.vips.entry(vip).or_default().extend(scopes);
         for port in &service.ports {
             let Ok(number) = u16::try_from(port.port) else {
                 continue;
@@ -83,6 +98,15 @@ pub fn wanted(snapshot: &RouteSnapshot) -> Wanted {
         }
     }
     w
+}
+
+/// `env` of `<app>.<env>.<project>.internal[.]`.
+fn environment_label(fqdn: &str) -> Option<&str> {
+    let labels: Vec<&str> = fqdn.trim_end_matches('.').split('.').collect();
+    match labels.as_slice() {
+        [_, env, _, internal] if internal.eq_ignore_ascii_case("internal") => Some(env),
+        _ => None,
+    }
 }
 
 /// Power of two choices: two distinct random picks, the one with fewer
@@ -108,19 +132,30 @@ pub fn choose(
     }
 }
 
-/// Runs the proxy on every snapshot `routes` delivers, until it closes.
-pub async fn run(net: Arc<NetNode>, mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>) {
+/// Runs the proxy on every snapshot `routes` delivers and every change of
+/// the node's networks, until `routes` closes.
+pub async fn run(
+    net: Arc<NetNode>,
+    mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>,
+    mut networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
+) {
     let in_flight: InFlight = Arc::default();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     let mut listeners: BTreeMap<SocketAddr, Listener> = BTreeMap::new();
+    let mut networks_open = true;
     loop {
         let snapshot = routes.borrow_and_update().clone();
+        let local = Arc::clone(&networks.borrow_and_update());
         if let Some(snapshot) = snapshot {
-            let w = wanted(&snapshot);
+            let w = wanted(&snapshot, &local);
             reconcile(&net, &w, &mut listeners, &in_flight, &slots).await;
         }
-        if routes.changed().await.is_err() {
-            return;
+        tokio::select! {
+            changed = routes.changed() => if changed.is_err() {
+                return;
+            },
+            // The executor gone only means no more network changes.
+            changed = networks.changed(), if networks_open => networks_open = changed.is_ok(),
         }
     }
 }
@@ -397,14 +432,14 @@ mod tests {
             ],
             ..RouteSnapshot::default()
         };
-        let w = wanted(&snapshot);
+        let w = wanted(&snapshot, &[]);
         // Scoped to the bridges of its environment, named as the executor
         // names them.
         assert_eq!(
             w.vips,
             BTreeMap::from([(
                 Ipv4Addr::new(10, 97, 0, 5),
-                "zt-01jproje-01jenvironme".to_owned()
+                BTreeSet::from(["zt-01jproje-01jenvironme".to_owned()])
             )])
         );
         assert_eq!(w.listeners.len(), 1, "UDP and port 0 are skipped");
@@ -412,6 +447,35 @@ mod tests {
             w.listeners[&addr("10.97.0.5:80")],
             vec![addr("127.0.0.1:8080")],
             "only healthy endpoints"
+        );
+    }
+
+    #[test]
+    fn a_vip_is_reached_from_every_network_of_its_project_and_environment_name() {
+        let snapshot = RouteSnapshot {
+            internal_services: vec![InternalService {
+                fqdn: "db.Production.shop.internal.".into(),
+                vip: "10.97.0.7".into(),
+                project_id: "proj".into(),
+                environment_id: "env-db".into(),
+                ..InternalService::default()
+            }],
+            ..RouteSnapshot::default()
+        };
+        let net = |name: &str, project: &str, env: &str| LocalNetwork {
+            name: name.into(),
+            project_id: project.into(),
+            environment: env.into(),
+        };
+        let networks = [
+            net("zt-proj-env-api", "proj", "production"),
+            net("zt-proj-env-web", "proj", "staging"),
+            net("zt-other-env-x", "other", "production"),
+        ];
+        let w = wanted(&snapshot, &networks);
+        assert_eq!(
+            w.vips[&Ipv4Addr::new(10, 97, 0, 7)],
+            BTreeSet::from(["zt-proj-env-api".to_owned(), "zt-proj-env-db".to_owned()])
         );
     }
 }

@@ -88,6 +88,20 @@ pub struct ExecutorHandle {
     pub desired: watch::Sender<Option<AssignmentSet>>,
     pub source_errors: watch::Sender<Vec<SourceError>>,
     pub status: watch::Receiver<Arc<StatusSnapshot>>,
+    /// The networks in use on this node (for the VIP rules).
+    pub networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
+}
+
+/// A network of this node as the VIP rules need it: its name (the scope
+/// its bridge carries) and the project and environment *name* that DNS
+/// scopes by (D-7). Environment ids are per app (N-7), so the apps of one
+/// project and environment name have a network each, and reach each other's
+/// VIPs.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LocalNetwork {
+    pub name: String,
+    pub project_id: String,
+    pub environment: String,
 }
 
 pub struct Executor {
@@ -106,6 +120,7 @@ pub struct Executor {
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
     networks: BTreeSet<Subnet>,
+    networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -135,6 +150,7 @@ impl Executor {
             ..StatusSnapshot::default()
         }));
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+        let (networks_tx, networks_rx) = watch::channel(Arc::new(Vec::new()));
         let puller = Puller::new(ctd.clone(), vec![]);
         let ports = HostPorts::new(cfg.host_port_range);
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
@@ -163,11 +179,13 @@ impl Executor {
             ctx,
             reports_rx,
             networks: BTreeSet::new(),
+            networks_tx,
         };
         let handle = ExecutorHandle {
             desired: desired_tx,
             source_errors: errors_tx,
             status: status_rx,
+            networks: networks_rx,
         };
         (exec, handle)
     }
@@ -640,16 +658,23 @@ impl Executor {
         let Some(net) = self.h.net.clone() else {
             return;
         };
-        let mut in_use: BTreeMap<Subnet, (String, String)> = BTreeMap::new();
+        let mut in_use: BTreeMap<Subnet, (String, String, String)> = BTreeMap::new();
         for o in self.owned.values() {
             if let Some(s) = o.subnet {
-                in_use.insert(s, (o.project_id.clone(), o.environment_name.clone()));
+                in_use.insert(
+                    s,
+                    (
+                        o.project_id.clone(),
+                        o.environment_name.clone(),
+                        network_name(&o.project_id, &o.environment_id),
+                    ),
+                );
             }
         }
         // A bring-up in flight uses its network already.
         for w in self.workers.values().filter(|w| w.phase == Phase::Starting) {
             if let Some((s, project, env)) = &w.network {
-                in_use.insert(*s, (project.clone(), env.clone()));
+                in_use.insert(*s, (project.clone(), env.clone(), w.scope.clone()));
             }
         }
         for (a, rt) in desired.values() {
@@ -665,7 +690,14 @@ impl Executor {
                     .as_ref()
                     .and_then(|rt| rt.env.get("ZATTERA_ENV"))
                     .unwrap_or(&a.environment_id);
-                in_use.insert(s, (a.project_id.clone(), env.clone()));
+                in_use.insert(
+                    s,
+                    (
+                        a.project_id.clone(),
+                        env.clone(),
+                        network_name(&a.project_id, &a.environment_id),
+                    ),
+                );
             }
         }
         let existing: BTreeSet<Subnet> = match zattera_netns::inventory::read(&net).await {
@@ -684,10 +716,27 @@ impl Executor {
             }
         }
         self.networks = in_use.keys().copied().collect();
+        let local: Vec<LocalNetwork> = in_use
+            .values()
+            .map(|(project, env, name)| LocalNetwork {
+                name: name.clone(),
+                project_id: project.clone(),
+                environment: env.clone(),
+            })
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        self.networks_tx.send_if_modified(|n| {
+            let changed = **n != local;
+            if changed {
+                *n = Arc::new(local);
+            }
+            changed
+        });
         if let Some(dns) = &self.dns {
             let specs = in_use
                 .iter()
-                .map(|(s, (project, env))| ListenerSpec {
+                .map(|(s, (project, env, _))| ListenerSpec {
                     addr: s.gateway().into(),
                     scope: Scope::new(project.clone(), env.clone()),
                 })
