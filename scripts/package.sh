@@ -88,8 +88,9 @@ deps=$(dpkg-deb -f "$deb" Depends)
 for d in 'containerd (>= 1.6)' runc nftables; do
   grep -qF "$d" <<<"$deps" || die "$deb does not depend on $d: $deps"
 done
-dpkg-deb -f "$deb" Conffiles 2>/dev/null | true
-dpkg-deb --ctrl-tarfile "$deb" | tar -t | grep -q conffiles || die "$deb has no conffiles"
+# Into variables: `grep -q` would close the pipe early (SIGPIPE under pipefail).
+control=$(dpkg-deb --ctrl-tarfile "$deb" | tar -t)
+grep -q conffiles <<<"$control" || die "$deb has no conffiles"
 
 say "checking $rpm"
 rpm -qpl "$rpm" > dist/rpm-files.txt
@@ -101,7 +102,8 @@ rpm -qpR "$rpm" > dist/rpm-requires.txt
 for d in 'containerd >= 1.6' runc nftables; do
   grep -qF "$d" dist/rpm-requires.txt || die "$rpm does not require $d"
 done
-rpm -qp --configfiles "$rpm" | grep -qxF /etc/zattera/agent.toml || die "agent.toml is not a config file in $rpm"
+configs=$(rpm -qp --configfiles "$rpm")
+grep -qxF /etc/zattera/agent.toml <<<"$configs" || die "agent.toml is not a config file in $rpm"
 rpmlint "$rpm" | tee dist/rpmlint.txt >&2 || true
 if grep -qE '^[0-9]+ packages and [0-9]+ specfiles checked; [1-9][0-9]* errors' dist/rpmlint.txt; then
   die "rpmlint reports errors on $rpm"
