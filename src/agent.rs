@@ -20,7 +20,8 @@ use crate::runtime::Containerd;
 
 /// Runs the agent with `config`. `logger_binary` is the executable the runc
 /// shims start as container loggers (normally this very binary).
-pub async fn run(config: Config, logger_binary: PathBuf) -> Result<()> {
+pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
+    config.control = sync_target(&config)?;
     // Keys, logs, volumes, namespace files and the admin socket live under
     // these: no other host user may even look inside.
     for dir in [&config.data_dir, &config.run_dir] {
@@ -284,6 +285,42 @@ async fn feed_dns_from_routes(
             return;
         }
     }
+}
+
+/// Where the sync stream goes (wire.md 1.2): the `control_grpc_addr` the
+/// join stored, whether `--control` (the join address) is given or not; a
+/// node that joined runs under control with a bare `run`, unless it is
+/// pointed at manifests. `None`: standalone (or nothing to run).
+fn sync_target(config: &Config) -> Result<Option<String>> {
+    let ids = crate::control::identity::IdentityDir::new(&config.data_dir);
+    let enrolled = ids.state_path().exists();
+    if !enrolled && config.control.is_none() {
+        return Ok(None);
+    }
+    if config.control.is_none() && config.manifests.is_some() {
+        tracing::info!("this node has joined a control plane, but --manifests runs it standalone");
+        return Ok(None);
+    }
+    let enrollment = match ids.load_enrollment() {
+        Ok(e) => e,
+        Err(e) => {
+            let given = config.control.as_deref().unwrap_or("ADDR");
+            return Err(anyhow::anyhow!(e).context(format!(
+                "this node has no usable enrollment; run `zattera-agent join --control {given} --token TOKEN` first"
+            )));
+        }
+    };
+    let target = if enrollment.control_addr.is_empty() {
+        config.control.clone()
+    } else {
+        Some(enrollment.control_addr.clone())
+    };
+    if let (Some(given), Some(target)) = (&config.control, &target)
+        && given != target
+    {
+        tracing::info!(join = %given, sync = %target, "syncing with the address the join returned");
+    }
+    Ok(target)
 }
 
 /// Feeds the executor from the manifest directory, reloading on changes.

@@ -11,6 +11,7 @@ mod support;
 use std::time::Duration;
 
 use control_plane::{ControlPlane, ControlledAgent, assignment, set_of};
+use support::agent::KillOnDrop;
 use support::{rig, with_namespace};
 use zattera_agent::proto::v1::{HealthCheck, HealthCheckType, InstanceState};
 use zattera_agent::runtime::import_archive;
@@ -85,6 +86,121 @@ async fn healthy_comes_back_after_a_crash_loop() {
             assert!(latest.restarts >= 1, "{id}: {latest:?}");
         }
         drop(agent);
+    })
+    .await;
+}
+
+/// A TCP forwarder from a fresh loopback port to `to`, until dropped.
+async fn forwarder(to: String) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let to = to.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (addr, task)
+}
+
+/// wire.md 1.2, issue 13.9: the sync target is the `control_grpc_addr` the
+/// join returned. Joined through an address that is gone afterwards, a
+/// bare `run` (the packaged unit's) and `run --control <join address>`
+/// both open the stream with the enrolled address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_after_join_syncs_with_the_address_the_join_returned() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-join", |ctd, rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (join_addr, forward) = forwarder(cp.address()).await;
+        let dir = tempfile::tempdir().unwrap();
+        let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
+        let bin = support::agent::run_bin();
+        let join = std::process::Command::new(&bin)
+            .args(["--config", "/dev/null", "--data-dir"])
+            .arg(&data)
+            .args([
+                "join",
+                "--control",
+                &join_addr,
+                "--token",
+                &cp.ca.token(SECRET),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            join.status.success(),
+            "join: {}",
+            String::from_utf8_lossy(&join.stderr)
+        );
+        // The join address is gone: only the enrolled one answers.
+        forward.abort();
+        let _ = forward.await;
+
+        let net_cfg =
+            zattera_netns::NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        let _net = support::NetCleanup {
+            prefix: "ztcj".into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let log_path = dir.path().join("agent.log");
+        let api_addr = control_plane::free_loopback_addr().await;
+        let start = |extra: &[&str]| {
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .unwrap();
+            let child = std::process::Command::new(&bin)
+                .arg("--containerd-address")
+                .arg(&rig.socket)
+                .args([
+                    "--namespace",
+                    ctd.namespace().as_str(),
+                    "--config",
+                    "/dev/null",
+                ])
+                .arg("--run-dir")
+                .arg(&run_dir)
+                .arg("--data-dir")
+                .arg(&data)
+                .args([
+                    "run",
+                    "--bridge-prefix",
+                    "ztcj",
+                    "--node-api-listen",
+                    &api_addr,
+                ])
+                .args(extra)
+                .env("RUST_LOG", "info")
+                .stdout(std::process::Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap();
+            KillOnDrop(child)
+        };
+        for (session, extra) in [(0, vec![]), (1, vec!["--control", join_addr.as_str()])] {
+            let agent = start(&extra);
+            let what = format!("a hello from `run {}`", extra.join(" "));
+            let waited = tokio::time::timeout(
+                Duration::from_secs(40),
+                cp.wait_for(&what, Duration::from_secs(60), |r| {
+                    (r.sessions.len() > session).then_some(())
+                }),
+            )
+            .await;
+            assert!(
+                waited.is_ok(),
+                "no {what}; agent log:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+            drop(agent);
+        }
     })
     .await;
 }
