@@ -204,3 +204,47 @@ async fn run_after_join_syncs_with_the_address_the_join_returned() {
     })
     .await;
 }
+
+/// X-4, issue 13.6: the subnet is not in the config hash; a pushed change of
+/// it replaces the instance onto the new network.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_subnet_replaces_the_instance() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-subnet", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcs").await;
+        let ip_in = |slot: u8| {
+            move |s: &serde_json::Value| {
+                s["assignments"].as_array().is_some_and(|rows| {
+                    rows.iter().any(|r| {
+                        r["id"] == "moved"
+                            && r["state"] == "HEALTHY"
+                            && r["ip"]
+                                .as_str()
+                                .is_some_and(|ip| ip.starts_with(&format!("10.201.{slot}.")))
+                    })
+                })
+            }
+        };
+        cp.push_set(set_of(
+            1,
+            vec![assignment("moved", "env", 191, "sleep 3600")],
+        ));
+        agent.wait_for("HEALTHY on 10.201.191.0/24", ip_in(191));
+        cp.push_set(set_of(
+            2,
+            vec![assignment("moved", "env", 192, "sleep 3600")],
+        ));
+        agent.wait_for("HEALTHY on 10.201.192.0/24", ip_in(192));
+        let owned =
+            zattera_agent::runtime::containers::list(&ctd, &[("dev.zattera/managed", "true")])
+                .await
+                .unwrap();
+        assert_eq!(owned.len(), 1, "the old container is gone");
+    })
+    .await;
+}

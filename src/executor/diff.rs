@@ -5,6 +5,8 @@
 
 use std::collections::BTreeMap;
 
+use zattera_netns::Subnet;
+
 use super::labels::OwnedContainer;
 use super::status::{Observation, State};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
@@ -55,8 +57,11 @@ pub fn classify(desired: &Desired, listed: Vec<OwnedContainer>) -> Classified {
                 );
                 out.removals.push(c);
             }
-            Some((a, _)) => {
-                if c.config_hash == a.config_hash && !out.owned.contains_key(&c.assignment_id) {
+            Some((a, rt)) => {
+                if c.config_hash == a.config_hash
+                    && !subnet_drifted(&c, rt.as_ref())
+                    && !out.owned.contains_key(&c.assignment_id)
+                {
                     out.owned.insert(c.assignment_id.clone(), c);
                 } else {
                     out.removals.push(c);
@@ -65,6 +70,23 @@ pub fn classify(desired: &Desired, listed: Vec<OwnedContainer>) -> Classified {
         }
     }
     out
+}
+
+/// the subnet is not part of the config hash, so a container made
+/// before its subnet was pushed (or on an older one) is replaced once the
+/// desired subnet differs. A subnet that does not parse changes nothing
+/// (the bring-up reports it).
+fn subnet_drifted(c: &OwnedContainer, rt: Option<&AssignmentRuntime>) -> bool {
+    let Some(rt) = rt else { return false };
+    let wanted = if rt.subnet_cidr.is_empty() {
+        None
+    } else {
+        match rt.subnet_cidr.parse::<Subnet>() {
+            Ok(s) => Some(s),
+            Err(_) => return false,
+        }
+    };
+    c.subnet != wanted
 }
 
 #[cfg(test)]
@@ -149,5 +171,34 @@ mod tests {
         assert_eq!(removed, ["g1", "k2", "p1", "s1"]);
         assert_eq!(c.stopped.len(), 1);
         assert_eq!(c.stopped[0].state, State::Stopped);
+    }
+
+    #[test]
+    fn a_changed_subnet_replaces_the_container_and_a_bad_one_changes_nothing() {
+        let runtime = |cidr: &str| AssignmentRuntime {
+            subnet_cidr: cidr.into(),
+            ..AssignmentRuntime::default()
+        };
+        let on = |subnet: Option<u8>| OwnedContainer {
+            subnet: subnet.map(Subnet::from_slot),
+            ..owned("c", "a", "h1")
+        };
+        for (cidr, had, replaced) in [
+            ("10.201.5.0/24", Some(5), false),
+            ("10.201.6.0/24", Some(5), true),
+            ("10.201.6.0/24", None, true),
+            ("", Some(5), true),
+            ("", None, false),
+            ("not a subnet", Some(5), false),
+        ] {
+            let set = AssignmentSet {
+                assignments: vec![assignment("a", "", "h1", AssignmentDesired::Run)],
+                runtime: BTreeMap::from([("a".to_owned(), runtime(cidr))]),
+                ..AssignmentSet::default()
+            };
+            let c = classify(&desired_for(set, ""), vec![on(had)]);
+            assert_eq!(c.removals.len() == 1, replaced, "{cidr:?} on {had:?}");
+            assert_eq!(c.owned.is_empty(), replaced, "{cidr:?} on {had:?}");
+        }
     }
 }
