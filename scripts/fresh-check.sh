@@ -68,17 +68,20 @@ else
 fi
 
 # --- one isolated host ---------------------------------------------------------
-NS=zt-fresh-$$
+# Every root gets a network namespace of its own (new_netns): the demo's
+# agent and containers, still running, keep their ports and bridges there.
 VETH=ztfr$$
 TABLE=zattera_fresh_$$
 ROOTS=()
+NSS=()
 cleanup() {
   local rc=$?
   # Every process of the check runs in a root of ours (containerd, shims,
   # the agent, and the containers, whose roots lie inside it) or in its
   # network namespace.
   for _ in 1 2 3 4 5; do
-    pids=$(ip netns pids "$NS" 2>/dev/null || true)
+    pids=""
+    for ns in "${NSS[@]}"; do pids="$pids $(ip netns pids "$ns" 2>/dev/null || true)"; done
     for p in /proc/[0-9]*; do
       root=$(readlink "$p/root" 2>/dev/null) || continue
       for r in "${ROOTS[@]}"; do
@@ -89,8 +92,10 @@ cleanup() {
     kill -9 $pids 2>/dev/null || true
     sleep 1
   done
-  ip netns del "$NS" 2>/dev/null || true
-  ip link del "${VETH}h" 2>/dev/null || true
+  for i in "${!NSS[@]}"; do
+    ip netns del "${NSS[$i]}" 2>/dev/null || true
+    ip link del "$VETH${i}h" 2>/dev/null || true
+  done
   # runc removes each container's cgroup; the parents are the agents'.
   for h in /sys/fs/cgroup /sys/fs/cgroup/*; do
     for ns in "zattera-fresh-$$" "zattera-pkg-$$"; do
@@ -107,32 +112,39 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A network namespace with a NATed link to the host: the package mirror and
-# crates.io are reachable, and nothing the root makes (bridges, nft tables,
-# published ports) can touch the host's own.
-ip netns add "$NS"
-ip link add "${VETH}h" type veth peer name "${VETH}c"
-ip link set "${VETH}c" netns "$NS"
-ip addr add 10.254.254.1/30 dev "${VETH}h"
-ip link set "${VETH}h" up
-ip -n "$NS" addr add 10.254.254.2/30 dev "${VETH}c"
-ip -n "$NS" link set "${VETH}c" up
-ip -n "$NS" link set lo up
-ip -n "$NS" route add default via 10.254.254.1
+# Network namespaces with a NATed link to the host each: the package
+# mirror and crates.io are reachable, and nothing a root makes (bridges, nft
+# tables, published ports) can touch the host's own or another root's.
 echo 1 > /proc/sys/net/ipv4/ip_forward
 nft -f - <<NFT
 table inet $TABLE {
   chain forward {
     type filter hook forward priority filter - 1; policy accept;
-    iifname "${VETH}h" accept
-    oifname "${VETH}h" ct state established,related accept
+    iifname "$VETH*" accept
+    oifname "$VETH*" ct state established,related accept
   }
   chain postrouting {
     type nat hook postrouting priority srcnat; policy accept;
-    ip saddr 10.254.254.0/30 oifname != "${VETH}h" masquerade
+    ip saddr 10.254.254.0/24 oifname != "$VETH*" masquerade
   }
 }
 NFT
+
+# A new network namespace, in $NS; the i-th has 10.254.254.(4i+2)/30.
+new_netns() {
+  local i=${#NSS[@]}
+  NS=zt-fresh-$$-$i
+  NSS+=("$NS")
+  ip netns add "$NS"
+  ip link add "$VETH${i}h" type veth peer name "$VETH${i}c"
+  ip link set "$VETH${i}c" netns "$NS"
+  ip addr add "10.254.254.$((4 * i + 1))/30" dev "$VETH${i}h"
+  ip link set "$VETH${i}h" up
+  ip -n "$NS" addr add "10.254.254.$((4 * i + 2))/30" dev "$VETH${i}c"
+  ip -n "$NS" link set "$VETH${i}c" up
+  ip -n "$NS" link set lo up
+  ip -n "$NS" route add default via "10.254.254.$((4 * i + 1))"
+}
 
 # A fresh root from the base, with a clean clone of the committed tree, in
 # $ROOT.
@@ -141,6 +153,7 @@ new_root() {
   rm -rf "$r"
   mkdir -p "$r"
   ROOTS+=("$r")
+  new_netns
   tar -xf "$base" -C "$r"
   # The host's resolver, as a fresh machine of this kind would have it.
   cp -L /etc/resolv.conf "$r/etc/resolv.conf"
@@ -148,6 +161,7 @@ new_root() {
   git clone -q --no-local "$HERE" "$r/root/zattera"
   mkdir -p "$r/root/.rustup" "$r/root/.cargo/bin"
   ROOT=$r
+  ROOT_NS=$NS
 }
 
 # Runs a script in the root: private mounts (the root bound onto itself, so
@@ -178,7 +192,7 @@ in_root() {
         PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         bash -euo pipefail -c "$@"
     '"'"' in_netns "$r" "$@"
-  ' in_root "$r" "$NS" "$@"
+  ' in_root "$r" "$ROOT_NS" "$@"
 }
 
 for stage in "${STAGES[@]}"; do
