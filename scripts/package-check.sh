@@ -50,7 +50,8 @@ agent image import /root/images/busybox-oci.tar
 agent doctor || die "doctor fails on this root"
 
 say "the installed agent runs the demo manifests"
-agent run --manifests /root/zattera/examples --subnet-pool 100-119 >/var/log/zattera-agent.log 2>&1 &
+/usr/bin/zattera-agent --namespace "$ns" run --manifests /root/zattera/examples --subnet-pool 100-119 \
+  >/var/log/zattera-agent.log 2>&1 &  # not through the function: $! must be the agent
 agent=$!
 healthy=no
 for _ in $(seq 1 90); do
