@@ -96,6 +96,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         parallelism: 4,
         host_port_range: config.host_port_range,
         pids_limit: config.pids_limit,
+        pull_timeout: config.pull_timeout,
         standalone,
         source,
     };

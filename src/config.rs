@@ -61,6 +61,9 @@ pub struct Settings {
     /// Processes per container (default 4096; 0 = unlimited).
     #[serde(alias = "pids_limit")]
     pub pids_limit: Option<u32>,
+    /// Longest an image pull may take, as `90s`, `10m` (default 10m).
+    #[serde(alias = "pull_timeout")]
+    pub pull_timeout: Option<String>,
     /// Node ids allowed to call the node API besides the control peers the
     /// join named.
     #[serde(alias = "control_node_ids")]
@@ -110,6 +113,7 @@ impl Settings {
             upgrade_base_url: top.upgrade_base_url.or(self.upgrade_base_url),
             host_port_range: top.host_port_range.or(self.host_port_range),
             pids_limit: top.pids_limit.or(self.pids_limit),
+            pull_timeout: top.pull_timeout.or(self.pull_timeout),
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
         }
     }
@@ -141,8 +145,19 @@ impl Settings {
                     message: e.to_string(),
                 })?,
         };
+        let pull_timeout = match self.pull_timeout.as_deref() {
+            None => DEFAULT_PULL_TIMEOUT,
+            Some(text) => humantime::parse_duration(text)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| ConfigError::Invalid {
+                    key: "pull-timeout",
+                    message: format!("{text:?} is not a duration such as 90s or 10m"),
+                })?,
+        };
         Ok(Config {
             host_port_range,
+            pull_timeout,
             pids_limit: self
                 .pids_limit
                 .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
@@ -183,8 +198,13 @@ pub struct Config {
     pub upgrade_base_url: Option<String>,
     pub host_port_range: zattera_netns::PortRange,
     pub pids_limit: u32,
+    pub pull_timeout: std::time::Duration,
     pub control_node_ids: Vec<String>,
 }
+
+/// A pull that has not finished by then is FAILED (and retried): a registry
+/// that drips bytes must not hold an instance in PULLING for ever.
+pub const DEFAULT_PULL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 fn parse_pool(text: &str) -> Option<(u8, u8)> {
     let (a, b) = text.split_once('-')?;

@@ -248,3 +248,183 @@ async fn a_changed_subnet_replaces_the_instance() {
     })
     .await;
 }
+
+/// A registry that answers 200 and then drips one byte every 50 s: under
+/// the pull client's read timeout, so a pull from it never ends by itself.
+async fn tarpit() -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let head = "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n";
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                loop {
+                    tokio::time::sleep(Duration::from_secs(50)).await;
+                    if s.write_all(b" ").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, task)
+}
+
+/// Every report of `id` that reached control, in order.
+fn reports(
+    r: &control_plane::Record,
+    id: &str,
+) -> Vec<zattera_agent::proto::v1::AssignmentObserved> {
+    use zattera_agent::proto::cluster::agent_message::Body;
+    r.frames
+        .iter()
+        .filter_map(|(_, f)| match &f.body {
+            Some(Body::Status(b)) => b.observed.get(id).cloned(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Issue 13.4 and 13.5: one pull that hangs (a tarpit registry) stalls
+/// nothing else. While it hangs, a crashed service is restarted to HEALTHY,
+/// an edit of another app converges, the fast app's RUNNING with its port
+/// bindings is re-reported on the 5 s poll, and PULLING and STARTING reach
+/// control as they happen; the hanging pull fails at the pull deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_pull_stalls_nothing_else() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-tarpit", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let (registry, _tarpit) = tarpit().await;
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent = ControlledAgent::start_with(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztct",
+            &["--pull-timeout", "40s"],
+        )
+        .await;
+        let (slow, mut slow_rt) = assignment("slow", "env", 193, "sleep 3600");
+        slow_rt.image_ref = format!("{registry}/tarpit/app:1");
+        let fast = |hash: &str| {
+            let (mut a, mut rt) = assignment("fast", "env", 193, "httpd -f -p 80 -h /var/www");
+            a.config_hash = hash.into();
+            rt.spec.as_mut().unwrap().ports = vec![zattera_agent::proto::v1::PortSpec {
+                name: "http".into(),
+                container_port: 80,
+                protocol: zattera_agent::proto::v1::Protocol::Http as i32,
+                public_l4_port: 0,
+            }];
+            (a, rt)
+        };
+        let crash = assignment("crash", "env", 193, &crashing(1, 3));
+        let pushed = std::time::Instant::now();
+        cp.push_set(set_of(
+            1,
+            vec![(slow.clone(), slow_rt.clone()), fast("h1"), crash.clone()],
+        ));
+
+        let state = |s: InstanceState| s as i32;
+        let pulling_slow = || {
+            cp.with(|r| r.latest_of("slow"))
+                .is_some_and(|o| o.state == state(InstanceState::Pulling))
+        };
+        // The crash loop ends HEALTHY while the pull hangs.
+        cp.wait_for("crash HEALTHY after FAILED", Duration::from_secs(60), |r| {
+            let s = r.states_of("crash");
+            let failed = s.iter().rposition(|x| *x == state(InstanceState::Failed))?;
+            s[failed..]
+                .contains(&state(InstanceState::Healthy))
+                .then_some(())
+        })
+        .await;
+        assert!(pulling_slow(), "slow is still pulling");
+
+        // The fast app's reports: PULLING, STARTING, then RUNNING with its
+        // binding, again every poll.
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let fast_reports = cp.with(|r| reports(r, "fast"));
+        let states: Vec<i32> = fast_reports.iter().map(|o| o.state).collect();
+        assert_eq!(
+            &states[..2],
+            &[
+                state(InstanceState::Pulling),
+                state(InstanceState::Starting)
+            ],
+            "{states:?}"
+        );
+        let running: Vec<_> = fast_reports
+            .iter()
+            .filter(|o| o.state == state(InstanceState::Running))
+            .collect();
+        assert!(
+            running.len() >= 3,
+            "RUNNING is re-reported on the poll: {states:?}"
+        );
+        assert!(
+            running
+                .iter()
+                .all(|o| o.mesh_port_bindings.contains_key("http")),
+            "every RUNNING carries the binding: {running:?}"
+        );
+        let at = |o: &&zattera_agent::proto::v1::AssignmentObserved| {
+            o.updated_at
+                .as_ref()
+                .map_or(0, |t| t.seconds * 1000 + i64::from(t.nanos) / 1_000_000)
+        };
+        for pair in running.windows(2) {
+            let gap = at(&pair[1]) - at(&pair[0]);
+            assert!(
+                gap < 7_500,
+                "RUNNING re-reported {gap} ms apart: {running:?}"
+            );
+        }
+        // The slow one's PULLING went out as it happened, not at the end.
+        let slow_first = cp.with(|r| reports(r, "slow")).first().cloned().unwrap();
+        assert_eq!(slow_first.state, state(InstanceState::Pulling));
+        assert!(
+            at(&&slow_first) - at(&running[0]) < 5_000,
+            "slow's PULLING was sent late: {slow_first:?}"
+        );
+        assert!(pulling_slow(), "slow is still pulling");
+
+        // An edit of the fast app converges meanwhile.
+        cp.push_set(set_of(2, vec![(slow, slow_rt), fast("h2"), crash]));
+        cp.wait_for("fast-h2 HEALTHY", Duration::from_secs(30), |r| {
+            r.latest_of("fast").filter(|o| {
+                o.state == state(InstanceState::Healthy) && o.container_id.ends_with("-h2")
+            })
+        })
+        .await;
+        assert!(pulling_slow(), "slow is still pulling");
+
+        // The deadline ends the pull: FAILED, naming it.
+        let failed = cp
+            .wait_for(
+                "slow FAILED at the pull deadline",
+                Duration::from_secs(60),
+                |r| {
+                    r.latest_of("slow")
+                        .filter(|o| o.state == state(InstanceState::Failed))
+                },
+            )
+            .await;
+        assert!(failed.message.contains("pull-timeout"), "{failed:?}");
+        assert!(
+            pushed.elapsed() >= Duration::from_secs(40),
+            "not before the deadline"
+        );
+        drop(agent);
+    })
+    .await;
+}

@@ -59,6 +59,7 @@ impl Agent {
             parallelism: 4,
             host_port_range: zattera_netns::PortRange::DEFAULT,
             pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
+            pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: true,
             source: "test".into(),
         };

@@ -37,6 +37,9 @@ pub struct RunArgs {
     /// Processes per container, 0 = unlimited [default: 4096]
     #[arg(long, value_name = "N")]
     pids_limit: Option<u32>,
+    /// Longest an image pull may take [default: 10m]
+    #[arg(long, value_name = "DURATION")]
+    pull_timeout: Option<String>,
 }
 
 impl RunArgs {
@@ -53,6 +56,7 @@ impl RunArgs {
             upgrade_base_url: self.upgrade_base_url.clone(),
             host_port_range: self.host_port_range.clone(),
             pids_limit: self.pids_limit,
+            pull_timeout: self.pull_timeout.clone(),
             ..base
         }
     }

@@ -90,10 +90,15 @@ pub async fn bring_up(
         .image_ref
         .parse()
         .map_err(|e| Failure(format!("pull {}: {e}", plan.runtime.image_ref)))?;
-    let image = h
-        .puller
-        .ensure(&reference, &Credentials::Anonymous, None)
+    let pull = h.puller.ensure(&reference, &Credentials::Anonymous, None);
+    let image = tokio::time::timeout(h.cfg.pull_timeout, pull)
         .await
+        .map_err(|_| {
+            Failure(format!(
+                "pull {reference}: not done after {} (pull-timeout)",
+                humantime::format_duration(h.cfg.pull_timeout)
+            ))
+        })?
         .map_err(|e| Failure(format!("pull {reference}: {e}")))?;
 
     let spec_input = plan.runtime.spec.clone().unwrap_or_default();

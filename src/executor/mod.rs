@@ -75,6 +75,8 @@ pub struct ExecutorConfig {
     pub host_port_range: PortRange,
     /// Processes per container (0 = unlimited); a manifest may lower it.
     pub pids_limit: u32,
+    /// Longest one pull may take before the bring-up fails.
+    pub pull_timeout: Duration,
     /// Standalone: requested host ports come from the desired
     /// `Assignment.mesh_port_bindings`, and DNS answers local instances.
     pub standalone: bool,

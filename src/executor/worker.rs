@@ -242,9 +242,6 @@ struct Supervisor<'a> {
     monitor: Option<Monitor>,
     health_tx: mpsc::Sender<HealthUpdate>,
     health_rx: mpsc::Receiver<HealthUpdate>,
-    /// The monitor's last verdict for the current task (HEALTHY or
-    /// UNHEALTHY); the poll's RUNNING does not replace it.
-    verdict: Option<State>,
     crash: Option<Crash>,
     last_delay: Option<Duration>,
     started_at: Instant,
@@ -262,7 +259,6 @@ impl<'a> Supervisor<'a> {
             monitor: None,
             health_tx,
             health_rx,
-            verdict: None,
             crash: None,
             last_delay: None,
             started_at: Instant::now(),
@@ -294,7 +290,6 @@ impl<'a> Supervisor<'a> {
     /// judged anew, so HEALTHY comes back after a crash loop (L-3, X-8).
     fn start_monitor(&mut self) {
         self.stop_monitor();
-        self.verdict = None;
         let Some((probe, timing)) =
             health::resolve(self.spec.as_ref(), self.owned.ip, &self.owned.container_id)
         else {
@@ -387,7 +382,6 @@ impl<'a> Supervisor<'a> {
                 Some(update) = self.health_rx.recv() => {
                     // Only the current task's monitor speaks.
                     if update.container_id == self.owned.container_id {
-                        self.verdict = Some(update.state);
                         self.report(Event::Observed(self.observe(update.state)));
                     }
                 }
@@ -418,11 +412,10 @@ impl<'a> Supervisor<'a> {
         match state {
             TaskState::Running { .. } | TaskState::Paused => {
                 self.crash = None;
-                // RUNNING with its bindings on every poll; a verdict stays.
-                match self.verdict {
-                    Some(v) => self.report(Event::Observed(self.observe(v))),
-                    None => self.report_running(),
-                }
+                // RUNNING with its bindings on every poll, as wire.md's
+                // status table has it: control, like the status board,
+                // keeps a HEALTHY or UNHEALTHY verdict over it (S-10).
+                self.report_running();
             }
             TaskState::Stopped { exit_code } if !self.owned.restart => {
                 let obs = if exit_code == 0 {

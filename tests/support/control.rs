@@ -641,6 +641,18 @@ impl ControlledAgent {
         namespace: &str,
         prefix: &str,
     ) -> Self {
+        Self::start_with(cp, secret, rig, namespace, prefix, &[]).await
+    }
+
+    /// [`Self::start`] with extra `run` flags.
+    pub async fn start_with(
+        cp: &ControlPlane,
+        secret: &str,
+        rig: &crate::support::Rig,
+        namespace: &str,
+        prefix: &str,
+        extra: &[&str],
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
@@ -684,6 +696,7 @@ impl ControlledAgent {
                 bridge_prefix: prefix,
                 api_addr: &api_addr,
             })
+            .args(extra)
             .env("RUST_LOG", "info")
             .stderr(log)
             .spawn()
