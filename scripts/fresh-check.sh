@@ -105,7 +105,8 @@ cleanup() {
   done
   nft delete table inet "$TABLE" 2>/dev/null || true
   for r in "${ROOTS[@]}"; do
-    grep -F " $r" /proc/mounts | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    # (None, usually: the mounts were made in private mount namespaces.)
+    { grep -F " $r" /proc/mounts || true; } | awk '{print $2}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
     [ "${ZATTERA_FRESH_KEEP:-}" = 1 ] || rm -rf --one-file-system "$r" "$r.cgroup"
   done
   say "done in $(( $(date +%s) - start )) s (exit $rc)"
