@@ -428,3 +428,81 @@ async fn a_hanging_pull_stalls_nothing_else() {
     })
     .await;
 }
+
+/// Issue 13.10: containerd restarts in the middle of a sync session. The
+/// running tasks are not touched, a set pushed while containerd is down
+/// converges once it is back, and every report reaches control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_containerd_restart_during_sync_loses_nothing() {
+    let Some(rig) = rig() else { return };
+    let mut private = support::private::PrivateContainerd::start();
+    let rig = support::Rig {
+        socket: private.socket.clone(),
+        ..rig
+    };
+    let ns = format!("zt-test-cl-ctd-{}", std::process::id());
+    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    import_archive(&ctd, &rig.oci_archive(), None)
+        .await
+        .unwrap();
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let agent = ControlledAgent::start(&cp, SECRET, &rig, &ns, "ztcr").await;
+    let healthy = InstanceState::Healthy as i32;
+    let first = assignment("first", "env", 194, "sleep 3600");
+    cp.push_set(set_of(1, vec![first.clone()]));
+    cp.wait_for("first HEALTHY", Duration::from_secs(60), |r| {
+        r.states_of("first").contains(&healthy).then_some(())
+    })
+    .await;
+    let cid = cp.with(|r| r.latest_of("first")).unwrap().container_id;
+    let pid = |ctd: zattera_agent::runtime::Containerd, cid: String| async move {
+        match zattera_agent::runtime::containers::task_state(&ctd, &cid).await {
+            Ok(zattera_agent::runtime::containers::TaskState::Running { pid }) => Some(pid),
+            _ => None,
+        }
+    };
+    let before = pid(ctd.clone(), cid.clone()).await;
+    assert!(before.is_some());
+
+    // containerd goes; a new set arrives meanwhile; containerd comes back.
+    private.down();
+    let late = assignment("late", "env", 194, "sleep 3600");
+    cp.push_set(set_of(2, vec![first, late]));
+    tokio::time::sleep(Duration::from_secs(8)).await; // passes fail meanwhile
+    private.up();
+
+    cp.wait_for("late HEALTHY", Duration::from_secs(90), |r| {
+        r.states_of("late").contains(&healthy).then_some(())
+    })
+    .await;
+    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        pid(ctd.clone(), cid.clone()).await,
+        before,
+        "first's task is untouched"
+    );
+    // Still reported, on the same session: nothing was dropped or restarted.
+    let (sessions, first_after) = cp
+        .wait_for("first re-reported after the restart", Duration::from_secs(20), |r| {
+            let n = r.frames.len();
+            r.frames[n.saturating_sub(20)..]
+                .iter()
+                .any(|(_, f)| {
+                    matches!(&f.body, Some(zattera_agent::proto::cluster::agent_message::Body::Status(b)) if b.observed.contains_key("first"))
+                })
+                .then(|| (r.sessions.len(), r.latest_of("first")))
+        })
+        .await;
+    assert_eq!(sessions, 1, "the stream stayed up");
+    assert_eq!(first_after.unwrap().container_id, cid);
+    let owned = zattera_agent::runtime::containers::list(&ctd, &[("dev.zattera/managed", "true")])
+        .await
+        .unwrap();
+    assert_eq!(owned.len(), 2, "nothing duplicated");
+    drop(agent);
+    support::purge_namespace(&ctd).await;
+}
