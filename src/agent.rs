@@ -124,15 +124,23 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         "agent running"
     );
 
+    let mut stats_on_close = None;
     let source_task = match (&config.control, &config.manifests) {
         (Some(addr), _) => {
             let Some((sync, _, rx)) = control.take() else {
                 anyhow::bail!("--control {addr}: the sync client was not prepared");
             };
-            // The sampler feeds heartbeats and the store behind `Stats`.
-            let stats = Arc::new(std::sync::Mutex::new(
-                crate::metrics::store::Store::default(),
+            // The sampler feeds heartbeats and the store behind `Stats`,
+            // kept on disk across restarts and upgrades (TS-8).
+            let stats_path = crate::metrics::persist::path(&config.data_dir);
+            let stats = Arc::new(std::sync::Mutex::new(crate::metrics::persist::load(
+                &stats_path,
+            )));
+            tokio::spawn(crate::metrics::persist::run(
+                Arc::clone(&stats),
+                stats_path.clone(),
             ));
+            stats_on_close = Some((Arc::clone(&stats), stats_path));
             let (samples, _sampler) = crate::metrics::Sampler {
                 ctd: ctd.clone(),
                 cgroup_parent: cgroup_parent.clone(),
@@ -163,6 +171,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                     binary: logger_binary.clone(),
                     args: std::env::args().collect(),
                     busy: Arc::default(),
+                    stats: stats_on_close.clone(),
                 },
             };
             let controls = crate::control::node_api::control_ids(
@@ -213,6 +222,9 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     source_task.abort();
     admin_task.abort();
     executor_task.abort();
+    if let Some((stats, path)) = &stats_on_close {
+        crate::metrics::persist::flush_now(stats, path).await;
+    }
     let _ = std::fs::remove_file(admin::socket_path(&config.run_dir));
     Ok(())
 }

@@ -506,3 +506,69 @@ async fn a_containerd_restart_during_sync_loses_nothing() {
     drop(agent);
     support::purge_namespace(&ctd).await;
 }
+
+/// The times (unix ms) of the node's `Stats` points in the last hour.
+async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut api = agent.api_as(cp, control_plane::CONTROL_NODE_ID).await;
+        let got = api
+            .stats(zattera_agent::proto::v1::StatsQuery {
+                node_id: agent.node_id.clone(),
+                metrics: vec!["memory_total_bytes".into()],
+                ..Default::default()
+            })
+            .await;
+        match got {
+            Ok(r) => {
+                let mut at: Vec<i64> = r
+                    .into_inner()
+                    .series
+                    .iter()
+                    .flat_map(|s| s.points.iter())
+                    .map(|p| p.time_unix_ms)
+                    .collect();
+                at.sort_unstable();
+                return at;
+            }
+            Err(_) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(e) => panic!("Stats: {e}"),
+        }
+    }
+}
+
+/// Issue 13.7 (W-6, TS-8, TS-9): the stats store is flushed to the data dir
+/// and loaded at start, so points sampled before a SIGKILL are answered by
+/// `Stats` after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_survive_a_sigkill() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-stats", |ctd, rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let mut agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcm").await;
+        let file = agent.data_dir().join("metrics/tsdb.bin");
+        let deadline = std::time::Instant::now() + Duration::from_secs(100);
+        while !file.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no flush of the stats store; agent log:\n{}",
+                agent.log()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let before = node_points(&agent, &cp).await;
+        assert!(!before.is_empty(), "sampled before the kill");
+
+        agent.kill9_and_restart(&cp, &rig);
+        let after = node_points(&agent, &cp).await;
+        assert!(
+            after.contains(&before[0]),
+            "the first point ({}) is answered after the restart: {after:?}",
+            before[0]
+        );
+    })
+    .await;
+}

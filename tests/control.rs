@@ -1064,6 +1064,7 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),
                     busy: Arc::default(),
+                    stats: None,
                 },
             }),
             control_ids([control_plane::CONTROL_NODE_ID]),

@@ -159,6 +159,7 @@ impl Node {
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),
                     busy: Arc::default(),
+                    stats: None,
                 },
             }),
             control_ids([control_plane::CONTROL_NODE_ID]),

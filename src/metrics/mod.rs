@@ -11,6 +11,7 @@
 //! ([`crate::runtime::stats`]). A container that cannot be sampled is
 //! skipped (M-4).
 
+pub mod persist;
 pub mod store;
 
 use std::collections::{BTreeMap, HashMap};
@@ -122,12 +123,17 @@ impl Sampler {
 }
 
 /// Writes one round of samples: the node's now, and the instances'.
+/// Now, in the store's unix seconds.
+pub fn unix_now() -> u32 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
+}
+
 fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, InstanceSample>) {
     use crate::control::host;
     use store::Scope;
-    let at = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX));
+    let at = unix_now();
     let (mem_used, mem_total) = host::memory();
     let (disk_used, disk_total) = host::disk(&feed.data_dir);
     let (rx, tx) = host::net_totals();

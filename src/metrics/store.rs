@@ -24,6 +24,12 @@ pub enum Scope {
 }
 
 impl Scope {
+    fn from_label(label: &str) -> Option<Self> {
+        [Scope::Node, Scope::Instance, Scope::Env]
+            .into_iter()
+            .find(|s| s.label() == label)
+    }
+
     fn label(self) -> &'static str {
         match self {
             Scope::Node => "node",
@@ -105,6 +111,101 @@ impl Store {
         });
     }
 
+    /// The newest point of any series, unix seconds.
+    pub fn newest(&self) -> Option<u32> {
+        self.series
+            .values()
+            .filter_map(|p| p.raw.back().map(|(t, _)| *t))
+            .max()
+    }
+
+    /// Drops every series whose newest raw point is older than `keep_secs`
+    /// before `now`, or that has none (TS-8's garbage collection).
+    pub fn collect_garbage(&mut self, now: u32, keep_secs: u32) {
+        self.series
+            .retain(|_, p| p.raw.back().is_some_and(|(t, _)| t + keep_secs >= now));
+    }
+
+    /// The store as bytes (see [`super::persist`] for the layout).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&super::persist::MAGIC.to_le_bytes());
+        out.extend_from_slice(&super::persist::VERSION.to_le_bytes());
+        put_len(&mut out, self.series.len());
+        for (k, p) in &self.series {
+            for text in [k.metric.as_str(), k.scope.label(), k.id.as_str()] {
+                put_len(&mut out, text.len());
+                out.extend_from_slice(text.as_bytes());
+            }
+            match p.bucket {
+                Some((start, sum, n)) => {
+                    out.push(1);
+                    out.extend_from_slice(&start.to_le_bytes());
+                    out.extend_from_slice(&sum.to_le_bytes());
+                    out.extend_from_slice(&n.to_le_bytes());
+                }
+                None => out.push(0),
+            }
+            for ring in [&p.raw, &p.coarse] {
+                put_len(&mut out, ring.len());
+                for (t, v) in ring {
+                    out.extend_from_slice(&t.to_le_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// The store [`Self::encode`] wrote; an error says what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = Reader(bytes);
+        if r.u32()? != super::persist::MAGIC {
+            return Err("bad magic".into());
+        }
+        let version = r.u32()?;
+        if version != super::persist::VERSION {
+            return Err(format!(
+                "version {version}, not {}",
+                super::persist::VERSION
+            ));
+        }
+        let mut store = Store::default();
+        for _ in 0..r.u32()? {
+            let metric = r.text()?;
+            let scope = Scope::from_label(&r.text()?).ok_or("unknown scope")?;
+            let id = r.text()?;
+            let bucket = match r.take(1)?[0] {
+                0 => None,
+                1 => Some((r.u32()?, f64::from_le_bytes(r.array()?), r.u32()?)),
+                _ => return Err("bad bucket flag".into()),
+            };
+            let mut rings = [VecDeque::new(), VecDeque::new()];
+            for ring in &mut rings {
+                let n = r.u32()? as usize;
+                if n > r.0.len() / 8 {
+                    return Err("ring longer than the file".into());
+                }
+                for _ in 0..n {
+                    ring.push_back((r.u32()?, f32::from_le_bytes(r.array()?)));
+                }
+            }
+            let [raw, coarse] = rings;
+            store.series.insert(
+                Key { metric, scope, id },
+                Points {
+                    raw,
+                    coarse,
+                    bucket,
+                },
+            );
+        }
+        if !r.0.is_empty() {
+            return Err("trailing bytes".into());
+        }
+        Ok(store)
+    }
+
     /// Answers a query for node `node_id`; `now` is unix seconds.
     pub fn query(&self, q: &StatsQuery, node_id: &str, now: i64) -> StatsResponse {
         let secs = |t: &Option<prost_types::Timestamp>| t.as_ref().map(|t| t.seconds);
@@ -156,6 +257,42 @@ impl Store {
                 .then_with(|| a.labels.values().cmp(b.labels.values()))
         });
         StatsResponse { series }
+    }
+}
+
+fn put_len(out: &mut Vec<u8>, n: usize) {
+    out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
+}
+
+/// Reads little-endian values off the front of a slice.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err("truncated".into());
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn text(&mut self) -> Result<String, String> {
+        let n = self.u32()? as usize;
+        if n > super::persist::MAX_STRING {
+            return Err(format!("a string of {n} bytes"));
+        }
+        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| "a string that is not UTF-8".into())
     }
 }
 

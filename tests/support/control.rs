@@ -629,7 +629,7 @@ pub struct ControlledAgent {
     pub node_id: String,
     pub api_addr: String,
     pub namespace: String,
-    _net: crate::support::NetCleanup,
+    net: crate::support::NetCleanup,
 }
 
 impl ControlledAgent {
@@ -707,7 +707,7 @@ impl ControlledAgent {
             node_id,
             api_addr,
             namespace: namespace.into(),
-            _net: net,
+            net,
         }
     }
 
@@ -717,6 +717,31 @@ impl ControlledAgent {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// SIGKILLs the agent and starts it again on the same dirs and address.
+    pub fn kill9_and_restart(&mut self, cp: &ControlPlane, rig: &crate::support::Rig) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.path().join("agent.log"))
+            .unwrap();
+        let bin = crate::support::agent::run_bin();
+        self.child = cp
+            .agent_command(&AgentRun {
+                binary: std::path::Path::new(&bin),
+                socket: &rig.socket,
+                namespace: &self.namespace,
+                run_dir: &self.dir.path().join("run"),
+                data_dir: &self.data_dir(),
+                bridge_prefix: &self.net.prefix,
+                api_addr: &self.api_addr,
+            })
+            .env("RUST_LOG", "info")
+            .stderr(log)
+            .spawn()
+            .unwrap();
     }
 
     /// Polls `status --json` until `done` holds (90 s).

@@ -36,6 +36,8 @@ pub struct UpgradeConfig {
     pub args: Vec<String>,
     /// Held for the whole of one upgrade.
     pub busy: Arc<tokio::sync::Mutex<()>>,
+    /// The stats store, flushed before the restart (UPG-7).
+    pub stats: Option<crate::metrics::persist::StoreFile>,
 }
 
 /// The build-metadata suffix that marks a requested version as a rollback.
@@ -141,9 +143,12 @@ pub async fn upgrade(
         )));
     }
     tracing::info!(version = %req.version, binary = %cfg.binary.display(), "agent upgrade installed");
-    let (binary, args) = (cfg.binary.clone(), cfg.args.clone());
+    let (binary, args, stats) = (cfg.binary.clone(), cfg.args.clone(), cfg.stats.clone());
     tokio::spawn(async move {
         tokio::time::sleep(RESTART_AFTER).await;
+        if let Some((store, path)) = &stats {
+            crate::metrics::persist::flush_now(store, path).await;
+        }
         restart(&binary, &args);
     });
     Ok(AgentUpgradeResponse {
