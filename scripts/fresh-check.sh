@@ -13,9 +13,12 @@
 #   packages  installs dist/zattera-agent_*.deb with apt (which pulls
 #             containerd, runc and nftables), runs the *installed* agent on the
 #             demo manifests to HEALTHY, upgrades to a bumped package keeping
-#             an edited agent.toml, and purges it (needs scripts/package.sh).
+#             an edited agent.toml, and purges it (needs scripts/package.sh);
+#   tests     runs the README's test command, `bash scripts/test.sh`: every
+#             tool and service the tests need comes from the project's own
+#             scripts (the rig), none from this machine.
 #
-#   scripts/fresh-check.sh [demo] [packages]     (default: both)
+#   scripts/fresh-check.sh [demo] [packages] [tests]   (default: demo packages)
 #   scripts/fresh-check.sh shell                 a shell in a fresh root, to look around
 #
 # As root, from a clone. Nothing it starts outlives it: every process runs in
@@ -223,10 +226,19 @@ for stage in "${STAGES[@]}"; do
       || die "packages: the package check failed in the fresh root"
     say "packages: passed in $(( $(date +%s) - t0 )) s"
     ;;
+  tests)
+    say "tests: the README's test command in a fresh root"
+    new_root tests
+    r=$ROOT
+    t0=$(date +%s)
+    in_root "$r" "cd /root/zattera && CI=true bash scripts/test.sh" \
+      || die "tests: bash scripts/test.sh failed in the fresh root"
+    say "tests: passed in $(( $(date +%s) - t0 )) s"
+    ;;
   shell)
     # For a look around: an interactive shell in a fresh root.
     new_root shell
     in_root "$ROOT" 'cd /root/zattera && exec bash -i' ;;
-  *) die "unknown stage $stage (demo, packages, shell)" ;;
+  *) die "unknown stage $stage (demo, packages, tests, shell)" ;;
   esac
 done
