@@ -91,6 +91,12 @@ cleanup() {
         case "$root" in "$r"|"$r"/*) pids="$pids ${p#/proc/}" ;; esac
       done
     done
+    # Containers have network namespaces of their own: found by cgroup.
+    for cg in /sys/fs/cgroup/zattera/zattera-fresh-$$ /sys/fs/cgroup/*/zattera/zattera-fresh-$$ \
+      /sys/fs/cgroup/zattera/zattera-pkg-$$ /sys/fs/cgroup/*/zattera/zattera-pkg-$$; do
+      [ -d "$cg" ] || continue
+      pids="$pids $(find "$cg" -name cgroup.procs -exec cat {} + 2>/dev/null | tr '\n' ' ')"
+    done
     [ -n "${pids// /}" ] || break
     kill -9 $pids 2>/dev/null || true
     sleep 1
@@ -192,7 +198,16 @@ in_root() {
       shift
       mount -t sysfs sysfs "$r/sys"
       mount --rbind "$r.cgroup" "$r/sys/fs/cgroup"
-      exec chroot "$r" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
+      # pivot_root, not chroot: the root of this mount namespace must be the
+      # fresh root, or a process runc execs into a container (which joins
+      # the container'"'"'s mount namespace, whose root is that of ours)
+      # lands in the host'"'"'s tree.
+      cd "$r"
+      mkdir -p .oldroot
+      pivot_root . .oldroot
+      cd /
+      umount -l /.oldroot
+      exec /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
         PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         bash -euo pipefail -c "$@"
     '"'"' in_netns "$r" "$@"
