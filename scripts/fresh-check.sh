@@ -199,9 +199,9 @@ in_root() {
       mount -t sysfs sysfs "$r/sys"
       mount --rbind "$r.cgroup" "$r/sys/fs/cgroup"
       # pivot_root, not chroot: the root of this mount namespace must be the
-      # fresh root, or a process runc execs into a container (which joins
-      # the container'"'"'s mount namespace, whose root is that of ours)
-      # lands in the host'"'"'s tree.
+      # fresh root, or a process runc execs into a container (it joins the
+      # mount namespace of the container, whose root is that of ours) lands
+      # in the tree of the host.
       cd "$r"
       mkdir -p .oldroot
       pivot_root . .oldroot
