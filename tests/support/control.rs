@@ -620,6 +620,22 @@ pub fn set_of(
     set
 }
 
+/// `zattera-agent join` (the binary under test) into `data`; panics with
+/// its stderr when it fails.
+pub fn join_cli(data: &std::path::Path, control: &str, token: &str) {
+    let join = std::process::Command::new(crate::support::agent::run_bin())
+        .args(["--config", "/dev/null", "--data-dir"])
+        .arg(data)
+        .args(["join", "--control", control, "--token", token])
+        .output()
+        .unwrap();
+    assert!(
+        join.status.success(),
+        "join: {}",
+        String::from_utf8_lossy(&join.stderr)
+    );
+}
+
 /// The real agent binary joined to a test control plane and running under
 /// it, with its node API on a loopback port. Killed, and its cgroup parent
 /// removed, when dropped.
@@ -657,23 +673,7 @@ impl ControlledAgent {
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
         let bin = crate::support::agent::run_bin();
-        let join = std::process::Command::new(&bin)
-            .args(["--config", "/dev/null", "--data-dir"])
-            .arg(&data)
-            .args([
-                "join",
-                "--control",
-                &cp.address(),
-                "--token",
-                &cp.ca.token(secret),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            join.status.success(),
-            "join: {}",
-            String::from_utf8_lossy(&join.stderr)
-        );
+        join_cli(&data, &cp.address(), &cp.ca.token(secret));
         let node_id = zattera_agent::control::identity::IdentityDir::new(&data)
             .load_enrollment()
             .unwrap()
