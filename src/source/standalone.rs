@@ -163,7 +163,7 @@ impl StandaloneSource {
                         Ok(m) => match claims.check(&m, &c.path) {
                             Ok(()) => Some(m),
                             Err(message) => {
-                                refused.push((c.name.clone(), c.path.clone(), m, errors.len()));
+                                refused.push((c.name.clone(), c.path.clone(), m));
                                 errors.push(FileError {
                                     file: c.path.clone(),
                                     message,
@@ -187,24 +187,20 @@ impl StandaloneSource {
                         None => claims.release(&c.path),
                     }
                 }
+                // A file has one error per load: the refusal of its edit.
                 let mut resolved = BTreeSet::new();
                 while let Some(i) = refused
                     .iter()
-                    .position(|(_, path, m, _)| claims.check(m, path).is_ok())
+                    .position(|(_, path, m)| claims.check(m, path).is_ok())
                 {
-                    let (name, path, m, error) = refused.remove(i);
+                    let (name, path, m) = refused.remove(i);
                     claims.register(&m, &path);
+                    resolved.insert(path.clone());
                     accepted.insert(name, (path, m));
-                    resolved.insert(error);
                 }
-                let mut index = 0;
-                errors.retain(|_| {
-                    index += 1;
-                    !resolved.contains(&(index - 1))
-                });
+                errors.retain(|e| !resolved.contains(&e.file));
                 chosen = accepted.values().cloned().collect();
-                let accepted = accepted.into_iter().map(|(n, (_, m))| (n, m)).collect();
-                self.accepted = accepted;
+                self.accepted = accepted.into_iter().map(|(n, (_, m))| (n, m)).collect();
                 if let Err(e) = self.standing.save(self.accepted.keys()) {
                     errors.push(FileError {
                         file: self.standing.path.clone(),
