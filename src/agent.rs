@@ -76,6 +76,18 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         }
         None => None,
     };
+    // Under control, pulls from the cluster registry send the node's
+    // credential and trust the cluster CA; a re-join replaces both.
+    let cluster_registry = match &control {
+        Some((sync, _, _)) => {
+            let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
+                .load_enrollment()
+                .context("the node enrollment")?;
+            let registry = enrollment.cluster_registry(&sync.tls).map(Arc::new);
+            Some(tokio::sync::watch::channel(registry))
+        }
+        None => None,
+    };
     let standalone = config.control.is_none();
     let source = match (&config.control, &config.manifests) {
         (Some(addr), _) => format!("control {addr}"),
@@ -99,6 +111,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         pull_timeout: config.pull_timeout,
         standalone,
         source,
+        cluster_registry: cluster_registry.as_ref().map(|(_, rx)| rx.clone()),
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(

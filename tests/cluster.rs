@@ -10,8 +10,9 @@ mod support;
 
 use std::time::Duration;
 
-use control_plane::{ControlPlane, ControlledAgent, assignment, set_of};
+use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::agent::KillOnDrop;
+use support::registry::Registry;
 use support::{rig, with_namespace};
 use zattera_agent::proto::v1::{HealthCheck, HealthCheckType, InstanceState};
 use zattera_agent::runtime::import_archive;
@@ -553,6 +554,152 @@ async fn stats_survive_a_sigkill() {
             "the first point ({}) is answered after the restart: {after:?}",
             before[0]
         );
+    })
+    .await;
+}
+
+/// A TCP relay to `target` that keeps every byte its clients send (the
+/// request heads), to see what the agent sends to a registry.
+async fn recording_relay(
+    target: std::net::SocketAddr,
+) -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = std::sync::Arc::clone(&seen);
+    let task = tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let record = std::sync::Arc::clone(&record);
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let upstream = async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    while let Ok(n) = cr.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        record.lock().unwrap().extend_from_slice(&buf[..n]);
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = sw.shutdown().await;
+                };
+                let downstream = async move {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                    let _ = cw.shutdown().await;
+                };
+                tokio::join!(upstream, downstream);
+            });
+        }
+    });
+    (addr, seen, task)
+}
+
+/// Issue 13.1 (W-11, W-12, X-14): an image in the cluster's registry (TLS
+/// from the cluster CA, htpasswd basic auth) is pulled with the node's
+/// credential from the join; an image of another registry is pulled too,
+/// and that registry never sees the credential.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cluster_registry_alone_gets_the_node_credential() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-registry", |ctd, rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (chain, key) = cp.ca.server_identity();
+        let (user, password) = ("node-builder", "the-node-password");
+        let cluster = Registry::start_with(Some((user, password)), Some((&chain, &key)));
+        let api_image = cluster.push(&rig.oci_archive(), None, "apps/api:1");
+        let other = Registry::start(None);
+        other.push(&rig.oci_archive(), None, "apps/web:1");
+        let (relay, seen, _relay) = recording_relay(other.addr).await;
+        cp.set_registry(RegistryGrant {
+            addr: cluster.addr.to_string(),
+            username: user.into(),
+            password: password.into(),
+        });
+        let _agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcg").await;
+        let (api, mut api_rt) = assignment("api", "env", 195, "sleep 3600");
+        api_rt.image_ref = api_image;
+        let (web, mut web_rt) = assignment("web", "env", 195, "sleep 3600");
+        web_rt.image_ref = format!("{relay}/apps/web:1");
+        cp.push_set(set_of(1, vec![(api, api_rt), (web, web_rt)]));
+        let healthy = InstanceState::Healthy as i32;
+        cp.wait_for("api and web HEALTHY", Duration::from_secs(90), |r| {
+            let up = |id| r.latest_of(id).is_some_and(|o| o.state == healthy);
+            (up("api") && up("web")).then_some(())
+        })
+        .await;
+
+        let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+        assert!(
+            sent.contains("get /v2/apps/web/manifests/1"),
+            "the other registry served the pull: {sent}"
+        );
+        assert!(
+            !sent.contains("authorization:") && !sent.contains(password),
+            "the other registry was sent a credential: {sent}"
+        );
+    })
+    .await;
+}
+
+/// Issue 13.1: a wrong registry password is a FAILED status that names the
+/// registry and the 401; other assignments keep running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_registry_credential_fails_only_its_assignment() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-reg401", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (chain, key) = cp.ca.server_identity();
+        let cluster = Registry::start_with(
+            Some(("node-builder", "the-right-one")),
+            Some((&chain, &key)),
+        );
+        let api_image = cluster.push(&rig.oci_archive(), None, "apps/api:1");
+        cp.set_registry(RegistryGrant {
+            addr: cluster.addr.to_string(),
+            username: "node-builder".into(),
+            password: "a-wrong-one".into(),
+        });
+        let _agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztch").await;
+        let (api, mut api_rt) = assignment("api", "env", 196, "sleep 3600");
+        api_rt.image_ref = api_image;
+        let web = assignment("web", "env", 196, "sleep 3600");
+        cp.push_set(set_of(1, vec![(api, api_rt), web]));
+        let failed = cp
+            .wait_for("api FAILED", Duration::from_secs(60), |r| {
+                r.latest_of("api")
+                    .filter(|o| o.state == InstanceState::Failed as i32)
+            })
+            .await;
+        eprintln!("api: {}", failed.message);
+        assert!(
+            failed.message.contains(&cluster.addr.to_string()) && failed.message.contains("401"),
+            "the failure names the registry and the 401: {failed:?}"
+        );
+        assert!(
+            failed.message.matches("pull ").count() == 1,
+            "said once: {failed:?}"
+        );
+        cp.wait_for("web HEALTHY", Duration::from_secs(60), |r| {
+            r.latest_of("web")
+                .filter(|o| o.state == InstanceState::Healthy as i32)
+        })
+        .await;
     })
     .await;
 }

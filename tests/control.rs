@@ -511,6 +511,7 @@ impl Node {
             pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: false,
             source: format!("control {}", cp.address()),
+            cluster_registry: None,
         };
         let (batches_tx, batches_rx) = mpsc::channel(64);
         let (exec, handle) = Executor::new(

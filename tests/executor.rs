@@ -62,6 +62,7 @@ impl Agent {
             pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: true,
             source: "test".into(),
+            cluster_registry: None,
         };
         let (exec, handle) = Executor::new(
             cfg,

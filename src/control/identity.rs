@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::tls::NodeTls;
+use crate::runtime::pull::{ClusterRegistry, Credentials};
 
 /// Everything `node.json` records.
 #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,6 +38,29 @@ impl std::fmt::Debug for Enrollment {
             .field("registry_addr", &self.registry_addr)
             .field("control_node_ids", &self.control_node_ids)
             .finish_non_exhaustive()
+    }
+}
+
+impl Enrollment {
+    /// The cluster's embedded registry with this node's credential for it;
+    /// `None` when the join named no registry (W-12).
+    pub fn cluster_registry(&self, tls: &NodeTls) -> Option<ClusterRegistry> {
+        if self.registry_addr.is_empty() {
+            return None;
+        }
+        let credentials = if self.registry_username.is_empty() {
+            Credentials::Anonymous
+        } else {
+            Credentials::Basic {
+                username: self.registry_username.clone(),
+                password: self.registry_password.clone(),
+            }
+        };
+        Some(ClusterRegistry {
+            addr: self.registry_addr.clone(),
+            ca_pem: tls.ca_pem.clone(),
+            credentials,
+        })
     }
 }
 

@@ -99,7 +99,16 @@ pub async fn bring_up(
                 humantime::format_duration(h.cfg.pull_timeout)
             ))
         })?
-        .map_err(|e| Failure(format!("pull {reference}: {e}")))?;
+        .map_err(|e| {
+            // The puller's own errors already say which pull failed.
+            let e = e.to_string();
+            let prefix = format!("pull {reference}: ");
+            Failure(if e.starts_with(&prefix) {
+                e
+            } else {
+                format!("{prefix}{e}")
+            })
+        })?;
 
     let spec_input = plan.runtime.spec.clone().unwrap_or_default();
     let cid = plan.container_id.clone();

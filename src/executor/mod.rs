@@ -49,7 +49,7 @@ use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::{Assignment, AssignmentDesired, Protocol};
 use crate::runtime::containers::{self, TaskState};
 use crate::runtime::events::{self, TaskEvent};
-use crate::runtime::pull::Puller;
+use crate::runtime::pull::{ClusterRegistryWatch, Puller};
 use crate::runtime::{Containerd, RuntimeError};
 
 const TICK: Duration = Duration::from_secs(5);
@@ -82,6 +82,9 @@ pub struct ExecutorConfig {
     pub standalone: bool,
     /// What `status` says the source is.
     pub source: String,
+    /// The cluster's registry and the node's credential for it (control
+    /// mode); `None` pulls anonymously everywhere.
+    pub cluster_registry: Option<ClusterRegistryWatch>,
 }
 
 /// Handle to a running executor.
@@ -153,7 +156,10 @@ impl Executor {
         }));
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
         let (networks_tx, networks_rx) = watch::channel(Arc::new(Vec::new()));
-        let puller = Puller::new(ctd.clone(), vec![]);
+        let mut puller = Puller::new(ctd.clone(), vec![]);
+        if let Some(cluster) = &cfg.cluster_registry {
+            puller = puller.with_cluster_registry(cluster.clone());
+        }
         let ports = HostPorts::new(cfg.host_port_range);
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
         let h = Handles {

@@ -15,13 +15,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
 use oci_client::errors::OciDistributionError;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use oci_spec::image::{ImageIndex, ImageManifest};
 use tokio::io::{AsyncRead, ReadBuf};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, watch};
 
 use super::archive::parse_diff_ids;
 use super::connection::Containerd;
@@ -64,6 +64,21 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
+/// The cluster's embedded registry (W-11, W-12): the only registry that is
+/// sent the node's credential, reached over TLS chained to the cluster CA.
+#[derive(Clone, Debug)]
+pub struct ClusterRegistry {
+    /// `host:port`, compared with a reference's domain as written.
+    pub addr: String,
+    /// PEM of the cluster CA, trusted for this registry only.
+    pub ca_pem: Vec<u8>,
+    pub credentials: Credentials,
+}
+
+/// The cluster registry as it is now; a re-join replaces it (the password
+/// is minted anew on every join).
+pub type ClusterRegistryWatch = watch::Receiver<Option<Arc<ClusterRegistry>>>;
+
 /// What a pull reports while it runs (for a terminal progress line).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PullEvent {
@@ -91,6 +106,7 @@ pub struct Puller {
     ctd: Containerd,
     /// Registries (`host[:port]`) reached over plain HTTP besides loopback ones.
     insecure: Vec<String>,
+    cluster: ClusterRegistryWatch,
     inflight: Arc<Mutex<HashMap<String, Arc<Mutex<()>>>>>,
 }
 
@@ -109,8 +125,25 @@ impl Puller {
         Self {
             ctd,
             insecure,
+            cluster: watch::channel(None).1,
             inflight: Arc::default(),
         }
+    }
+
+    /// Pulls from `cluster`'s registry trust its CA and send its credential.
+    #[must_use]
+    pub fn with_cluster_registry(mut self, cluster: ClusterRegistryWatch) -> Self {
+        self.cluster = cluster;
+        self
+    }
+
+    /// The cluster registry when `reference` lives there.
+    fn cluster_for(&self, reference: &ImageRef) -> Option<Arc<ClusterRegistry>> {
+        self.cluster
+            .borrow()
+            .as_ref()
+            .filter(|c| !c.addr.is_empty() && c.addr == reference.domain())
+            .cloned()
     }
 
     /// Makes sure `reference` is present and unpacked (R-2 `EnsureImage`).
@@ -158,15 +191,26 @@ impl Puller {
             .ok_or_else(|| fail(reference, "the image record vanished after the pull"))
     }
 
-    fn client_for(&self, reference: &ImageRef) -> Client {
-        let plain_http = is_loopback_registry(reference.domain())
-            || self.insecure.iter().any(|r| r == reference.domain());
+    /// The cluster registry always speaks TLS, even on loopback; other
+    /// loopback registries are dev ones, reached over plain HTTP.
+    fn client_for(&self, reference: &ImageRef, cluster: Option<&ClusterRegistry>) -> Client {
+        let plain_http = cluster.is_none()
+            && (is_loopback_registry(reference.domain())
+                || self.insecure.iter().any(|r| r == reference.domain()));
         Client::new(ClientConfig {
             protocol: if plain_http {
                 ClientProtocol::Http
             } else {
                 ClientProtocol::Https
             },
+            extra_root_certificates: cluster
+                .map(|c| {
+                    vec![Certificate {
+                        encoding: CertificateEncoding::Pem,
+                        data: c.ca_pem.clone(),
+                    }]
+                })
+                .unwrap_or_default(),
             connect_timeout: Some(Duration::from_secs(10)),
             read_timeout: Some(Duration::from_secs(60)),
             ..ClientConfig::default()
@@ -181,7 +225,14 @@ impl Puller {
         progress: Option<ProgressFn>,
     ) -> Result<(), RuntimeError> {
         let ctd = &self.ctd;
-        let client = self.client_for(reference);
+        let cluster = self.cluster_for(reference);
+        let client = self.client_for(reference, cluster.as_deref());
+        // An explicit credential is the caller's; otherwise only the cluster
+        // registry gets the node's (X-14: never another registry).
+        let credentials = match (credentials, &cluster) {
+            (Credentials::Anonymous, Some(c)) => &c.credentials,
+            (given, _) => given,
+        };
         let auth = match credentials {
             Credentials::Anonymous => RegistryAuth::Anonymous,
             Credentials::Basic { username, password } => {
@@ -325,7 +376,9 @@ fn describe(e: &OciDistributionError) -> String {
         OciDistributionError::AuthenticationFailure(m) => {
             format!("registry refused the credentials: {m}")
         }
-        OciDistributionError::UnauthorizedError { url } => format!("unauthorized at {url}"),
+        OciDistributionError::UnauthorizedError { url } => {
+            format!("registry answered 401 Unauthorized at {url}")
+        }
         OciDistributionError::ImageManifestNotFoundError(m) => {
             format!("not found in the registry: {m}")
         }

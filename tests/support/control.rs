@@ -121,8 +121,26 @@ impl TestCa {
 
     /// Signs a CSR as control does: its subject and SANs are replaced.
     pub fn sign_csr(&self, csr_pem: &str, node_id: &str) -> Result<String, rcgen::Error> {
+        self.sign_csr_for(csr_pem, node_id, Duration::from_secs(365 * 86_400))
+    }
+
+    /// [`Self::sign_csr`] for a certificate valid from 5 minutes ago until
+    /// `life` from now.
+    pub fn sign_csr_for(
+        &self,
+        csr_pem: &str,
+        node_id: &str,
+        life: Duration,
+    ) -> Result<String, rcgen::Error> {
         let mut csr = CertificateSigningRequestParams::from_pem(csr_pem)?;
         csr.params = Self::node_params(node_id, false);
+        // A short-lived certificate (a renewal test) starts now, so a third
+        // of its life is a third of `life`.
+        let now = SystemTime::now();
+        if life < Duration::from_secs(3600) {
+            csr.params.not_before = (now - Duration::from_secs(2)).into();
+        }
+        csr.params.not_after = (now + life).into();
         Ok(csr.signed_by(&self.issuer)?.pem())
     }
 
@@ -181,6 +199,18 @@ struct Shared {
     latest_set: Mutex<Option<AssignmentSet>>,
     routes: watch::Sender<RouteSnapshot>,
     addr: Mutex<String>,
+    /// What joins hand out as the cluster registry.
+    registry: Mutex<RegistryGrant>,
+    /// How long node certificates from joins last.
+    cert_life: Mutex<Duration>,
+}
+
+/// The registry part of a JoinResponse; an empty user means `node-<id>`.
+#[derive(Clone, Debug)]
+pub struct RegistryGrant {
+    pub addr: String,
+    pub username: String,
+    pub password: String,
 }
 
 impl Shared {
@@ -231,6 +261,12 @@ impl ControlPlane {
             latest_set: Mutex::new(None),
             routes: watch::channel(RouteSnapshot::default()).0,
             addr: Mutex::new(addr.to_string()),
+            registry: Mutex::new(RegistryGrant {
+                addr: "127.0.0.1:5000".into(),
+                username: String::new(),
+                password: "registry-secret".into(),
+            }),
+            cert_life: Mutex::new(Duration::from_secs(365 * 86_400)),
         });
         let mut cp = Self {
             ca: Arc::new(TestCa::new("zattera-cluster-ca")),
@@ -240,6 +276,16 @@ impl ControlPlane {
         };
         cp.serve(listener);
         cp
+    }
+
+    /// What the next joins name as the cluster registry.
+    pub fn set_registry(&self, grant: RegistryGrant) {
+        *self.shared.registry.lock().unwrap() = grant;
+    }
+
+    /// How long the node certificates of the next joins last.
+    pub fn set_cert_life(&self, life: Duration) {
+        *self.shared.cert_life.lock().unwrap() = life;
     }
 
     /// The address agents dial.
@@ -430,11 +476,13 @@ impl JoinService for Svc {
                 format!("01TESTNODE{:016}", rec.nodes.len() + 1)
             }
         };
+        let life = *self.shared.cert_life.lock().unwrap();
         let cert = self
             .ca
-            .sign_csr(&csr, &node_id)
+            .sign_csr_for(&csr, &node_id, life)
             .map_err(|e| Status::invalid_argument(format!("csr: {e}")))?;
         let id = node_id.clone();
+        let registry = self.shared.registry.lock().unwrap().clone();
         self.shared.note(|r| {
             r.joins.push(req);
             if !r.nodes.contains(&id) {
@@ -446,9 +494,13 @@ impl JoinService for Svc {
             ca_cert_pem: self.ca.pem.clone().into_bytes(),
             node_cert_pem: cert.into_bytes(),
             control_grpc_addr: self.shared.addr.lock().unwrap().clone(),
-            registry_addr: "127.0.0.1:5000".into(),
-            registry_username: format!("node-{node_id}"),
-            registry_password: "registry-secret".into(),
+            registry_addr: registry.addr,
+            registry_username: if registry.username.is_empty() {
+                format!("node-{node_id}")
+            } else {
+                registry.username
+            },
+            registry_password: registry.password,
             // The control node itself: the one identity the node API serves.
             initial_peers: Some(zattera_agent::proto::cluster::PeerSet {
                 version: 1,

@@ -18,6 +18,11 @@ pub struct Registry {
 impl Registry {
     /// Starts a registry; with `credentials`, it requires htpasswd basic auth.
     pub fn start(credentials: Option<(&str, &str)>) -> Self {
+        Self::start_with(credentials, None)
+    }
+
+    /// [`Self::start`] serving TLS with `tls` (certificate chain PEM, key PEM).
+    pub fn start_with(credentials: Option<(&str, &str)>, tls: Option<(&str, &str)>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
@@ -29,6 +34,17 @@ impl Registry {
             "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
             dir.path().join("data").display()
         );
+        if let Some((chain, key)) = tls {
+            let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+            std::fs::write(&cert_path, chain).unwrap();
+            std::fs::write(&key_path, key).unwrap();
+            let _ = write!(
+                config,
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                cert_path.display(),
+                key_path.display()
+            );
+        }
         if let Some((user, password)) = credentials {
             let hash = bcrypt::hash(password, 4).unwrap();
             std::fs::write(dir.path().join("htpasswd"), format!("{user}:{hash}\n")).unwrap();
