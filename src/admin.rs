@@ -36,15 +36,22 @@ pub fn bind(run_dir: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serves requests until the task is dropped.
-pub async fn serve(listener: UnixListener, status: watch::Receiver<Arc<StatusSnapshot>>) {
+/// Serves requests until the task is dropped. `notices` are node-level
+/// warnings (an expiring certificate) shown with the status.
+pub async fn serve(
+    listener: UnixListener,
+    status: watch::Receiver<Arc<StatusSnapshot>>,
+    notices: watch::Receiver<Vec<String>>,
+) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let status = status.clone();
+        let (status, notices) = (status.clone(), notices.clone());
         tokio::spawn(async move {
-            if let Err(e) = tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, status)).await {
+            if let Err(e) =
+                tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, status, notices)).await
+            {
                 tracing::debug!(error = %e, "admin request timed out");
             }
         });
@@ -54,6 +61,7 @@ pub async fn serve(listener: UnixListener, status: watch::Receiver<Arc<StatusSna
 async fn answer(
     stream: UnixStream,
     status: watch::Receiver<Arc<StatusSnapshot>>,
+    notices: watch::Receiver<Vec<String>>,
 ) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
@@ -62,7 +70,11 @@ async fn answer(
         .read_line(&mut line)
         .await?;
     let body = match line.trim() {
-        "status" => serde_json::to_vec(&*status.borrow().clone()).map_err(std::io::Error::other)?,
+        "status" => {
+            let mut snapshot = StatusSnapshot::clone(&status.borrow());
+            snapshot.notices.clone_from(&notices.borrow());
+            serde_json::to_vec(&snapshot).map_err(std::io::Error::other)?
+        }
         other => serde_json::to_vec(
             &serde_json::json!({ "error": format!("unknown request {other:?}; try \"status\"") }),
         )

@@ -21,6 +21,11 @@ use crate::runtime::Containerd;
 /// Runs the agent with `config`. `logger_binary` is the executable the runc
 /// shims start as container loggers (normally this very binary).
 pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
+    // `--control` is where joins go; the sync stream may go elsewhere.
+    let join_addr = config.control.clone();
+    if let Some(token) = &config.join_token {
+        enroll_if_new(&config, join_addr.as_deref(), token).await?;
+    }
     config.control = sync_target(&config)?;
     // Keys, logs, volumes, namespace files and the admin socket live under
     // these: no other host user may even look inside.
@@ -77,14 +82,38 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         None => None,
     };
     // Under control, pulls from the cluster registry send the node's
-    // credential and trust the cluster CA; a re-join replaces both.
-    let cluster_registry = match &control {
+    // credential and trust the cluster CA; a renewal replaces them and the
+    // identity every connection presents.
+    let (notices_tx, notices_rx) = tokio::sync::watch::channel(Vec::new());
+    let mut renewer = None;
+    let cluster_registry = match &mut control {
         Some((sync, _, _)) => {
             let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
                 .load_enrollment()
                 .context("the node enrollment")?;
-            let registry = enrollment.cluster_registry(&sync.tls).map(Arc::new);
-            Some(tokio::sync::watch::channel(registry))
+            let tls = Arc::clone(&sync.tls.borrow());
+            let registry = enrollment.cluster_registry(&tls).map(Arc::new);
+            let (registry_tx, registry_rx) = tokio::sync::watch::channel(registry);
+            let (tls_tx, tls_rx) = tokio::sync::watch::channel(tls);
+            sync.tls = tls_rx;
+            renewer = Some(crate::control::renew::Renewer {
+                join: config
+                    .join_token
+                    .as_ref()
+                    .map(|token| crate::control::join::JoinOptions {
+                        control: join_addr
+                            .clone()
+                            .unwrap_or_else(|| enrollment.control_addr.clone()),
+                        token: token.clone(),
+                        data_dir: config.data_dir.clone(),
+                        node_name: crate::control::join::host_name(),
+                        binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+                    }),
+                tls: tls_tx,
+                registry: registry_tx,
+                notices: notices_tx,
+            });
+            Some(registry_rx)
         }
         None => None,
     };
@@ -111,7 +140,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         pull_timeout: config.pull_timeout,
         standalone,
         source,
-        cluster_registry: cluster_registry.as_ref().map(|(_, rx)| rx.clone()),
+        cluster_registry,
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(
@@ -129,7 +158,10 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             admin::socket_path(&config.run_dir).display()
         )
     })?;
-    let admin_task = tokio::spawn(admin::serve(listener, handle.status.clone()));
+    let admin_task = tokio::spawn(admin::serve(listener, handle.status.clone(), notices_rx));
+    if let Some(renewer) = renewer {
+        tokio::spawn(renewer.run());
+    }
     tracing::info!(
         namespace = %config.namespace,
         run_dir = %config.run_dir.display(),
@@ -311,6 +343,35 @@ async fn feed_dns_from_routes(
             return;
         }
     }
+}
+
+/// With a kept join token and no enrollment yet, `run --control ADDR`
+/// enrolls first (what `join` would do); an enrolled node re-joins in the
+/// background instead ([`crate::control::renew`]), so a control plane that
+/// is away does not delay the start.
+async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) -> Result<()> {
+    let ids = crate::control::identity::IdentityDir::new(&config.data_dir);
+    if ids.load_enrollment().is_ok() {
+        return Ok(());
+    }
+    let Some(addr) = join_addr else {
+        anyhow::bail!(
+            "join-token is set but this node has not joined and no --control names where to join"
+        );
+    };
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("creating {}", config.data_dir.display()))?;
+    let joined = crate::control::join::join(&crate::control::join::JoinOptions {
+        control: addr.to_owned(),
+        token: token.to_owned(),
+        data_dir: config.data_dir.clone(),
+        node_name: crate::control::join::host_name(),
+        binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+    })
+    .await
+    .with_context(|| format!("joining {addr} with the configured join-token"))?;
+    tracing::info!(node_id = %joined.node_id, control = %addr, "joined");
+    Ok(())
 }
 
 /// Where the sync stream goes (wire.md 1.2): the `control_grpc_addr` the

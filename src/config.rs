@@ -68,6 +68,10 @@ pub struct Settings {
     /// join named.
     #[serde(alias = "control_node_ids")]
     pub control_node_ids: Option<Vec<String>>,
+    /// A join token kept to renew the node identity: the node re-joins at
+    /// start and when its certificate has a third of its life left.
+    #[serde(alias = "join_token")]
+    pub join_token: Option<String>,
 }
 
 impl Settings {
@@ -115,6 +119,7 @@ impl Settings {
             pids_limit: top.pids_limit.or(self.pids_limit),
             pull_timeout: top.pull_timeout.or(self.pull_timeout),
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
+            join_token: top.join_token.or(self.join_token),
         }
     }
 
@@ -162,6 +167,7 @@ impl Settings {
                 .pids_limit
                 .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
             control_node_ids: self.control_node_ids.unwrap_or_default(),
+            join_token: self.join_token.filter(|t| !t.trim().is_empty()),
             bridge_prefix: self.bridge_prefix,
             subnet_pool,
             manifests: self.manifests,
@@ -200,6 +206,7 @@ pub struct Config {
     pub pids_limit: u32,
     pub pull_timeout: std::time::Duration,
     pub control_node_ids: Vec<String>,
+    pub join_token: Option<String>,
 }
 
 /// A pull that has not finished by then is FAILED (and retried): a registry

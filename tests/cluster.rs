@@ -703,3 +703,139 @@ async fn a_refused_registry_credential_fails_only_its_assignment() {
     })
     .await;
 }
+
+/// Issue 13.8 (wire.md 1.2): with a kept join token the node re-joins at
+/// start and again when a third of its certificate's life is left, with the
+/// same node id; once every certificate but the newest has expired, a
+/// fresh session (control restarted) is still accepted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_join_token_renews_the_identity_before_it_ends() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-renew", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut cp = ControlPlane::start(&[SECRET]).await;
+        let life = Duration::from_secs(45);
+        cp.set_cert_life(life);
+        let token = cp.ca.token(SECRET);
+        let started = std::time::Instant::now();
+        let agent = ControlledAgent::start_with(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztcn",
+            &["--join-token", &token],
+        )
+        .await;
+        let cert_path = agent.data_dir().join("node/node.crt");
+        let first = std::fs::read(&cert_path).unwrap();
+        cp.push_set(set_of(1, vec![assignment("web", "env", 197, "sleep 3600")]));
+        let healthy = InstanceState::Healthy as i32;
+        let up = cp
+            .wait_for("web HEALTHY", Duration::from_secs(60), |r| {
+                r.latest_of("web").filter(|o| o.state == healthy)
+            })
+            .await;
+        // The join, the re-join at start, and the renewal at two thirds.
+        cp.wait_for("two re-joins", Duration::from_secs(60), |r| {
+            (r.joins.len() >= 3).then_some(())
+        })
+        .await;
+        let resumed: Vec<String> = cp.with(|r| {
+            r.joins
+                .iter()
+                .skip(1)
+                .map(|j| j.existing_node_id.clone())
+                .collect()
+        });
+        assert!(
+            resumed.iter().all(|id| *id == agent.node_id),
+            "every re-join resumes node {}: {resumed:?}",
+            agent.node_id
+        );
+        let end = |pem: &[u8]| zattera_agent::control::tls::validity_of(pem).unwrap().1;
+        // Control notes a join before it answers: the agent stores it after.
+        let mut stored = false;
+        for _ in 0..50 {
+            if end(&std::fs::read(&cert_path).unwrap()) > end(&first) {
+                stored = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(stored, "the stored certificate is the new one");
+
+        // Past the end of the certificates from the join and the start.
+        let past = (started + 2 * life + Duration::from_secs(3))
+            .saturating_duration_since(std::time::Instant::now());
+        tokio::time::sleep(past).await;
+        let sessions = cp.with(|r| r.sessions.len());
+        cp.stop().await;
+        cp.restart().await;
+        cp.wait_for(
+            "a status frame in a session after the restart",
+            Duration::from_secs(30),
+            |r| {
+                r.frames
+                    .iter()
+                    .any(|(s, f)| {
+                        *s >= sessions
+                            && matches!(
+                                f.body,
+                                Some(zattera_agent::proto::cluster::agent_message::Body::Status(
+                                    _
+                                ))
+                            )
+                    })
+                    .then_some(())
+            },
+        )
+        .await;
+        let last = cp.with(|r| r.latest_of("web")).unwrap();
+        assert!(
+            last.container_id == up.container_id
+                && last.restarts == 0
+                && [InstanceState::Running as i32, healthy].contains(&last.state),
+            "the container lived through every renewal: {last:?}"
+        );
+        let log = agent.log();
+        assert!(log.contains("node identity renewed"), "{log}");
+    })
+    .await;
+}
+
+/// Issue 13.8: without a join token, a certificate with less than 30 days
+/// left is a warning in the log and in `status`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_expiring_certificate_without_a_token_is_a_warning() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-expiry", |ctd, rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        cp.set_cert_life(Duration::from_secs(10 * 86_400));
+        let agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztco").await;
+        let says = |s: &serde_json::Value| {
+            s["notices"].as_array().is_some_and(|n| {
+                n.iter()
+                    .any(|m| m.as_str().unwrap_or("").contains("expires in 9 days"))
+            })
+        };
+        agent.wait_for("a certificate warning in status", says);
+        let table = std::process::Command::new(support::agent::BIN)
+            .arg("--run-dir")
+            .arg(agent.dir.path().join("run"))
+            .arg("status")
+            .output()
+            .unwrap();
+        let table = String::from_utf8_lossy(&table.stdout);
+        assert!(
+            table.contains("warning: the node certificate expires in 9 days"),
+            "{table}"
+        );
+        let log = agent.log();
+        assert!(log.contains("expires in 9 days"), "{log}");
+    })
+    .await;
+}

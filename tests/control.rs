@@ -405,7 +405,7 @@ impl Drop for AbortOnDrop {
 fn start_sync(cp: &ControlPlane, data: &Path, node_id: &str, tls: NodeTls) -> AbortOnDrop {
     let mut cfg = sync_config(cp, data);
     cfg.node_id = node_id.into();
-    cfg.tls = tls;
+    cfg.tls = tls::fixed(tls);
     let (desired_tx, _) = watch::channel(None);
     let (_, batches_rx) = mpsc::channel(1);
     AbortOnDrop(sync::spawn(cfg, desired_tx, batches_rx, zattera_agent::metrics::none()).unwrap())
@@ -841,7 +841,7 @@ async fn route_snapshots_are_persisted_and_served_while_control_is_away() {
     let cfg = RoutesConfig {
         control_addr: cp.address(),
         node_id: node_id.clone(),
-        tls: IdentityDir::new(data.path()).load_tls().unwrap(),
+        tls: tls::fixed(IdentityDir::new(data.path()).load_tls().unwrap()),
         state_file: data.path().join("node/routes.pb"),
     };
     cp.push_routes(snapshot(5, "10.97.0.5"));

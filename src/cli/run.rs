@@ -40,6 +40,15 @@ pub struct RunArgs {
     /// Longest an image pull may take [default: 10m]
     #[arg(long, value_name = "DURATION")]
     pull_timeout: Option<String>,
+    /// Join token kept for renewing the node identity (re-join at start and
+    /// when a third of the certificate's life is left)
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "ZATTERA_JOIN_TOKEN",
+        hide_env_values = true
+    )]
+    join_token: Option<String>,
 }
 
 impl RunArgs {
@@ -57,6 +66,7 @@ impl RunArgs {
             host_port_range: self.host_port_range.clone(),
             pids_limit: self.pids_limit,
             pull_timeout: self.pull_timeout.clone(),
+            join_token: self.join_token.clone(),
             ..base
         }
     }

@@ -115,6 +115,7 @@ impl IdentityDir {
     }
 
     pub fn load_enrollment(&self) -> Result<Enrollment, IdentityError> {
+        self.recover_if_writable();
         let path = self.state_path();
         let text = read(&path)?;
         let e: Enrollment =
@@ -129,6 +130,7 @@ impl IdentityDir {
     }
 
     pub fn load_tls(&self) -> Result<NodeTls, IdentityError> {
+        self.recover_if_writable();
         Ok(NodeTls {
             key_pem: read(&self.key_path())?,
             cert_pem: read(&self.cert_path())?,
@@ -136,24 +138,89 @@ impl IdentityDir {
         })
     }
 
-    /// Writes the whole enrollment, each file atomically (write, then
-    /// rename), so no file is ever half-written. The files are replaced one
-    /// by one, `node.json` last: a crash mid-way can pair a new key with an
-    /// old certificate, which the next `join` (same node id) repairs.
+    /// Writes the whole enrollment as one change: every file is written
+    /// beside its final name (`*.new`), then a commit marker, then the
+    /// renames. A crash before the marker leaves the old enrollment; after
+    /// it, [`Self::recover`] finishes the renames. A renewal never leaves a
+    /// new key paired with an old certificate.
     pub fn store(&self, e: &Enrollment, tls: &NodeTls) -> Result<(), IdentityError> {
         std::fs::create_dir_all(&self.dir).map_err(|source| IdentityError::Io {
             path: self.dir.clone(),
             source,
         })?;
         let _ = std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700));
+        self.recover()?;
         let json = serde_json::to_vec_pretty(e).map_err(|source| IdentityError::Json {
             path: self.state_path(),
             source,
         })?;
-        write_atomic(&self.key_path(), &tls.key_pem, 0o600)?;
-        write_atomic(&self.cert_path(), &tls.cert_pem, 0o644)?;
-        write_atomic(&self.ca_path(), &tls.ca_pem, 0o644)?;
-        write_atomic(&self.state_path(), &json, 0o600)
+        let files: [(PathBuf, &[u8], u32); 4] = [
+            (self.key_path(), &tls.key_pem, 0o600),
+            (self.cert_path(), &tls.cert_pem, 0o644),
+            (self.ca_path(), &tls.ca_pem, 0o644),
+            (self.state_path(), &json, 0o600),
+        ];
+        for (path, bytes, mode) in &files {
+            write_atomic(&staged(path), bytes, *mode)?;
+        }
+        write_atomic(&self.commit_path(), b"", 0o600)?;
+        self.recover()
+    }
+
+    /// Finishes or undoes a [`Self::store`] a crash interrupted.
+    pub fn recover(&self) -> Result<(), IdentityError> {
+        let committed = self.commit_path().exists();
+        for path in [
+            self.key_path(),
+            self.cert_path(),
+            self.ca_path(),
+            self.state_path(),
+        ] {
+            let new = staged(&path);
+            let io = |source| IdentityError::Io {
+                path: new.clone(),
+                source,
+            };
+            match (committed, new.exists()) {
+                (true, true) => std::fs::rename(&new, &path).map_err(io)?,
+                (false, true) => std::fs::remove_file(&new).map_err(io)?,
+                (_, false) => {}
+            }
+        }
+        if committed {
+            sync_dir(&self.dir);
+            std::fs::remove_file(self.commit_path()).map_err(|source| IdentityError::Io {
+                path: self.commit_path(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Readers finish an interrupted store first; a reader that may not
+    /// write (`status` as another user) reads what is there.
+    fn recover_if_writable(&self) {
+        if let Err(e) = self.recover() {
+            tracing::debug!(error = %e, "identity recovery");
+        }
+    }
+
+    fn commit_path(&self) -> PathBuf {
+        self.dir.join("renewal.commit")
+    }
+}
+
+/// Where [`IdentityDir::store`] stages `path`.
+fn staged(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".new");
+    PathBuf::from(name)
+}
+
+/// Renames are durable once the directory is synced.
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
     }
 }
 
@@ -215,5 +282,40 @@ mod tests {
         assert_eq!(mode(ids.key_path()), 0o600);
         assert_eq!(mode(ids.state_path()), 0o600);
         assert!(!format!("{e:?}").contains("pw"));
+    }
+
+    #[test]
+    fn an_interrupted_store_is_undone_before_its_commit_and_finished_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids = IdentityDir::new(dir.path());
+        let e = Enrollment {
+            node_id: "n1".into(),
+            ..Enrollment::default()
+        };
+        let tls = |tag: &str| NodeTls {
+            key_pem: format!("key-{tag}").into_bytes(),
+            cert_pem: format!("cert-{tag}").into_bytes(),
+            ca_pem: b"ca".to_vec(),
+        };
+        ids.store(&e, &tls("old")).unwrap();
+        // A crash after staging the new key and certificate, before the marker.
+        std::fs::write(staged(&ids.key_path()), "key-new").unwrap();
+        std::fs::write(staged(&ids.cert_path()), "cert-new").unwrap();
+        let loaded = ids.load_tls().unwrap();
+        assert_eq!(
+            (loaded.key_pem, loaded.cert_pem),
+            (b"key-old".to_vec(), b"cert-old".to_vec())
+        );
+        assert!(!staged(&ids.key_path()).exists());
+        // A crash after the marker and one rename.
+        std::fs::write(staged(&ids.cert_path()), "cert-new").unwrap();
+        std::fs::write(ids.commit_path(), "").unwrap();
+        std::fs::write(ids.key_path(), "key-new").unwrap();
+        let loaded = ids.load_tls().unwrap();
+        assert_eq!(
+            (loaded.key_pem, loaded.cert_pem),
+            (b"key-new".to_vec(), b"cert-new".to_vec())
+        );
+        assert!(!ids.commit_path().exists());
     }
 }

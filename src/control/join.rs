@@ -88,7 +88,7 @@ pub enum JoinError {
 }
 
 /// What `join` needs to know.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct JoinOptions {
     /// `host:port` of a control node's API.
     pub control: String,
@@ -97,6 +97,17 @@ pub struct JoinOptions {
     /// Display name for the node record (the host name by default).
     pub node_name: String,
     pub binary_version: String,
+}
+
+impl std::fmt::Debug for JoinOptions {
+    // The token is a secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JoinOptions")
+            .field("control", &self.control)
+            .field("data_dir", &self.data_dir)
+            .field("node_name", &self.node_name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Enrolls this node and stores the result; returns what was stored.

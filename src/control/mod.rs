@@ -17,6 +17,7 @@ pub mod identity;
 pub mod join;
 pub mod node_api;
 pub mod queue;
+pub mod renew;
 pub mod routes;
 pub mod services;
 pub mod sync;

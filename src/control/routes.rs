@@ -20,14 +20,14 @@ use crate::proto::cluster::route_service_client::RouteServiceClient;
 use crate::proto::cluster::{RouteSnapshot, WatchRoutesRequest};
 
 use super::backoff::Backoff;
-use super::tls::{self, NodeTls, TlsError};
+use super::tls::{self, TlsError};
 
 /// What the route client needs.
 #[derive(Debug, Clone)]
 pub struct RoutesConfig {
     pub control_addr: String,
     pub node_id: String,
-    pub tls: NodeTls,
+    pub tls: tls::CurrentTls,
     /// Where the last snapshot is kept, e.g. `<data>/node/routes.pb`.
     pub state_file: PathBuf,
 }
@@ -101,7 +101,7 @@ pub fn spawn(
     cfg: RoutesConfig,
     out: watch::Sender<Option<Arc<RouteSnapshot>>>,
 ) -> Result<tokio::task::JoinHandle<()>, TlsError> {
-    let client = tls::node_client(&cfg.tls)?;
+    let client = tls::node_client(&cfg.tls.borrow())?;
     tls::server_name_of(&cfg.control_addr)?;
     Ok(tokio::spawn(run(cfg, client, out)))
 }
@@ -122,12 +122,24 @@ async fn run(
         Err(e) => tracing::warn!(error = %e, "persisted route snapshot ignored"),
     }
     let mut backoff = Backoff::default();
+    let (mut client, mut renewals) = (client, cfg.tls.clone());
     loop {
         let started = Instant::now();
-        if let Err(e) = session(&cfg, client.clone(), &mut have, &out).await {
-            tracing::warn!(control = %cfg.control_addr, error = %e, "route watch failed");
+        tokio::select! {
+            r = session(&cfg, client.clone(), &mut have, &out) => {
+                if let Err(e) = r {
+                    tracing::warn!(control = %cfg.control_addr, error = %e, "route watch failed");
+                }
+                tokio::time::sleep(backoff.next_wait(started.elapsed())).await;
+            }
+            // A renewed identity: watch again with it, at once.
+            () = tls::renewed(&mut renewals) => {
+                match tls::node_client(&renewals.borrow_and_update()) {
+                    Ok(c) => client = c,
+                    Err(e) => tracing::error!(error = %e, "renewed identity unusable for the route watch"),
+                }
+            }
         }
-        tokio::time::sleep(backoff.next_wait(started.elapsed())).await;
     }
 }
 

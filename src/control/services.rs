@@ -25,7 +25,7 @@ pub async fn spawn(
             "no control-plane node id is known (the join named none and control-node-ids is unset): the node API refuses every caller"
         );
     }
-    match NodeApi::bind(listen, &sync.tls, Some(node), controls).await {
+    match NodeApi::bind_current(listen, sync.tls.clone(), Some(node), controls).await {
         Ok(api) => {
             tracing::info!(%listen, "node API listening");
             tokio::spawn(async move {

@@ -28,7 +28,7 @@ use crate::proto::v1::Assignment;
 use super::backoff::Backoff;
 use super::host::{self, CpuMeter};
 use super::queue::{self, QueueHandle};
-use super::tls::{self, NodeTls, TlsError};
+use super::tls::{self, CurrentTls, TlsError};
 
 /// The reference's heartbeat interval (wire.md §1.6).
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -41,7 +41,8 @@ pub struct SyncConfig {
     /// `host:port` of the control API.
     pub control_addr: String,
     pub node_id: String,
-    pub tls: NodeTls,
+    /// The node identity; a renewal reconnects with the new one at once.
+    pub tls: CurrentTls,
     pub binary_version: String,
     /// Its filesystem is the one heartbeats report on.
     pub data_dir: PathBuf,
@@ -64,7 +65,7 @@ impl SyncConfig {
         Ok(Self {
             control_addr: control_addr.to_owned(),
             node_id: enrollment.node_id,
-            tls: ids.load_tls()?,
+            tls: tls::fixed(ids.load_tls()?),
             binary_version: env!("CARGO_PKG_VERSION").to_owned(),
             data_dir: data_dir.to_owned(),
             heartbeat: HEARTBEAT,
@@ -97,8 +98,8 @@ pub fn spawn(
     batches: mpsc::Receiver<Vec<Observation>>,
     samples: watch::Receiver<InstanceSamples>,
 ) -> Result<tokio::task::JoinHandle<()>, TlsError> {
-    // Built once: a bad key or certificate is a startup error, not a retry.
-    let client = Arc::new(tls::node_client(&cfg.tls)?);
+    // Checked once: a bad key or certificate is a startup error, not a retry.
+    let client = Arc::new(tls::node_client(&cfg.tls.borrow())?);
     tls::server_name_of(&cfg.control_addr)?;
     let (max_batches, max_entries) = cfg.queue_limits;
     let queue = queue::spawn(queue::StatusQueue::new(max_batches, max_entries), batches);
@@ -121,10 +122,27 @@ async fn run(
     };
     let mut cpu = CpuMeter::default();
     let mut backoff = Backoff::default();
+    let mut client = client;
     loop {
+        // A renewed identity is used from the next session on; one that
+        // does not make a client leaves the last good one in use.
+        if state.cfg.tls.has_changed().unwrap_or(false) {
+            match tls::node_client(&state.cfg.tls.borrow_and_update()) {
+                Ok(c) => client = Arc::new(c),
+                Err(e) => {
+                    tracing::error!(error = %e, "renewed identity unusable; keeping the previous one");
+                }
+            }
+        }
         let started = Instant::now();
         match state.run((*client).clone(), &mut cpu).await {
-            Ok(()) => tracing::info!(control = %state.cfg.control_addr, "sync stream ended"),
+            Ok(Ended::Closed) => {
+                tracing::info!(control = %state.cfg.control_addr, "sync stream ended");
+            }
+            Ok(Ended::Renewed) => {
+                tracing::info!(control = %state.cfg.control_addr, "node identity renewed; reconnecting with it");
+                continue;
+            }
             Err(e) => {
                 tracing::warn!(control = %state.cfg.control_addr, error = %e, "sync session failed");
             }
@@ -145,8 +163,20 @@ struct Session {
     version: u64,
 }
 
+/// How a session that did not fail ended.
+enum Ended {
+    /// Control closed the stream.
+    Closed,
+    /// A new identity arrived: reconnect with it, without a back-off.
+    Renewed,
+}
+
 impl Session {
-    async fn run(&mut self, client: ClientConfig, cpu: &mut CpuMeter) -> Result<(), SessionError> {
+    async fn run(
+        &mut self,
+        client: ClientConfig,
+        cpu: &mut CpuMeter,
+    ) -> Result<Ended, SessionError> {
         let channel = tls::connect(&self.cfg.control_addr, client).await?;
         let (out_tx, out_rx) = mpsc::channel::<AgentMessage>(OUTGOING);
         // Queued before the call starts: nothing can overtake the hello.
@@ -166,6 +196,7 @@ impl Session {
             .into_inner();
         tracing::info!(control = %self.cfg.control_addr, node_id = %self.cfg.node_id, "sync stream open");
 
+        let mut renewals = self.cfg.tls.clone();
         let (ack_tx, ack_rx) = mpsc::channel::<u64>(OUTGOING);
         let writer = writer(
             out_tx,
@@ -191,8 +222,9 @@ impl Session {
             Ok::<(), SessionError>(())
         };
         tokio::select! {
-            r = writer => r,
-            r = reader => r,
+            r = writer => r.map(|()| Ended::Closed),
+            r = reader => r.map(|()| Ended::Closed),
+            () = tls::renewed(&mut renewals) => Ok(Ended::Renewed),
         }
     }
 

@@ -106,6 +106,40 @@ impl fmt::Debug for NodeTls {
     }
 }
 
+/// The node identity as it is now; a renewal ([`super::renew`]) sends the
+/// next one, and every connection made after that presents it.
+pub type CurrentTls = tokio::sync::watch::Receiver<Arc<NodeTls>>;
+
+/// A [`CurrentTls`] that never changes.
+pub fn fixed(node: NodeTls) -> CurrentTls {
+    tokio::sync::watch::channel(Arc::new(node)).1
+}
+
+/// Resolves once `current` holds a new identity; never when none can come.
+pub async fn renewed(current: &mut CurrentTls) {
+    if current.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// `notBefore` and `notAfter` of the first certificate in `cert_pem`.
+pub fn validity_of(cert_pem: &[u8]) -> Option<(std::time::SystemTime, std::time::SystemTime)> {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let der = certs_from_pem("certificate", cert_pem)
+        .ok()?
+        .into_iter()
+        .next()?;
+    let (_, cert) = X509Certificate::from_der(&der).ok()?;
+    let at = |t: x509_parser::time::ASN1Time| {
+        let secs = u64::try_from(t.timestamp()).unwrap_or(0);
+        std::time::UNIX_EPOCH + Duration::from_secs(secs)
+    };
+    Some((
+        at(cert.validity().not_before),
+        at(cert.validity().not_after),
+    ))
+}
+
 /// Client config for the join hop: accept the server iff its chain holds
 /// the pinned certificate and the leaf chains to it (or is it).
 pub fn pinned_client(pin: &str) -> Result<ClientConfig, TlsError> {
@@ -401,7 +435,15 @@ pub fn incoming(
     listener: tokio::net::TcpListener,
     cfg: Arc<ServerConfig>,
 ) -> impl futures::Stream<Item = std::io::Result<ServerStream>> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    incoming_current(listener, tokio::sync::watch::channel(cfg).1)
+}
+
+/// [`incoming`] with a server config that may be replaced (a renewed
+/// certificate): each handshake uses the one current when it starts.
+pub fn incoming_current(
+    listener: tokio::net::TcpListener,
+    cfg: tokio::sync::watch::Receiver<Arc<ServerConfig>>,
+) -> impl futures::Stream<Item = std::io::Result<ServerStream>> {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(async move {
         loop {
@@ -418,7 +460,7 @@ pub fn incoming(
                     continue;
                 }
             };
-            let acceptor = acceptor.clone();
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&cfg.borrow()));
             let tx = tx.clone();
             // Handshakes run apart so one slow client cannot stall the rest.
             tokio::spawn(async move {

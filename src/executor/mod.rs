@@ -829,6 +829,7 @@ impl Executor {
             source: self.h.cfg.source.clone(),
             assignments: rows,
             errors: self.errors_rx.borrow().clone(),
+            notices: Vec::new(),
         };
         let _ = self.status_tx.send(Arc::new(snapshot));
     }
@@ -871,6 +872,7 @@ pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapsho
         source: format!("containerd only (agent not running: {why})"),
         assignments: rows,
         errors: Vec::new(),
+        notices: Vec::new(),
     })
 }
 

@@ -137,6 +137,10 @@ pub struct StatusSnapshot {
     pub source: String,
     pub assignments: Vec<AssignmentStatus>,
     pub errors: Vec<SourceError>,
+    /// Node-level warnings (an expiring certificate), added by the admin
+    /// socket.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notices: Vec<String>,
 }
 
 impl StatusSnapshot {
@@ -151,6 +155,9 @@ impl StatusSnapshot {
             },
             self.source
         );
+        for n in &self.notices {
+            let _ = writeln!(out, "warning: {n}");
+        }
         let header = [
             "ASSIGNMENT",
             "APP",
@@ -254,6 +261,7 @@ mod tests {
                 file: "bad.toml".into(),
                 message: "unknown key".into(),
             }],
+            notices: vec!["the node certificate expires in 9 days".into()],
         };
         let t = snap.render_table();
         assert!(
@@ -261,5 +269,6 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("error: bad.toml: unknown key"));
+        assert!(t.contains("warning: the node certificate expires in 9 days"));
     }
 }

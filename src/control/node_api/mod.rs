@@ -52,7 +52,7 @@ use crate::proto::cluster::{
 use crate::proto::v1::{LogLine, LogQuery, StatsQuery, StatsResponse};
 use crate::runtime::Containerd;
 
-use super::tls::{self, ClientAuth, NodeTls, PeerIdentity, TlsError};
+use super::tls::{self, ClientAuth, CurrentTls, NodeTls, PeerIdentity, TlsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeApiError {
@@ -93,7 +93,7 @@ pub struct NodeContext {
 #[derive(Debug)]
 pub struct NodeApi {
     listener: tokio::net::TcpListener,
-    tls: Arc<rustls::ServerConfig>,
+    tls: tokio::sync::watch::Receiver<Arc<rustls::ServerConfig>>,
     node: Option<NodeContext>,
     controls: ControlIds,
 }
@@ -108,11 +108,38 @@ impl NodeApi {
         node: Option<NodeContext>,
         controls: ControlIds,
     ) -> Result<Self, NodeApiError> {
-        let tls = tls::server(
-            &identity.cert_pem,
-            &identity.key_pem,
-            ClientAuth::Required(&identity.ca_pem),
-        )?;
+        Self::bind_current(addr, tls::fixed(identity.clone()), node, controls).await
+    }
+
+    /// [`Self::bind`] presenting the node certificate as it is renewed.
+    pub async fn bind_current(
+        addr: SocketAddr,
+        mut identity: CurrentTls,
+        node: Option<NodeContext>,
+        controls: ControlIds,
+    ) -> Result<Self, NodeApiError> {
+        let server_config = |id: &NodeTls| {
+            tls::server(&id.cert_pem, &id.key_pem, ClientAuth::Required(&id.ca_pem)).map(Arc::new)
+        };
+        let (tls_tx, tls) =
+            tokio::sync::watch::channel(server_config(&identity.borrow_and_update())?);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tls_tx.closed() => return,
+                    () = tls::renewed(&mut identity) => {}
+                }
+                match server_config(&identity.borrow_and_update()) {
+                    Ok(cfg) => {
+                        tls_tx.send_replace(cfg);
+                        tracing::info!("node API presents the renewed certificate");
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "renewed identity unusable for the node API");
+                    }
+                }
+            }
+        });
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| NodeApiError::Bind { addr, source })?;
@@ -123,7 +150,7 @@ impl NodeApi {
         }
         Ok(Self {
             listener,
-            tls: Arc::new(tls),
+            tls,
             node,
             controls,
         })
@@ -144,7 +171,7 @@ impl NodeApi {
                 node: self.node,
                 controls: self.controls,
             }))
-            .serve_with_incoming(tls::incoming(self.listener, self.tls))
+            .serve_with_incoming(tls::incoming_current(self.listener, self.tls))
             .await
     }
 }
