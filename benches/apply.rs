@@ -98,7 +98,7 @@ fn main() {
             .collect();
         steps[1].push(t.elapsed());
         let t = Instant::now();
-        black_box(diff::classify(&desired, owned));
+        black_box(diff::classify(&desired, owned, None));
         steps[2].push(t.elapsed());
     }
     for (name, samples) in ["select", "labels", "classify", "compare", "drop set"]
@@ -160,7 +160,7 @@ fn apply_once(bytes: &[u8], listed: &[Container]) -> usize {
         .iter()
         .filter_map(OwnedContainer::from_container)
         .collect();
-    let classified = diff::classify(&desired, owned);
+    let classified = diff::classify(&desired, owned, None);
     assert!(classified.removals.is_empty());
     classified.owned.len()
 }

@@ -59,6 +59,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     };
 
     let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
+    net_cfg.default_subnet = config.default_subnet;
     if let Some(prefix) = &config.bridge_prefix {
         prefix.clone_into(&mut net_cfg.bridge_prefix);
         net_cfg.validate()?;
@@ -141,6 +142,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         standalone,
         source,
         cluster_registry,
+        default_subnet: config.default_subnet,
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(

@@ -72,6 +72,11 @@ pub struct Settings {
     /// start and when its certificate has a third of its life left.
     #[serde(alias = "join_token")]
     pub join_token: Option<String>,
+    /// The node-local network of assignments pushed without a subnet,
+    /// `a.b.c.0/24` outside 10.201/16, 10.90/16 and 10.97/16, or `none`
+    /// (default 10.202.0.0/24).
+    #[serde(alias = "default_subnet")]
+    pub default_subnet: Option<String>,
 }
 
 impl Settings {
@@ -120,6 +125,7 @@ impl Settings {
             pull_timeout: top.pull_timeout.or(self.pull_timeout),
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
             join_token: top.join_token.or(self.join_token),
+            default_subnet: top.default_subnet.or(self.default_subnet),
         }
     }
 
@@ -160,7 +166,13 @@ impl Settings {
                     message: format!("{text:?} is not a duration such as 90s or 10m"),
                 })?,
         };
+        let default_subnet = match self.default_subnet.as_deref().map(str::trim) {
+            None => Some(parse_default_subnet(DEFAULT_SUBNET)?),
+            Some("none") => None,
+            Some(text) => Some(parse_default_subnet(text)?),
+        };
         Ok(Config {
+            default_subnet,
             host_port_range,
             pull_timeout,
             pids_limit: self
@@ -207,6 +219,28 @@ pub struct Config {
     pub pull_timeout: std::time::Duration,
     pub control_node_ids: Vec<String>,
     pub join_token: Option<String>,
+    pub default_subnet: Option<zattera_netns::Subnet>,
+}
+
+/// The default network's subnet: next to the environment pool, and
+/// outside every zattera range.
+pub const DEFAULT_SUBNET: &str = "10.202.0.0/24";
+
+/// A `/24` that no zattera range overlaps (10.90/16 mesh, 10.97/16 VIPs,
+/// 10.201/16 environments).
+fn parse_default_subnet(text: &str) -> Result<zattera_netns::Subnet, ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid {
+        key: "default-subnet",
+        message,
+    };
+    let subnet = zattera_netns::Subnet::any_24(text).map_err(|e| invalid(e.to_string()))?;
+    let o = subnet.network().octets();
+    if o[0] == 10 && [90, 97, 201].contains(&o[1]) {
+        return Err(invalid(format!(
+            "{text:?} lies in a zattera range (10.90/16, 10.97/16, 10.201/16)"
+        )));
+    }
+    Ok(subnet)
 }
 
 /// A pull that has not finished by then is FAILED (and retried): a registry
@@ -238,6 +272,35 @@ mod tests {
 
     fn parse(text: &str) -> Result<Settings, ConfigError> {
         Settings::parse(text, Path::new("/etc/zattera/agent.toml"))
+    }
+
+    #[test]
+    fn the_default_subnet_stays_out_of_zattera_ranges() {
+        let c = |text: &str| {
+            parse(&format!("default-subnet = {text:?}"))
+                .unwrap()
+                .resolve()
+                .map(|c| c.default_subnet.map(|s| s.to_string()))
+        };
+        assert_eq!(
+            parse("")
+                .unwrap()
+                .resolve()
+                .unwrap()
+                .default_subnet
+                .unwrap()
+                .to_string(),
+            DEFAULT_SUBNET
+        );
+        assert_eq!(
+            c("172.30.9.0/24").unwrap().as_deref(),
+            Some("172.30.9.0/24")
+        );
+        assert_eq!(c("none").unwrap(), None);
+        for bad in ["10.201.3.0/24", "10.97.0.0/24", "10.202.0.0/16", "nope"] {
+            let e = c(bad).unwrap_err().to_string();
+            assert!(e.contains("default-subnet"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -839,3 +839,67 @@ async fn an_expiring_certificate_without_a_token_is_a_warning() {
     })
     .await;
 }
+
+/// Issue 13.6 (C-9, X-26): an assignment pushed without a subnet lands on
+/// the node-local default network (its own bridge, outside the zattera
+/// ranges), not in a namespace with only `lo`: the host reaches its page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assignment_without_a_subnet_gets_the_default_network() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-default", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent = ControlledAgent::start_with(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztdn",
+            &["--default-subnet", "10.202.198.0/24"],
+        )
+        .await;
+        let (a, mut rt) = assignment("plain", "env", 0, "httpd -f -p 80 -h /etc");
+        rt.subnet_cidr = String::new();
+        cp.push_set(set_of(1, vec![(a, rt)]));
+        let status = agent.wait_for("HEALTHY on the default network", |s| {
+            s["assignments"].as_array().is_some_and(|rows| {
+                rows.iter().any(|r| {
+                    r["id"] == "plain"
+                        && r["state"] == "HEALTHY"
+                        && r["ip"]
+                            .as_str()
+                            .is_some_and(|ip| ip.starts_with("10.202.198."))
+                })
+            })
+        });
+        let ip = status["assignments"][0]["ip"].as_str().unwrap().to_owned();
+        let mut page = String::new();
+        for _ in 0..50 {
+            if let Ok(mut s) = tokio::net::TcpStream::connect((ip.as_str(), 80)).await {
+                s.write_all(b"GET /hostname HTTP/1.0\r\n\r\n")
+                    .await
+                    .unwrap();
+                s.read_to_string(&mut page).await.unwrap();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            page.starts_with("HTTP/1.") && page.contains(" 200 "),
+            "{ip}: {page:?}"
+        );
+        let bridges = std::process::Command::new("ip")
+            .args(["-o", "addr", "show", "dev", "ztdnd"])
+            .output()
+            .unwrap();
+        let bridges = String::from_utf8_lossy(&bridges.stdout);
+        assert!(
+            bridges.contains("10.202.198.1/24"),
+            "the default bridge: {bridges}"
+        );
+    })
+    .await;
+}

@@ -512,6 +512,7 @@ impl Node {
             standalone: false,
             source: format!("control {}", cp.address()),
             cluster_registry: None,
+            default_subnet: None,
         };
         let (batches_tx, batches_rx) = mpsc::channel(64);
         let (exec, handle) = Executor::new(

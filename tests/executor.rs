@@ -63,6 +63,7 @@ impl Agent {
             standalone: true,
             source: "test".into(),
             cluster_registry: None,
+            default_subnet: None,
         };
         let (exec, handle) = Executor::new(
             cfg,

@@ -22,6 +22,9 @@ pub struct NetConfig {
     pub netns_dir: PathBuf,
     /// The `nft` binary: a bare name is looked up on `PATH`.
     pub nft_binary: PathBuf,
+    /// The node-local network of assignments without a subnet:
+    /// bridge `<prefix>d`, host veths `<prefix>dv<host octet>`.
+    pub default_subnet: Option<Subnet>,
 }
 
 impl Default for NetConfig {
@@ -31,6 +34,7 @@ impl Default for NetConfig {
             nft_table: "zattera".to_owned(),
             netns_dir: PathBuf::from("/run/zattera/netns"),
             nft_binary: PathBuf::from("nft"),
+            default_subnet: None,
         }
     }
 }
@@ -85,9 +89,13 @@ impl NetConfig {
         Ok(())
     }
 
-    /// The bridge of one environment subnet.
+    /// The bridge of one environment subnet, or of the default network.
     pub fn bridge_name(&self, subnet: Subnet) -> String {
-        format!("{}{}", self.bridge_prefix, subnet.slot())
+        if self.default_subnet == Some(subnet) {
+            format!("{}d", self.bridge_prefix)
+        } else {
+            format!("{}{}", self.bridge_prefix, subnet.slot())
+        }
     }
 
     /// The rules entry of one network, for building a [`crate::FirewallState`]
@@ -104,12 +112,19 @@ impl NetConfig {
     /// IPAM never hands out twice, so two live attachments never share one.
     pub fn host_veth_name(&self, ip: Ipv4Addr) -> String {
         let o = ip.octets();
-        format!("{}{}v{}", self.bridge_prefix, o[2], o[3])
+        if self.default_subnet.is_some_and(|d| d.contains(ip)) {
+            format!("{}dv{}", self.bridge_prefix, o[3])
+        } else {
+            format!("{}{}v{}", self.bridge_prefix, o[2], o[3])
+        }
     }
 
     /// Which of our names `ifname` is, if any.
     pub fn parse_ifname(&self, ifname: &str) -> Option<OwnedName> {
         let rest = ifname.strip_prefix(&self.bridge_prefix)?;
+        if let (Some(tail), Some(default)) = (rest.strip_prefix('d'), self.default_subnet) {
+            return parse_tail(tail, default);
+        }
         let slot_end = rest
             .find(|c: char| !c.is_ascii_digit())
             .unwrap_or(rest.len());
@@ -117,19 +132,7 @@ impl NetConfig {
         if rest[..slot_end] != slot.to_string() {
             return None; // leading zeros: not a name we would make
         }
-        let tail = &rest[slot_end..];
-        if tail.is_empty() {
-            return Some(OwnedName::Bridge(Subnet::from_slot(slot)));
-        }
-        if tail == "t" {
-            return Some(OwnedName::BridgeInProgress(Subnet::from_slot(slot)));
-        }
-        let digits = tail.strip_prefix('v')?;
-        let host: u8 = digits.parse().ok()?;
-        if host.to_string() != digits {
-            return None;
-        }
-        Some(OwnedName::HostVeth(Subnet::from_slot(slot).host(host)))
+        parse_tail(&rest[slot_end..], Subnet::from_slot(slot))
     }
 
     /// Path of one container's network namespace file.
@@ -137,6 +140,23 @@ impl NetConfig {
         validate_container_id(container_id)?;
         Ok(self.netns_dir.join(container_id))
     }
+}
+
+/// What follows a bridge's name: nothing (the bridge), `t` (one being
+/// built), or `v<host octet>` (a host veth).
+fn parse_tail(tail: &str, subnet: Subnet) -> Option<OwnedName> {
+    if tail.is_empty() {
+        return Some(OwnedName::Bridge(subnet));
+    }
+    if tail == "t" {
+        return Some(OwnedName::BridgeInProgress(subnet));
+    }
+    let digits = tail.strip_prefix('v')?;
+    let host: u8 = digits.parse().ok()?;
+    if host.to_string() != digits {
+        return None;
+    }
+    Some(OwnedName::HostVeth(subnet.host(host)))
 }
 
 /// An interface name that belongs to this configuration.
@@ -214,6 +234,31 @@ mod tests {
             "ztbr1v300",
         ] {
             assert_eq!(c.parse_ifname(foreign), None, "{foreign}");
+        }
+        // The default network's names, and a prefix one letter longer.
+        let d = Subnet::any_24("10.202.0.0/24").unwrap();
+        let with_default = NetConfig {
+            default_subnet: Some(d),
+            ..cfg("ztbr")
+        };
+        let dip = d.host(9);
+        assert_eq!(with_default.bridge_name(d), "ztbrd");
+        assert_eq!(with_default.host_veth_name(dip), "ztbrdv9");
+        assert_eq!(
+            with_default.parse_ifname("ztbrd"),
+            Some(OwnedName::Bridge(d))
+        );
+        assert_eq!(
+            with_default.parse_ifname("ztbrdv9"),
+            Some(OwnedName::HostVeth(dip))
+        );
+        assert_eq!(
+            c.parse_ifname("ztbrd"),
+            None,
+            "no default network configured"
+        );
+        for foreign in ["ztbrd5", "ztbrdd", "ztbrd5v3", "ztbrddv3"] {
+            assert_eq!(with_default.parse_ifname(foreign), None, "{foreign}");
         }
         // A longer prefix never parses under a shorter one, nor the reverse.
         assert_eq!(cfg("zt").parse_ifname("ztbr5"), None);

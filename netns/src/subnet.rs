@@ -8,45 +8,75 @@ use std::str::FromStr;
 /// First two octets of the pool every environment subnet comes from.
 const POOL: [u8; 2] = [10, 201];
 
-/// One environment subnet, `10.201.<slot>.0/24`.
+/// One `/24` the agent builds a bridge for: an environment subnet
+/// `10.201.<slot>.0/24`, or the node-local default network that
+/// assignments without a subnet get, which lies outside the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Subnet {
-    slot: u8,
+    /// The first three octets.
+    net: [u8; 3],
 }
 
 impl Subnet {
     pub fn from_slot(slot: u8) -> Self {
-        Self { slot }
+        Self {
+            net: [POOL[0], POOL[1], slot],
+        }
     }
 
+    /// `a.b.c.0/24` wherever it is; for the default network. Only `FromStr`
+    /// is strict about the pool (what control may push).
+    pub fn any_24(cidr: &str) -> Result<Self, SubnetError> {
+        let (addr, len) = parse_cidr(cidr)?;
+        let o = addr.octets();
+        if len != 24 || o[3] != 0 {
+            return Err(SubnetError::Not24(cidr.to_owned()));
+        }
+        Ok(Self {
+            net: [o[0], o[1], o[2]],
+        })
+    }
+
+    /// The third octet: the slot of a pool subnet.
     pub fn slot(self) -> u8 {
-        self.slot
+        self.net[2]
+    }
+
+    /// Whether this is an environment subnet of `10.201.0.0/16`.
+    pub fn in_pool(self) -> bool {
+        self.net[..2] == POOL
     }
 
     pub fn network(self) -> Ipv4Addr {
-        Ipv4Addr::new(POOL[0], POOL[1], self.slot, 0)
+        self.host(0)
     }
 
     /// The bridge's own address, `.1`.
     pub fn gateway(self) -> Ipv4Addr {
-        Ipv4Addr::new(POOL[0], POOL[1], self.slot, 1)
+        self.host(1)
     }
 
     /// Host `n` of this /24 (`.1` is the gateway).
     pub fn host(self, n: u8) -> Ipv4Addr {
-        Ipv4Addr::new(POOL[0], POOL[1], self.slot, n)
+        Ipv4Addr::new(self.net[0], self.net[1], self.net[2], n)
     }
 
     /// The subnet `ip` belongs to, if it is inside the pool.
     pub fn of(ip: Ipv4Addr) -> Option<Self> {
+        Some(Self::containing(ip)).filter(|s| s.in_pool())
+    }
+
+    /// The `/24` holding `ip`, in the pool or not.
+    pub fn containing(ip: Ipv4Addr) -> Self {
         let o = ip.octets();
-        (o[0] == POOL[0] && o[1] == POOL[1]).then_some(Self { slot: o[2] })
+        Self {
+            net: [o[0], o[1], o[2]],
+        }
     }
 
     /// Whether `ip` is inside this /24.
     pub fn contains(self, ip: Ipv4Addr) -> bool {
-        let o = ip.octets();
-        o[0] == POOL[0] && o[1] == POOL[1] && o[2] == self.slot
+        Self::containing(ip) == self
     }
 }
 
@@ -70,6 +100,8 @@ pub enum SubnetError {
     OutsidePool(String),
     #[error("subnet {0:?} must be a /24 network address (10.201.X.0/24)")]
     NotSlot(String),
+    #[error("subnet {0:?} must be a /24 network address (a.b.c.0/24)")]
+    Not24(String),
     #[error("the 10.201.0.0/16 subnet pool is exhausted: all 256 /24 slots are in use")]
     Exhausted,
 }
@@ -99,7 +131,7 @@ impl FromStr for Subnet {
         if len != 24 || o[3] != 0 {
             return Err(SubnetError::NotSlot(s.to_owned()));
         }
-        Ok(Self { slot: o[2] })
+        Ok(Self::from_slot(o[2]))
     }
 }
 
@@ -140,6 +172,19 @@ pub fn gateway_ip(cidr: &str) -> Result<Ipv4Addr, SubnetError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_default_network_lies_anywhere_but_is_a_24() {
+        let d = Subnet::any_24("10.202.0.0/24").unwrap();
+        assert!(!d.in_pool());
+        assert_eq!(d.gateway(), Ipv4Addr::new(10, 202, 0, 1));
+        assert!(d.contains(Ipv4Addr::new(10, 202, 0, 9)));
+        assert_eq!(Subnet::of(Ipv4Addr::new(10, 202, 0, 9)), None);
+        assert_ne!(d, Subnet::from_slot(0));
+        assert!("10.202.0.0/24".parse::<Subnet>().is_err());
+        assert!(Subnet::any_24("10.202.0.0/16").is_err());
+        assert!(Subnet::any_24("10.202.0.5/24").is_err());
+    }
 
     #[test]
     fn next_free_is_the_lowest_unused_slot() {

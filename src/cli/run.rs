@@ -49,6 +49,10 @@ pub struct RunArgs {
         hide_env_values = true
     )]
     join_token: Option<String>,
+    /// Network of assignments pushed without a subnet, a.b.c.0/24 or none
+    /// [default: 10.202.0.0/24]
+    #[arg(long, value_name = "CIDR")]
+    default_subnet: Option<String>,
 }
 
 impl RunArgs {
@@ -67,6 +71,7 @@ impl RunArgs {
             pids_limit: self.pids_limit,
             pull_timeout: self.pull_timeout.clone(),
             join_token: self.join_token.clone(),
+            default_subnet: self.default_subnet.clone(),
             ..base
         }
     }

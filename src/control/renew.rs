@@ -105,6 +105,8 @@ impl Renewer {
                     let until = tls::validity_of(&self.tls.borrow().cert_pem)
                         .map(|(_, end)| humantime::format_rfc3339_seconds(end).to_string());
                     tracing::info!(control = %opts.control, valid_until = ?until, "node identity renewed");
+                    // Never a join storm, whatever lifetimes control hands out.
+                    tokio::time::sleep(RETRY.0).await;
                 }
                 Err(e) => {
                     tracing::warn!(control = %opts.control, error = %e, retry_in = ?retry, "node identity renewal failed");

@@ -46,7 +46,11 @@ pub struct Classified {
 /// E-5: classifies the containers the agent owns against `desired`. Of
 /// several containers of one assignment with the right hash, the first
 /// listed is kept.
-pub fn classify(desired: &Desired, listed: Vec<OwnedContainer>) -> Classified {
+pub fn classify(
+    desired: &Desired,
+    listed: Vec<OwnedContainer>,
+    default_subnet: Option<Subnet>,
+) -> Classified {
     let mut out = Classified::default();
     for c in listed {
         match desired.get(&c.assignment_id) {
@@ -59,7 +63,7 @@ pub fn classify(desired: &Desired, listed: Vec<OwnedContainer>) -> Classified {
             }
             Some((a, rt)) => {
                 if c.config_hash == a.config_hash
-                    && !subnet_drifted(&c, rt.as_ref())
+                    && !subnet_drifted(&c, rt.as_ref(), default_subnet)
                     && !out.owned.contains_key(&c.assignment_id)
                 {
                     out.owned.insert(c.assignment_id.clone(), c);
@@ -76,17 +80,30 @@ pub fn classify(desired: &Desired, listed: Vec<OwnedContainer>) -> Classified {
 /// before its subnet was pushed (or on an older one) is replaced once the
 /// desired subnet differs. A subnet that does not parse changes nothing
 /// (the bring-up reports it).
-fn subnet_drifted(c: &OwnedContainer, rt: Option<&AssignmentRuntime>) -> bool {
+fn subnet_drifted(
+    c: &OwnedContainer,
+    rt: Option<&AssignmentRuntime>,
+    default_subnet: Option<Subnet>,
+) -> bool {
     let Some(rt) = rt else { return false };
-    let wanted = if rt.subnet_cidr.is_empty() {
-        None
+    match wanted_subnet(rt, default_subnet) {
+        Ok(wanted) => c.subnet != wanted,
+        Err(_) => false,
+    }
+}
+
+/// The network an assignment goes on: its pushed subnet, or without one
+/// the node's default network (C-9, X-26); `None` only when the node has
+/// none configured.
+pub fn wanted_subnet(
+    rt: &AssignmentRuntime,
+    default_subnet: Option<Subnet>,
+) -> Result<Option<Subnet>, zattera_netns::SubnetError> {
+    if rt.subnet_cidr.is_empty() {
+        Ok(default_subnet)
     } else {
-        match rt.subnet_cidr.parse::<Subnet>() {
-            Ok(s) => Some(s),
-            Err(_) => return false,
-        }
-    };
-    c.subnet != wanted
+        rt.subnet_cidr.parse::<Subnet>().map(Some)
+    }
 }
 
 #[cfg(test)]
@@ -163,6 +180,7 @@ mod tests {
                 owned("p1", "stop", "h1"),
                 owned("g1", "gone", "h1"),
             ],
+            None,
         );
         assert_eq!(c.owned.len(), 1);
         assert_eq!(c.owned["keep"].container_id, "k1");
@@ -196,9 +214,34 @@ mod tests {
                 runtime: BTreeMap::from([("a".to_owned(), runtime(cidr))]),
                 ..AssignmentSet::default()
             };
-            let c = classify(&desired_for(set, ""), vec![on(had)]);
+            let c = classify(&desired_for(set, ""), vec![on(had)], None);
             assert_eq!(c.removals.len() == 1, replaced, "{cidr:?} on {had:?}");
             assert_eq!(c.owned.is_empty(), replaced, "{cidr:?} on {had:?}");
+        }
+        // With a default network, no subnet means that network: a container
+        // with none (only `lo`) is replaced onto it.
+        let d = Subnet::any_24("10.202.0.0/24").unwrap();
+        let on_default = OwnedContainer {
+            subnet: Some(d),
+            ..owned("c", "a", "h1")
+        };
+        for (cidr, had, replaced) in [
+            ("", on_default.clone(), false),
+            ("", on(None), true),
+            ("10.201.5.0/24", on_default.clone(), true),
+        ] {
+            let set = AssignmentSet {
+                assignments: vec![assignment("a", "", "h1", AssignmentDesired::Run)],
+                runtime: BTreeMap::from([("a".to_owned(), runtime(cidr))]),
+                ..AssignmentSet::default()
+            };
+            let c = classify(&desired_for(set, ""), vec![had.clone()], Some(d));
+            assert_eq!(
+                c.removals.len() == 1,
+                replaced,
+                "{cidr:?} on {:?}",
+                had.subnet
+            );
         }
     }
 }

@@ -144,7 +144,12 @@ pub async fn bring_up(
     // Network: bridge, then this container's namespace and veth.
     let mut attachment = None;
     if let (Some(net), Some(subnet), Some(ip)) = (&h.net, plan.subnet, plan.ip) {
-        let name = network_name(&plan.assignment.project_id, &plan.assignment.environment_id);
+        let name = scope_of(
+            h,
+            subnet,
+            &plan.assignment.project_id,
+            &plan.assignment.environment_id,
+        );
         net.ensure_network(&name, subnet)
             .await
             .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
@@ -161,7 +166,12 @@ pub async fn bring_up(
     };
 
     let result = async {
-        let gateway = attachment.as_ref().map(|a| a.gateway);
+        // The gateway answers internal names on environment networks; on
+        // the default network the host's resolvers do (C-10).
+        let gateway = attachment
+            .as_ref()
+            .filter(|_| plan.subnet != h.cfg.default_subnet)
+            .map(|a| a.gateway);
         let host_resolv = read_host_resolv();
         let dir = h.cfg.run_dir.join("containers").join(&cid);
         let written = files::write(&dir, &hostname, plan.ip, gateway, &host_resolv)
@@ -297,7 +307,7 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
         .await
         .map_err(|e| Failure(format!("restart: {e}")))?;
     if let (Some(net), Some(subnet), Some(ip)) = (&h.net, owned.subnet, owned.ip) {
-        let name = network_name(&owned.project_id, &owned.environment_id);
+        let name = scope_of(h, subnet, &owned.project_id, &owned.environment_id);
         net.ensure_network(&name, subnet)
             .await
             .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
@@ -370,6 +380,18 @@ fn pids_limit(cfg: &ExecutorConfig, spec: &crate::proto::v1::ServiceSpec) -> u32
         (None, node) => node,
     }
 }
+
+/// The network scope of `subnet`: its environment's, or the default one.
+fn scope_of(h: &Handles, subnet: Subnet, project_id: &str, environment_id: &str) -> String {
+    if h.cfg.default_subnet == Some(subnet) {
+        DEFAULT_NETWORK.to_owned()
+    } else {
+        network_name(project_id, environment_id)
+    }
+}
+
+/// The scope name of the node-local default network.
+pub const DEFAULT_NETWORK: &str = "zattera-default";
 
 fn read_host_resolv() -> String {
     let text = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();

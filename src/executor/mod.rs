@@ -85,6 +85,8 @@ pub struct ExecutorConfig {
     /// The cluster's registry and the node's credential for it (control
     /// mode); `None` pulls anonymously everywhere.
     pub cluster_registry: Option<ClusterRegistryWatch>,
+    /// Where assignments without a subnet go; `None`: only `lo`.
+    pub default_subnet: Option<Subnet>,
 }
 
 /// Handle to a running executor.
@@ -334,7 +336,7 @@ impl Executor {
             }
         };
         // Classify (E-5); duplicates of one assignment are removed (E-2 deviation).
-        let classified = diff::classify(&desired, listed);
+        let classified = diff::classify(&desired, listed, self.h.cfg.default_subnet);
         // STOPPED goes out once the removal is done (E-15), with `Down`.
         let mut batch = Vec::new();
 
@@ -532,11 +534,7 @@ impl Executor {
     fn plan(&mut self, a: &Assignment, rt: &AssignmentRuntime) -> Result<Plan, PlanError> {
         let id = a.meta.as_ref().map(|m| m.id.clone()).unwrap_or_default();
         let container_id = labels::container_id(&id, &a.config_hash);
-        let subnet = if rt.subnet_cidr.is_empty() {
-            None
-        } else {
-            Some(rt.subnet_cidr.parse::<Subnet>()?)
-        };
+        let subnet = diff::wanted_subnet(rt, self.h.cfg.default_subnet)?;
         let spec = rt.spec.clone().unwrap_or_default();
         for p in &spec.ports {
             if u16::try_from(p.container_port).is_err() {
@@ -666,6 +664,7 @@ impl Executor {
         let Some(net) = self.h.net.clone() else {
             return;
         };
+        let default_subnet = self.h.cfg.default_subnet;
         let mut in_use: BTreeMap<Subnet, (String, String, String)> = BTreeMap::new();
         for o in self.owned.values() {
             if let Some(s) = o.subnet {
@@ -688,7 +687,7 @@ impl Executor {
         for (a, rt) in desired.values() {
             if let Some(s) = rt
                 .as_ref()
-                .and_then(|rt| rt.subnet_cidr.parse::<Subnet>().ok())
+                .and_then(|rt| diff::wanted_subnet(rt, default_subnet).ok().flatten())
                 && a.desired == AssignmentDesired::Run as i32
                 && self
                     .owned
@@ -724,6 +723,9 @@ impl Executor {
             }
         }
         self.networks = in_use.keys().copied().collect();
+        // The default network is shared by every project: it has no scope
+        // for VIPs or internal names (its containers use the host's DNS).
+        in_use.retain(|s, _| Some(*s) != default_subnet);
         let local: Vec<LocalNetwork> = in_use
             .values()
             .map(|(project, env, name)| LocalNetwork {
