@@ -68,6 +68,49 @@ pub struct Inventory {
     pub table_present: bool,
 }
 
+/// Our bridges only: one link dump and an address query per bridge, for a
+/// caller on a hot path (the executor's pass) that needs no namespaces.
+pub async fn bridges(node: &NetNode) -> Result<Vec<BridgeInfo>> {
+    let links = node.netlink().links().await?;
+    let mut bridges = Vec::new();
+    for link in &links {
+        if let Some(OwnedName::Bridge(subnet)) = node.config().parse_ifname(&link.name) {
+            bridges.push(bridge_info(node, &links, link, subnet).await?);
+        }
+    }
+    Ok(bridges)
+}
+
+async fn bridge_info(
+    node: &NetNode,
+    links: &[crate::netlink::Link],
+    link: &crate::netlink::Link,
+    subnet: crate::subnet::Subnet,
+) -> Result<BridgeInfo> {
+    let addresses = node
+        .netlink()
+        .ipv4_addresses(link.index, &link.name)
+        .await?
+        .into_iter()
+        .map(|(a, p)| format!("{a}/{p}"))
+        .collect();
+    let ports = links
+        .iter()
+        .filter(|l| l.controller == Some(link.index))
+        .map(|l| l.name.clone())
+        .collect();
+    Ok(BridgeInfo {
+        name: link.name.clone(),
+        scope: owned_scope(link).map(str::to_owned),
+        subnet,
+        addresses,
+        ports,
+        up: link.up,
+        mtu: link.mtu,
+    })
+}
+
+/// Everything we own on the node: bridges, veths, namespaces and the table.
 pub async fn read(node: &NetNode) -> Result<Inventory> {
     let cfg = node.config();
     let nl = node.netlink();
@@ -84,26 +127,7 @@ pub async fn read(node: &NetNode) -> Result<Inventory> {
     for link in &links {
         match cfg.parse_ifname(&link.name) {
             Some(OwnedName::Bridge(subnet)) => {
-                let addresses = nl
-                    .ipv4_addresses(link.index, &link.name)
-                    .await?
-                    .into_iter()
-                    .map(|(a, p)| format!("{a}/{p}"))
-                    .collect();
-                let ports = links
-                    .iter()
-                    .filter(|l| l.controller == Some(link.index))
-                    .map(|l| l.name.clone())
-                    .collect();
-                bridges.push(BridgeInfo {
-                    name: link.name.clone(),
-                    scope: owned_scope(link).map(str::to_owned),
-                    subnet,
-                    addresses,
-                    ports,
-                    up: link.up,
-                    mtu: link.mtu,
-                });
+                bridges.push(bridge_info(node, &links, link, subnet).await?);
             }
             Some(OwnedName::BridgeInProgress(_)) if link.is_bridge() => {
                 unfinished_bridges.push(link.name.clone());

@@ -108,6 +108,9 @@ pub(crate) fn is_exists(err: &rtnetlink::Error) -> bool {
 #[derive(Debug, Clone)]
 pub struct Netlink {
     handle: Handle,
+    /// The kernel runs one dump at a time per socket and answers a second
+    /// with EBUSY: bring-ups in parallel take turns.
+    dumps: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Netlink {
@@ -120,7 +123,10 @@ impl Netlink {
         let (conn, handle, _) =
             rtnetlink::new_connection().map_err(|source| Error::NetlinkSocket { source })?;
         runtime.spawn(conn);
-        Ok(Self { handle })
+        Ok(Self {
+            handle,
+            dumps: std::sync::Arc::default(),
+        })
     }
 
     pub async fn link(&self, name: &str) -> Result<Option<Link>> {
@@ -138,6 +144,7 @@ impl Netlink {
     }
 
     pub async fn links(&self) -> Result<Vec<Link>> {
+        let _turn = self.dumps.lock().await;
         self.handle
             .link()
             .get()
@@ -213,6 +220,7 @@ impl Netlink {
         index: u32,
         name: &str,
     ) -> Result<Vec<netlink_packet_route::address::AddressMessage>> {
+        let _turn = self.dumps.lock().await;
         self.handle
             .address()
             .get()
@@ -260,36 +268,28 @@ impl Netlink {
     /// and a stale entry would blackhole traffic to it until the cache gives
     /// up on the old one (up to a minute).
     pub async fn forget_neighbour(&self, index: u32, name: &str, ip: Ipv4Addr) -> Result<()> {
-        use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute};
-        let entries: Vec<_> = self
-            .handle
-            .neighbours()
-            .get()
-            .execute()
-            .try_collect()
-            .await
-            .map_err(|e| Error::netlink("list neighbours of", name, e))?;
-        for entry in entries {
-            let ours = entry.header.ifindex == index
-                && entry.attributes.iter().any(|a| {
-                    matches!(a, NeighbourAttribute::Destination(NeighbourAddress::Inet(d)) if *d == ip)
-                });
-            if !ours {
-                continue;
-            }
-            match self.handle.neighbours().del(entry).execute().await {
-                Ok(()) => {}
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == ENOENT => {}
-                Err(e) => {
-                    return Err(Error::netlink(
-                        "forget the neighbour",
-                        format!("{ip} on {name}"),
-                        e,
-                    ));
-                }
-            }
+        use netlink_packet_route::AddressFamily;
+        use netlink_packet_route::neighbour::{
+            NeighbourAddress, NeighbourAttribute, NeighbourMessage,
+        };
+        // Deleted by key (link and address), not found by a dump of the
+        // whole table: a dump costs O(neighbours) per attach, and two at
+        // once on the shared socket fail with EBUSY.
+        let mut entry = NeighbourMessage::default();
+        entry.header.family = AddressFamily::Inet;
+        entry.header.ifindex = index;
+        entry
+            .attributes
+            .push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
+        match self.handle.neighbours().del(entry).execute().await {
+            Ok(()) => Ok(()),
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == ENOENT => Ok(()),
+            Err(e) => Err(Error::netlink(
+                "forget the neighbour",
+                format!("{ip} on {name}"),
+                e,
+            )),
         }
-        Ok(())
     }
 
     /// Removes one IPv4 address from a link; an absent one is not an error.

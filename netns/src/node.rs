@@ -16,6 +16,9 @@ use crate::nft::Nft;
 use crate::subnet::Subnet;
 use crate::sysctl;
 
+/// How long an unchanged rule set goes without being written again.
+pub const REASSERT_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 #[derive(Debug)]
 pub struct NetNode {
     cfg: NetConfig,
@@ -25,6 +28,9 @@ pub struct NetNode {
     /// until first needed, then read back from the kernel, so a restarted
     /// agent that ensures one network keeps the others' rules and ports.
     rules: tokio::sync::Mutex<Option<FirewallState>>,
+    /// When the table was last written: an unchanged state is written again
+    /// only after [`REASSERT_EVERY`], so a table someone deleted comes back.
+    applied_at: std::sync::Mutex<Option<std::time::Instant>>,
     /// Serialises ensure and remove, which look, then create or delete.
     networks: tokio::sync::Mutex<()>,
 }
@@ -40,6 +46,7 @@ impl NetNode {
             nft,
             cfg,
             rules: tokio::sync::Mutex::new(None),
+            applied_at: std::sync::Mutex::new(None),
             networks: tokio::sync::Mutex::new(()),
         })
     }
@@ -244,8 +251,21 @@ impl NetNode {
         let current = self.load(&mut guard).await?;
         let mut next = current.clone();
         change(&mut next);
+        // An agent pass asks every few seconds; `nft` costs a process.
+        let recent = self
+            .applied_at
+            .lock()
+            .ok()
+            .and_then(|t| *t)
+            .is_some_and(|t| t.elapsed() < REASSERT_EVERY);
+        if next == *current && recent {
+            return Ok(());
+        }
         // Keep the current state on failure: the kernel still holds it.
         self.nft.apply(&next).await?;
+        if let Ok(mut t) = self.applied_at.lock() {
+            *t = Some(std::time::Instant::now());
+        }
         // UDP flows of ports that went away would otherwise keep their old
         // DNAT for as long as the client sends (C-7). TCP flows end by
         // themselves and are left alone.

@@ -328,6 +328,7 @@ impl Executor {
         let Some(desired) = self.desired() else {
             return;
         };
+        let started = std::time::Instant::now();
         let listed = match self.list_owned().await {
             Ok(l) => l,
             Err(e) => {
@@ -359,6 +360,7 @@ impl Executor {
         self.owned = owned;
 
         // STOP: every removal gets (or already has) a worker that removes it.
+        let removals = classified.removals.len();
         for r in classified.removals {
             match self.workers.get_mut(&r.container_id) {
                 Some(w) => w.stop(),
@@ -381,17 +383,28 @@ impl Executor {
                 None => self.spawn(Start::Adopt(o), spec),
             }
         }
-        self.start_runs(&desired, &mut batch);
+        let runs = self.start_runs(&desired, &mut batch);
         self.board.emit(batch);
         self.apply_firewall().await;
         self.sync_networks_with(&desired).await;
         self.publish_status();
+        // What bench/control reads: the pass itself, bring-ups excluded.
+        tracing::debug!(
+            target: "zattera::pass",
+            elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            desired = desired.len(),
+            kept = self.owned.len(),
+            removals,
+            runs,
+            "reconcile pass"
+        );
     }
 
     /// RUN (E-7): a worker for every desired instance that has neither a
     /// container nor a worker, unless its scope still has removals in flight
     /// (E-6) or it is parked (E-9) or fenced (E-10).
-    fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) {
+    fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) -> usize {
+        let mut runs = 0;
         let busy: BTreeSet<String> = self
             .workers
             .values()
@@ -431,6 +444,7 @@ impl Executor {
                 Ok(plan) => {
                     let spec = rt.spec.clone();
                     self.spawn(Start::Run(Box::new(plan)), spec);
+                    runs += 1;
                 }
                 Err(e) => {
                     // A port someone else holds is retried every pass
@@ -442,6 +456,7 @@ impl Executor {
                 }
             }
         }
+        runs
     }
 
     /// What a worker says about its container.
@@ -707,9 +722,9 @@ impl Executor {
                 );
             }
         }
-        let existing: BTreeSet<Subnet> = match zattera_netns::inventory::read(&net).await {
-            Ok(inv) => inv
-                .bridges
+        // Bridges only: the full inventory enters every namespace.
+        let existing: BTreeSet<Subnet> = match zattera_netns::inventory::bridges(&net).await {
+            Ok(bridges) => bridges
                 .iter()
                 .filter(|b| b.scope.is_some())
                 .map(|b| b.subnet)

@@ -333,6 +333,9 @@ impl<'a> Supervisor<'a> {
             Ok(TaskState::Stopped { .. } | TaskState::Absent | TaskState::Created)
                 if self.owned.restart && self.owned.exit_code.is_none() =>
             {
+                // Said while it happens: a restart that takes long is
+                // STARTING, not a silent PENDING.
+                self.report(Event::Observed(self.observe(State::Starting)));
                 match instance::restart(&self.ctx.h, &self.owned).await {
                     Ok(()) => {
                         tracing::info!(container = %self.owned.container_id, "restarted a task lost while the agent was down");

@@ -128,7 +128,24 @@ pub async fn create(ctd: &Containerd, c: &NewContainer) -> Result<(), RuntimeErr
 
 /// Creates and starts the task, stdout and stderr going to `log_uri`.
 /// The network namespace and bind-mount sources must exist already.
+/// Longest a task may take to be created and started: past it the caller
+/// gets an error it can clean up after, instead of waiting for ever on a
+/// shim or logger that never answers.
+pub const TASK_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Creates and starts the task of `id`, its output to `log_uri`; the pid.
 pub async fn start(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, RuntimeError> {
+    tokio::time::timeout(TASK_START_TIMEOUT, start_task(ctd, id, log_uri))
+        .await
+        .map_err(|_| {
+            RuntimeError::Invalid(format!(
+                "the task of {id} was not started within {} s",
+                TASK_START_TIMEOUT.as_secs()
+            ))
+        })?
+}
+
+async fn start_task(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, RuntimeError> {
     let rootfs = ctd
         .snapshots()
         .mounts(ctd.request(MountsRequest {
@@ -325,13 +342,24 @@ pub async fn list(
     } else {
         vec![filter]
     };
-    Ok(ctd
+    // Streamed, one container a message: a unary List answers every
+    // container's spec in one message, past gRPC's 4 MiB limit at about 500
+    // containers.
+    let mut stream = ctd
         .containers()
-        .list(ctd.request(ListContainersRequest { filters }))
+        .list_stream(ctd.request(ListContainersRequest { filters }))
         .await
         .map_err(RuntimeError::grpc("list containers"))?
-        .into_inner()
-        .containers)
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(msg) = stream
+        .message()
+        .await
+        .map_err(RuntimeError::grpc("list containers"))?
+    {
+        out.extend(msg.container);
+    }
+    Ok(out)
 }
 
 /// containerd filter syntax: quote anything that is not a plain identifier.
