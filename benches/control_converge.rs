@@ -141,22 +141,20 @@ async fn forward(
     mut respond: h2::server::SendResponse<bytes::Bytes>,
     client: h2::client::SendRequest<bytes::Bytes>,
 ) -> Result<(), h2::Error> {
-    let (parts, mut body) = req.into_parts();
+    let (parts, body) = req.into_parts();
     let mut client = client.ready().await?;
-    let (response, mut send) = client.send_request(http::Request::from_parts(parts, ()), false)?;
-    tokio::spawn(async move {
-        while let Some(chunk) = body.data().await {
-            let chunk = chunk?;
-            let _ = body.flow_control().release_capacity(chunk.len());
-            send.send_data(chunk, false)?;
-        }
-        match body.trailers().await? {
-            Some(t) => send.send_trailers(t),
-            None => send.send_data(bytes::Bytes::new(), true),
-        }
-    });
-    let (parts, mut body) = response.await?.into_parts();
-    let mut send = respond.send_response(http::Response::from_parts(parts, ()), false)?;
+    let (response, send) = client.send_request(http::Request::from_parts(parts, ()), false)?;
+    tokio::spawn(pump(body, send));
+    let (parts, body) = response.await?.into_parts();
+    let send = respond.send_response(http::Response::from_parts(parts, ()), false)?;
+    pump(body, send).await
+}
+
+/// Copies one side of a call: its data frames, then its trailers.
+async fn pump(
+    mut body: h2::RecvStream,
+    mut send: h2::SendStream<bytes::Bytes>,
+) -> Result<(), h2::Error> {
     while let Some(chunk) = body.data().await {
         let chunk = chunk?;
         let _ = body.flow_control().release_capacity(chunk.len());

@@ -98,18 +98,15 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             let (tls_tx, tls_rx) = tokio::sync::watch::channel(tls);
             sync.tls = tls_rx;
             renewer = Some(crate::control::renew::Renewer {
-                join: config
-                    .join_token
-                    .as_ref()
-                    .map(|token| crate::control::join::JoinOptions {
-                        control: join_addr
+                join: config.join_token.as_ref().map(|token| {
+                    crate::control::join::JoinOptions::for_this_node(
+                        join_addr
                             .clone()
                             .unwrap_or_else(|| enrollment.control_addr.clone()),
-                        token: token.clone(),
-                        data_dir: config.data_dir.clone(),
-                        node_name: crate::control::join::host_name(),
-                        binary_version: env!("CARGO_PKG_VERSION").to_owned(),
-                    }),
+                        token.clone(),
+                        config.data_dir.clone(),
+                    )
+                }),
                 tls: tls_tx,
                 registry: registry_tx,
                 notices: notices_tx,
@@ -363,13 +360,11 @@ async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) ->
     };
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating {}", config.data_dir.display()))?;
-    let joined = crate::control::join::join(&crate::control::join::JoinOptions {
-        control: addr.to_owned(),
-        token: token.to_owned(),
-        data_dir: config.data_dir.clone(),
-        node_name: crate::control::join::host_name(),
-        binary_version: env!("CARGO_PKG_VERSION").to_owned(),
-    })
+    let joined = crate::control::join::join(&crate::control::join::JoinOptions::for_this_node(
+        addr.to_owned(),
+        token.to_owned(),
+        config.data_dir.clone(),
+    ))
     .await
     .with_context(|| format!("joining {addr} with the configured join-token"))?;
     tracing::info!(node_id = %joined.node_id, control = %addr, "joined");

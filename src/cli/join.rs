@@ -13,16 +13,10 @@ pub struct JoinArgs {
 }
 
 pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
-    use zattera_agent::control::join::{JoinOptions, host_name, join};
+    use zattera_agent::control::join::{JoinOptions, join};
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating {}", config.data_dir.display()))?;
-    let opts = JoinOptions {
-        control: args.control,
-        token: args.token,
-        data_dir: config.data_dir.clone(),
-        node_name: host_name(),
-        binary_version: env!("CARGO_PKG_VERSION").to_owned(),
-    };
+    let opts = JoinOptions::for_this_node(args.control, args.token, config.data_dir.clone());
     let joined = join(&opts).await?;
     println!(
         "joined as node {} (control {}, mesh IP {}); identity in {}",

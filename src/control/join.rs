@@ -99,6 +99,20 @@ pub struct JoinOptions {
     pub binary_version: String,
 }
 
+impl JoinOptions {
+    /// This node joining `control` with `token`: named after the host, with
+    /// this binary's version, its identity under `data_dir`.
+    pub fn for_this_node(control: String, token: String, data_dir: PathBuf) -> Self {
+        Self {
+            control,
+            token,
+            data_dir,
+            node_name: host_name(),
+            binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+}
+
 impl std::fmt::Debug for JoinOptions {
     // The token is a secret.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
