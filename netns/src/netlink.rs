@@ -43,6 +43,8 @@ pub struct Link {
     pub peer_netns_id: Option<i32>,
     /// A veth's peer interface index (in the peer's namespace).
     pub peer_index: Option<u32>,
+    /// The hardware address.
+    pub address: Vec<u8>,
 }
 
 impl Link {
@@ -57,6 +59,7 @@ impl Link {
             up: msg.header.flags.contains(LinkFlags::Up),
             peer_netns_id: None,
             peer_index: None,
+            address: Vec::new(),
         };
         for attr in &msg.attributes {
             match attr {
@@ -66,6 +69,7 @@ impl Link {
                 LinkAttribute::Mtu(m) => link.mtu = *m,
                 LinkAttribute::LinkNetNsId(id) => link.peer_netns_id = Some(*id),
                 LinkAttribute::Link(index) => link.peer_index = Some(*index),
+                LinkAttribute::Address(a) => link.address.clone_from(a),
                 LinkAttribute::LinkInfo(infos) => {
                     for info in infos {
                         if let LinkInfo::Kind(kind) = info {
@@ -155,9 +159,18 @@ impl Netlink {
             .map_err(|e| Error::netlink("list", "links", e))
     }
 
-    /// Creates a bridge, down.
-    pub async fn create_bridge(&self, name: &str) -> Result<()> {
-        let msg = LinkBridge::new(name).build();
+    /// Creates a bridge, down, with hardware address `mac` (a bridge that
+    /// never has ports needs none). An address given
+    /// by us is kept for the bridge's life; without one the kernel takes
+    /// the lowest of its ports' and changes it as ports come and go, and
+    /// every container's ARP entry for the gateway goes stale.
+    pub async fn create_bridge(&self, name: &str, mac: Option<[u8; 6]>) -> Result<()> {
+        let builder = LinkBridge::new(name);
+        let msg = match mac {
+            Some(mac) => builder.address(mac.to_vec()),
+            None => builder,
+        }
+        .build();
         self.handle
             .link()
             .add(msg)
@@ -187,6 +200,19 @@ impl Netlink {
             .execute()
             .await
             .map_err(|e| Error::netlink("rename", format!("{} -> {new_name}", link.name), e))
+    }
+
+    /// Sets a link's hardware address (kept from then on, as at creation).
+    pub async fn set_address(&self, index: u32, name: &str, mac: [u8; 6]) -> Result<()> {
+        let msg = LinkUnspec::new_with_index(index)
+            .address(mac.to_vec())
+            .build();
+        self.handle
+            .link()
+            .set(msg)
+            .execute()
+            .await
+            .map_err(|e| Error::netlink("set the address of", name, e))
     }
 
     pub async fn set_up(&self, index: u32, name: &str) -> Result<()> {

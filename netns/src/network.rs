@@ -54,6 +54,14 @@ pub(crate) fn validate_scope(scope: &str) -> Result<()> {
     Ok(())
 }
 
+/// The gateway's hardware address on the bridge of `subnet`: fixed, and
+/// readable (locally administered `02:7a`, then the subnet's first three
+/// octets), so that it never changes under the containers' ARP caches.
+pub fn bridge_mac(subnet: Subnet) -> [u8; 6] {
+    let [a, b, c, _] = subnet.network().octets();
+    [0x02, 0x7a, a, b, c, 0x01]
+}
+
 /// Looks up our bridge for `subnet`: `Ok(None)` when absent, an error when
 /// the name is taken by something that is not ours.
 pub(crate) async fn lookup(nl: &Netlink, name: &str, subnet: Subnet) -> Result<Option<Network>> {
@@ -112,6 +120,7 @@ async fn ensure_once(nl: &Netlink, name: &str, scope: &str, subnet: Subnet) -> R
         let ports = nl.ports_of(existing.index).await?.len();
         let subnet_ok = addrs == [want];
         if subnet_ok && existing.scope == scope {
+            pin_address(nl, &existing).await?;
             nl.set_up(existing.index, name).await?;
             return Ok(existing);
         }
@@ -139,6 +148,18 @@ async fn ensure_once(nl: &Netlink, name: &str, scope: &str, subnet: Subnet) -> R
     build(nl, name, &alias, subnet, scope).await
 }
 
+/// Gives a bridge made before addresses were pinned its fixed address.
+async fn pin_address(nl: &Netlink, network: &Network) -> Result<()> {
+    let mac = bridge_mac(network.subnet);
+    match nl.link(&network.bridge).await? {
+        Some(link) if link.address != mac => {
+            tracing::info!(bridge = %network.bridge, "pinning the bridge's hardware address");
+            nl.set_address(link.index, &network.bridge, mac).await
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Builds the bridge under a temporary name (`<name>t`) and renames it into
 /// place only once it carries our alias and the gateway address: the kernel
 /// ignores an alias given at creation, and this way a crash never leaves a
@@ -157,7 +178,7 @@ async fn build(
         }
         nl.delete(stale.index, &tmp).await?;
     }
-    nl.create_bridge(&tmp).await?;
+    nl.create_bridge(&tmp, Some(bridge_mac(subnet))).await?;
     let built = async {
         let link = nl
             .link(&tmp)

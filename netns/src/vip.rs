@@ -36,7 +36,8 @@ pub async fn set_vips(node: &NetNode, scoped: &BTreeMap<Ipv4Addr, BTreeSet<Strin
             )));
         }
         None => {
-            nl.create_bridge(&name).await?;
+            // No ports ever join it, so its hardware address does not matter.
+            nl.create_bridge(&name, None).await?;
             let link = nl.link(&name).await?.ok_or_else(|| {
                 Error::Config(format!("interface {name} vanished after creation"))
             })?;

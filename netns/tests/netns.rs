@@ -1,6 +1,6 @@
 //! Integration tests: real netlink, real namespaces, real nft, as root.
 //! Each test has its own interface prefix, nft table, run dir and subnet
-//! slots (200-238; 237 is the egress test's outside link, 239 is for dummy
+//! slots (200-238, 221 the gateway address test; 237 is the egress test's outside link, 239 is for dummy
 //! host addresses), so they run in parallel with each other and with the
 //! rest of the project's tests.
 
@@ -425,6 +425,61 @@ async fn egress_is_masqueraded_and_published_ports_answer_from_outside() {
     assert!(tcp_get(Some(&world), sa(c.ip, 80)).is_err());
 
     node.detach("eg1", Some(c.ip)).await.unwrap();
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().await.unwrap();
+}
+
+/// The bridge's hardware address, read with iproute2 (not our code).
+fn mac_of(link: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-j", "link", "show", "dev", link])
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    json[0]["address"].as_str().unwrap().to_owned()
+}
+
+/// Found by the chaos test (seed 19): a Linux bridge with no address of its
+/// own takes the lowest of its ports' and changes it as containers come and
+/// go, so a running container's ARP entry for the gateway points at a MAC
+/// nobody answers for and its DNS queries time out. The gateway's address
+/// is fixed at creation, and pinned on a bridge made before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_keeps_its_hardware_address_while_ports_come_and_go() {
+    if !ready("gwmac") {
+        return;
+    }
+    let w = World::new("gwmac");
+    let node = w.node();
+    let s = Subnet::from_slot(221);
+    node.ensure_network("zt-p-gwmac", s).await.unwrap();
+    let bridge = w.cfg.bridge_name(s);
+    let want = "02:7a:0a:c9:dd:01";
+    assert_eq!(mac_of(&bridge), want, "fixed at creation");
+    let mut attached = Vec::new();
+    for (i, host) in [2u8, 3, 4, 5].into_iter().enumerate() {
+        let id = format!("m{i}");
+        attached.push((id.clone(), node.attach(&id, s, s.host(host)).await.unwrap()));
+        assert_eq!(mac_of(&bridge), want, "after port {i} joined");
+    }
+    for (id, a) in attached.drain(..2) {
+        node.detach(&id, Some(a.ip)).await.unwrap();
+        assert_eq!(mac_of(&bridge), want, "after {id} left");
+    }
+    // A bridge whose address is not ours (made by an older agent) is pinned.
+    ip(&[
+        "link",
+        "set",
+        "dev",
+        &bridge,
+        "address",
+        "02:00:00:00:00:99",
+    ]);
+    node.ensure_network("zt-p-gwmac", s).await.unwrap();
+    assert_eq!(mac_of(&bridge), want, "pinned on ensure");
+    for (id, a) in attached {
+        node.detach(&id, Some(a.ip)).await.unwrap();
+    }
     node.remove_network(s).await.unwrap();
     node.remove_rules().await.unwrap();
 }
