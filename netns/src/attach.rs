@@ -72,6 +72,12 @@ async fn build(nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
     // IPAM says the address is free, so a same-named veth is a crash leftover.
     nl.delete_by_name(&att.host_veth).await?;
     nsfile::create(&att.netns_path).await?;
+    build_veth(nl, net, att).await
+}
+
+/// The veth pair into the namespace already at `att.netns_path`, and
+/// `eth0`'s address, `lo` and the default route inside.
+async fn build_veth(nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
     let ns = nsfile::open(&att.netns_path)?;
     nl.create_veth_into(&att.host_veth, net.index, CONTAINER_IFNAME, &ns, net.mtu)
         .await?;
@@ -95,6 +101,78 @@ async fn build(nl: &Netlink, net: &Network, att: &Attachment) -> Result<()> {
         inner.add_default_route(gateway).await
     })
     .await
+}
+
+/// What [`repair`] had to make again.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Repaired {
+    /// The namespace file, pinned again from the running task.
+    pub netns_file: bool,
+    /// The veth pair (and `eth0` inside).
+    pub veth: bool,
+}
+
+impl Repaired {
+    pub fn anything(self) -> bool {
+        self.netns_file || self.veth
+    }
+}
+
+/// Whether the namespace file is a live mount and the host veth exists.
+pub(crate) async fn intact(
+    cfg: &NetConfig,
+    nl: &Netlink,
+    container_id: &str,
+    ip: Ipv4Addr,
+) -> Result<bool> {
+    let path = cfg.netns_path(container_id)?;
+    Ok(nsfile::is_mounted(&path) && nl.link(&cfg.host_veth_name(ip)).await?.is_some())
+}
+
+/// Puts back what was removed behind our back from the attachment of a
+/// container whose task runs as `pid`: the namespace file is pinned again
+/// from the task's own namespace (the container keeps its sockets and
+/// nothing restarts), and a deleted veth pair is made again into it with
+/// the same address.
+pub(crate) async fn repair(
+    cfg: &NetConfig,
+    nl: &Netlink,
+    net: &Network,
+    container_id: &str,
+    ip: Ipv4Addr,
+    pid: u32,
+) -> Result<Repaired> {
+    let path = cfg.netns_path(container_id)?;
+    let mut done = Repaired::default();
+    if !nsfile::is_mounted(&path) {
+        nsfile::pin(&path, std::path::Path::new(&format!("/proc/{pid}/ns/net")))?;
+        done.netns_file = true;
+    }
+    let host_veth = cfg.host_veth_name(ip);
+    if nl.link(&host_veth).await?.is_none() {
+        let att = Attachment {
+            container_id: container_id.to_owned(),
+            subnet: net.subnet,
+            ip,
+            gateway: net.gateway,
+            netns_path: path,
+            host_veth,
+            mtu: net.mtu,
+        };
+        // Deleting the host end took `eth0` with it; a stray one would be
+        // a half-made repair, so it goes first.
+        let stale = att.netns_path.clone();
+        in_netns(&stale, |inner| async move {
+            match inner.link(CONTAINER_IFNAME).await? {
+                Some(eth) => inner.delete(eth.index, CONTAINER_IFNAME).await,
+                None => Ok(()),
+            }
+        })
+        .await?;
+        build_veth(nl, net, &att).await?;
+        done.veth = true;
+    }
+    Ok(done)
 }
 
 /// Removes a container's veth and namespace file. Every part may already be

@@ -77,7 +77,7 @@ pub mod subnet;
 pub mod sysctl;
 pub mod vip;
 
-pub use attach::Attachment;
+pub use attach::{Attachment, Repaired};
 pub use config::NetConfig;
 pub use error::{Error, Result};
 pub use firewall::{BridgeRules, FirewallState, Proto, PublishedPort, ScopedVip};

@@ -154,6 +154,28 @@ impl NetNode {
         attach::attach(&self.cfg, &self.nl, &net, container_id, ip).await
     }
 
+    /// Whether a container's namespace file is mounted and its host veth
+    /// exists (one statfs and one link look-up).
+    pub async fn attachment_intact(&self, container_id: &str, ip: Ipv4Addr) -> Result<bool> {
+        attach::intact(&self.cfg, &self.nl, container_id, ip).await
+    }
+
+    /// Makes again the parts of a running container's attachment that were
+    /// removed behind the agent's back (see [`attach::repair`]).
+    pub async fn repair_attachment(
+        &self,
+        container_id: &str,
+        subnet: Subnet,
+        ip: Ipv4Addr,
+        task_pid: u32,
+    ) -> Result<attach::Repaired> {
+        let net = self
+            .network(subnet)
+            .await?
+            .ok_or(Error::NoNetwork(subnet))?;
+        attach::repair(&self.cfg, &self.nl, &net, container_id, ip, task_pid).await
+    }
+
     /// Removes a container's veth and namespace file; idempotent, and fine
     /// after a crash that left any part of them. Pass the address from the
     /// container's record when known.

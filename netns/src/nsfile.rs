@@ -42,6 +42,28 @@ pub async fn create(path: &Path) -> Result<()> {
     result
 }
 
+/// Pins the existing namespace `source` (a `/proc/<pid>/ns/net`) at `path`
+/// again, replacing whatever file is there.
+pub fn pin(path: &Path, source: &Path) -> Result<()> {
+    remove(path)?;
+    if let Some(dir) = path.parent() {
+        prepare_dir(dir)?;
+    }
+    File::create(path).map_err(|e| Error::netns(path, "create", e))?;
+    let pinned = nix::mount::mount(
+        Some(source),
+        path,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(|e| Error::netns(path, "bind-mount the namespace onto", e));
+    if pinned.is_err() {
+        let _ = remove(path);
+    }
+    pinned
+}
+
 /// Makes `dir` a mount point with shared propagation, as iproute2 does for
 /// /run/netns: a mount namespace created later (a service with a private
 /// /tmp, say) then sees our unmounts too, instead of keeping a copy of the

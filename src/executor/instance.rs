@@ -300,8 +300,8 @@ pub async fn bring_up(
 }
 
 /// Restarts the task of an existing container (crash or reboot), reusing its
-/// container, snapshot, IP, ports and log file (C-13). A network namespace
-/// lost in a reboot is made again with the same address.
+/// container, snapshot, IP, ports and log file (C-13). A network attachment
+/// lost in a reboot (or half removed) is made again with the same address.
 pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
     containers::delete_task(&h.ctd, &owned.container_id)
         .await
@@ -311,11 +311,13 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
         net.ensure_network(&name, subnet)
             .await
             .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
-        let netns = net
-            .config()
-            .netns_path(&owned.container_id)
+        // Lost in a reboot, or a part of it removed behind our back: the
+        // task is down, so a fresh attachment with the same address is fine.
+        let intact = net
+            .attachment_intact(&owned.container_id, ip)
+            .await
             .map_err(|e| Failure(format!("restart: {e}")))?;
-        if !netns.exists() {
+        if !intact {
             let _ = net.detach(&owned.container_id, Some(ip)).await;
             net.attach(&owned.container_id, subnet, ip)
                 .await

@@ -413,7 +413,12 @@ impl<'a> Supervisor<'a> {
             }
         };
         match state {
-            TaskState::Running { .. } | TaskState::Paused => {
+            TaskState::Running { pid } => {
+                self.crash = None;
+                self.keep_attached(pid).await;
+                self.report_running();
+            }
+            TaskState::Paused => {
                 self.crash = None;
                 // RUNNING with its bindings on every poll, as wire.md's
                 // status table has it: control, like the status board,
@@ -469,6 +474,38 @@ impl<'a> Supervisor<'a> {
             TaskState::Absent | TaskState::Created => return self.restart().await,
         }
         true
+    }
+
+    /// A namespace file or host veth removed behind the agent's back is
+    /// made again around the running task: same namespace, same address,
+    /// no restart.
+    async fn keep_attached(&self, pid: u32) {
+        let (Some(net), Some(subnet), Some(ip)) =
+            (&self.ctx.h.net, self.owned.subnet, self.owned.ip)
+        else {
+            return;
+        };
+        let cid = &self.owned.container_id;
+        match net.attachment_intact(cid, ip).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => {
+                tracing::debug!(container = %cid, error = %e, "attachment not checked");
+                return;
+            }
+        }
+        match net.repair_attachment(cid, subnet, ip, pid).await {
+            Ok(r) if r.anything() => tracing::warn!(
+                container = %cid,
+                netns_file = r.netns_file,
+                veth = r.veth,
+                "network attachment removed behind the agent's back; made again"
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(container = %cid, error = %e, "network attachment broken and not repaired");
+            }
+        }
     }
 
     async fn restart(&mut self) -> bool {
