@@ -249,6 +249,10 @@ impl Executor {
     /// serves again without waiting for anyone.
     async fn boot(&mut self) -> Result<(), RuntimeError> {
         let owned = self.list_owned().await?;
+        if let Some(net) = &self.h.net {
+            let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
+            collect_orphan_attachments(net, &live).await;
+        }
         let records: Vec<IpRecord> = owned
             .iter()
             .filter_map(|o| {
@@ -854,6 +858,31 @@ impl Executor {
 
 /// The status as containerd alone shows it, for `status` while the agent
 /// is down (DESIGN decision 8): owned containers and their task states.
+/// A kill between a container's removal and its detach, or between an
+/// attach and the container's creation, leaves an attachment that no
+/// container owns. At boot nothing of ours is in flight, so every namespace
+/// file and veth of ours without a container is such a leftover. Bridges
+/// and the table are the passes' to manage.
+async fn collect_orphan_attachments(net: &NetNode, live: &BTreeSet<String>) {
+    let inventory = match zattera_netns::inventory::read(net).await {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list network attachments; leftovers stay until the next start");
+            return;
+        }
+    };
+    let mut plan = zattera_netns::inventory::plan(&inventory, Some(live));
+    plan.bridges.clear();
+    plan.delete_table = false;
+    if plan.is_empty() {
+        return;
+    }
+    tracing::info!(netns = ?plan.netns, veths = ?plan.veths, "removing network attachments no container owns");
+    if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
+        tracing::warn!(error = %e, "leftover attachments not all removed");
+    }
+}
+
 pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapshot, RuntimeError> {
     let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;
     let mut rows = Vec::new();
