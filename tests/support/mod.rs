@@ -131,7 +131,11 @@ pub async fn purge_namespace(ctd: &Containerd) {
                 all: true,
             }))
             .await;
-        for _ in 0..50 {
+        // A loaded machine can take seconds to reap a killed task. Deleting
+        // the container record while its task still exists would strand the
+        // task's runc shim and log shim (nothing would ever delete them).
+        let mut task_gone = false;
+        for _ in 0..300 {
             let deleted = ctd
                 .tasks()
                 .delete(ctd.request(DeleteTaskRequest {
@@ -142,8 +146,19 @@ pub async fn purge_namespace(ctd: &Containerd) {
                 Err(s) if s.code() == tonic::Code::FailedPrecondition => {
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
-                _ => break,
+                Err(s) if s.code() != tonic::Code::NotFound => {
+                    eprintln!("warning: task {} not deleted: {}", c.id, s.message());
+                    break;
+                }
+                _ => {
+                    task_gone = true;
+                    break;
+                }
             }
+        }
+        if !task_gone {
+            eprintln!("warning: container {} kept: its task is still there", c.id);
+            continue;
         }
         let _ = ctd
             .containers()

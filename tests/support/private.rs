@@ -9,6 +9,7 @@ use std::time::Duration;
 /// A containerd of our own: root in a tempdir, state and socket under /run.
 static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
+#[derive(Debug)]
 pub struct PrivateContainerd {
     config: PathBuf,
     pub socket: PathBuf,

@@ -1,0 +1,605 @@
+//! The promises the agent keeps after any fault, checked by one function
+//! against fresh listings of containerd, the kernel, DNS and the process
+//! table. Each violation names the object it is about.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use containerd_client::services::v1::{
+    ListContainersRequest, ListStatusesRequest, ListTasksRequest,
+};
+use zattera_agent::runtime::Containerd;
+use zattera_netns::{NetNode, Subnet, inventory};
+
+use crate::model::{COUNTER, Desired};
+
+const ASSIGNMENT_ID: &str = "dev.zattera/assignment-id";
+const MANAGED: &str = "dev.zattera/managed";
+
+/// One status row, as `status --json` prints it.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub id: String,
+    pub app: String,
+    pub environment: String,
+    pub state: String,
+    pub container_id: String,
+    pub ip: String,
+    pub ports: BTreeMap<String, u16>,
+    pub restarts: u64,
+    pub message: String,
+}
+
+pub fn rows(status: &serde_json::Value) -> Vec<Row> {
+    let text = |r: &serde_json::Value, k: &str| r[k].as_str().unwrap_or_default().to_owned();
+    status["assignments"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|r| Row {
+            id: text(r, "id"),
+            app: text(r, "app"),
+            environment: text(r, "environment"),
+            state: text(r, "state"),
+            container_id: text(r, "container_id"),
+            ip: text(r, "ip"),
+            ports: r["ports"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), u16::try_from(v.as_u64()?).ok()?)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            restarts: r["restarts"].as_u64().unwrap_or(0),
+            message: text(r, "message"),
+        })
+        .collect()
+}
+
+/// Whether the rows are exactly the desired instances, all up.
+pub fn converged(desired: &Desired, rows: &[Row]) -> bool {
+    let mut per_app: BTreeMap<&str, u32> = BTreeMap::new();
+    for r in rows {
+        if !matches!(r.state.as_str(), "HEALTHY" | "RUNNING")
+            || r.container_id.is_empty()
+            || desired.stale.contains(&r.container_id)
+        {
+            return false;
+        }
+        *per_app.entry(r.app.as_str()).or_default() += 1;
+    }
+    let want: BTreeMap<&str, u32> = desired
+        .apps
+        .iter()
+        .filter(|(_, a)| a.replicas > 0)
+        .map(|(n, a)| (n.as_str(), a.replicas))
+        .collect();
+    per_app == want
+}
+
+/// What the checks need to know beyond the desired set.
+#[derive(Debug)]
+pub struct World<'a> {
+    pub ctd: &'a Containerd,
+    pub net: &'a NetNode,
+    pub table: String,
+    pub data_dir: PathBuf,
+    /// A container the agent did not make: it must stay exactly as it is.
+    pub foreign: (&'a str, u32),
+    /// The counter's container and task pid since the start.
+    pub counter: (&'a str, u32),
+}
+
+/// Every invariant, once. An empty result means all hold.
+pub async fn check(world: &World<'_>, desired: &Desired, rows: &[Row]) -> Vec<String> {
+    let mut v = Vec::new();
+    instances(desired, rows, &mut v);
+    containers(world, rows, &mut v).await;
+    processes(world, &mut v).await;
+    kernel(world, rows, &mut v).await;
+    firewall(world, rows, &mut v);
+    dns(world, desired, rows, &mut v).await;
+    counter_log(world, rows, &mut v);
+    v
+}
+
+fn instances(desired: &Desired, rows: &[Row], v: &mut Vec<String>) {
+    if !converged(desired, rows) {
+        let have: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{} {} {}", r.id, r.state, r.message))
+            .collect();
+        v.push(format!(
+            "instances: want {} across {:?}, have {have:?}",
+            desired.instances(),
+            desired
+                .apps
+                .iter()
+                .map(|(n, a)| (n, a.replicas))
+                .collect::<Vec<_>>()
+        ));
+    }
+    let mut ids = BTreeSet::new();
+    for r in rows {
+        if !ids.insert(&r.id) {
+            v.push(format!("assignment {}: two status rows", r.id));
+        }
+    }
+}
+
+/// Exactly one container per assignment, the one status names; nothing of
+/// ours for an assignment that is not wanted; the foreign container as it
+/// was.
+async fn containers(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
+    let ctd = world.ctd;
+    let listed = match ctd
+        .containers()
+        .list(ctd.request(ListContainersRequest { filters: vec![] }))
+        .await
+    {
+        Ok(r) => r.into_inner().containers,
+        Err(e) => return v.push(format!("containerd: list containers: {e}")),
+    };
+    let mut by_assignment: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut foreign_seen = false;
+    for c in &listed {
+        if c.id == world.foreign.0 {
+            foreign_seen = true;
+            if !c.labels.is_empty() {
+                v.push(format!(
+                    "foreign container {}: labels now {:?}",
+                    c.id, c.labels
+                ));
+            }
+            continue;
+        }
+        if c.labels.get(MANAGED).map(String::as_str) != Some("true") {
+            v.push(format!(
+                "container {}: neither ours nor the foreign one",
+                c.id
+            ));
+            continue;
+        }
+        let aid = c.labels.get(ASSIGNMENT_ID).cloned().unwrap_or_default();
+        by_assignment.entry(aid).or_default().push(c.id.clone());
+    }
+    if !foreign_seen {
+        v.push(format!("foreign container {}: gone", world.foreign.0));
+    }
+    let wanted: BTreeMap<&str, &str> = rows
+        .iter()
+        .map(|r| (r.id.as_str(), r.container_id.as_str()))
+        .collect();
+    for (aid, cids) in &by_assignment {
+        match wanted.get(aid.as_str()) {
+            None => v.push(format!(
+                "assignment {aid}: containers {cids:?} but not wanted"
+            )),
+            Some(want) if cids.len() != 1 || cids[0] != *want => v.push(format!(
+                "assignment {aid}: containers {cids:?}, status says {want}"
+            )),
+            Some(_) => {}
+        }
+    }
+    for (aid, cid) in &wanted {
+        if !by_assignment.contains_key(*aid) {
+            v.push(format!(
+                "assignment {aid}: status names {cid}, containerd has none"
+            ));
+        }
+    }
+    // A pull that failed (the full disk) must not leave an ingest holding space.
+    if let Ok(s) = ctd
+        .content()
+        .list_statuses(ctd.request(ListStatusesRequest { filters: vec![] }))
+        .await
+    {
+        for ingest in s.into_inner().statuses {
+            v.push(format!("content: partial ingest {} left", ingest.r#ref));
+        }
+    }
+}
+
+/// Tasks, their runc shims and our log shims, from containerd and /proc:
+/// no shim or log shim outlives its task.
+async fn processes(world: &World<'_>, v: &mut Vec<String>) {
+    let ctd = world.ctd;
+    let tasks = match ctd
+        .tasks()
+        .list(ctd.request(ListTasksRequest {
+            filter: String::new(),
+        }))
+        .await
+    {
+        Ok(r) => r.into_inner().tasks,
+        Err(e) => return v.push(format!("containerd: list tasks: {e}")),
+    };
+    // Status 2 is RUNNING in containerd's task API.
+    let all: BTreeSet<String> = tasks.iter().map(|t| t.id.clone()).collect();
+    let running: BTreeSet<String> = tasks
+        .iter()
+        .filter(|t| t.status == 2)
+        .map(|t| t.id.clone())
+        .collect();
+    match running.iter().find(|id| **id == world.foreign.0) {
+        Some(_) => {
+            let pid = tasks
+                .iter()
+                .find(|t| t.id == world.foreign.0)
+                .map(|t| t.pid);
+            if pid != Some(world.foreign.1) {
+                v.push(format!(
+                    "foreign task {}: pid {pid:?}, was {}",
+                    world.foreign.0, world.foreign.1
+                ));
+            }
+        }
+        None => v.push(format!("foreign task {}: not running", world.foreign.0)),
+    }
+    let counter_pid = tasks
+        .iter()
+        .find(|t| t.id == world.counter.0)
+        .map(|t| t.pid);
+    if counter_pid != Some(world.counter.1) {
+        v.push(format!(
+            "counter task {}: pid {counter_pid:?}, was {} (restarted)",
+            world.counter.0, world.counter.1
+        ));
+    }
+    let ns = ctd.namespace().to_string();
+    let logs = world.data_dir.join("logs");
+    let (shims, log_shims) = shim_processes(&ns, &logs);
+    for (id, pid) in &shims {
+        if !all.contains(id) {
+            v.push(format!("runc shim pid {pid} of {id}: its task is gone"));
+        }
+    }
+    for id in &running {
+        if !shims.contains_key(id) && id != world.foreign.0 {
+            v.push(format!(
+                "task {id}: running without a shim of this namespace"
+            ));
+        }
+    }
+    for (id, pid) in &log_shims {
+        if !all.contains(id) {
+            v.push(format!("log shim pid {pid} of {id}: its task is gone"));
+        }
+    }
+}
+
+/// container id → pid of every `containerd-shim-runc-v2 -namespace <ns> -id
+/// <id>`, and of every log shim writing under `logs`.
+fn shim_processes(ns: &str, logs: &Path) -> (BTreeMap<String, u32>, BTreeMap<String, u32>) {
+    let mut shims = BTreeMap::new();
+    let mut log_shims = BTreeMap::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return (shims, log_shims);
+    };
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(p.path().join("cmdline")) else {
+            continue;
+        };
+        let argv: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let after = |flag: &str| {
+            argv.iter()
+                .position(|a| a == flag)
+                .and_then(|i| argv.get(i + 1))
+                .cloned()
+        };
+        if argv
+            .first()
+            .is_some_and(|a| a.ends_with("containerd-shim-runc-v2"))
+            && after("-namespace").as_deref() == Some(ns)
+        {
+            if let Some(id) = after("-id") {
+                shims.insert(id, pid);
+            }
+        } else if argv.get(1).map(String::as_str) == Some("zattera-log")
+            && let Some(path) = argv.get(2).map(Path::new)
+            && path.starts_with(logs)
+        {
+            let id = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            log_shims.insert(id, pid);
+        }
+    }
+    (shims, log_shims)
+}
+
+/// Namespace files, veths and bridges against the rows: `zattera-netns gc`'s
+/// own plan finds nothing, one attachment per instance at its status IP.
+async fn kernel(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
+    let inv = match inventory::read(world.net).await {
+        Ok(i) => i,
+        Err(e) => return v.push(format!("kernel: inventory: {e}")),
+    };
+    let live: BTreeSet<String> = rows.iter().map(|r| r.container_id.clone()).collect();
+    let plan = inventory::plan(&inv, Some(&live));
+    if !plan.is_empty() {
+        v.push(format!("gc would collect: {plan:?}"));
+    }
+    let attached: BTreeMap<&str, Option<Ipv4Addr>> = inv
+        .netns
+        .iter()
+        .map(|n| (n.container_id.as_str(), n.ip))
+        .collect();
+    let mut ips = BTreeMap::new();
+    for r in rows {
+        match attached.get(r.container_id.as_str()) {
+            None => v.push(format!(
+                "instance {}: no namespace file for {}",
+                r.id, r.container_id
+            )),
+            Some(ip) if ip.map(|i| i.to_string()).as_deref() != Some(r.ip.as_str()) => v.push(
+                format!("instance {}: eth0 is {ip:?}, status says {}", r.id, r.ip),
+            ),
+            Some(_) => {}
+        }
+        if let Some(other) = ips.insert(r.ip.clone(), r.id.clone()) {
+            v.push(format!("IPAM: {} held by {} and {}", r.ip, other, r.id));
+        }
+    }
+    if inv.netns.len() != rows.len() {
+        v.push(format!(
+            "kernel: {} namespace files for {} instances",
+            inv.netns.len(),
+            rows.len()
+        ));
+    }
+    if inv.veths.len() != rows.len() {
+        let names: Vec<&str> = inv.veths.iter().map(|x| x.name.as_str()).collect();
+        v.push(format!(
+            "kernel: veths {names:?} for {} instances",
+            rows.len()
+        ));
+    }
+    let subnets: BTreeSet<String> = rows
+        .iter()
+        .filter_map(|r| r.ip.parse().ok().and_then(Subnet::of))
+        .map(|s| s.to_string())
+        .collect();
+    for b in &inv.bridges {
+        if !subnets.contains(&b.subnet.to_string()) {
+            v.push(format!(
+                "bridge {} ({}): no instance on it",
+                b.name, b.subnet
+            ));
+        }
+    }
+    if !inv.unfinished_bridges.is_empty() {
+        v.push(format!(
+            "kernel: half-built bridges {:?}",
+            inv.unfinished_bridges
+        ));
+    }
+}
+
+/// The nft table's sets and maps against the kernel's bridges and the
+/// rows' published ports.
+fn firewall(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
+    let out = std::process::Command::new("nft")
+        .args(["-j", "list", "table", "inet", &world.table])
+        .output();
+    let Ok(out) = out else {
+        return v.push("nft: cannot run".into());
+    };
+    if !out.status.success() {
+        if rows.is_empty() {
+            return;
+        }
+        return v.push(format!(
+            "nft table {}: {}",
+            world.table,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let mut published = BTreeSet::new();
+    let mut bridges = BTreeSet::new();
+    for item in json["nftables"].as_array().cloned().unwrap_or_default() {
+        let (kind, body) = if item.get("map").is_some() {
+            ("map", &item["map"])
+        } else if item.get("set").is_some() {
+            ("set", &item["set"])
+        } else {
+            continue;
+        };
+        let name = body["name"].as_str().unwrap_or_default();
+        let elems = body["elem"].as_array().cloned().unwrap_or_default();
+        match (kind, name) {
+            ("set", "bridges") => {
+                bridges.extend(elems.iter().filter_map(|e| e.as_str().map(str::to_owned)));
+            }
+            ("map", "puball_tcp" | "pub_tcp") => {
+                for e in elems {
+                    published.insert(published_element(&e));
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut want = BTreeSet::new();
+    let mut ports = BTreeMap::new();
+    for r in rows {
+        for port in r.ports.values() {
+            if let Some(other) = ports.insert(*port, r.id.clone()) {
+                v.push(format!("host port {port}: held by {other} and {}", r.id));
+            }
+            want.insert(format!("{port} -> {}:8080", r.ip));
+        }
+    }
+    if published != want {
+        let extra: Vec<_> = published.difference(&want).collect();
+        let missing: Vec<_> = want.difference(&published).collect();
+        v.push(format!(
+            "nft published ports: extra {extra:?}, missing {missing:?}"
+        ));
+    }
+    let subnets: BTreeSet<String> = rows
+        .iter()
+        .filter_map(|r| r.ip.parse().ok().and_then(Subnet::of))
+        .map(|s| s.to_string())
+        .collect();
+    if bridges.len() != subnets.len() {
+        v.push(format!(
+            "nft set bridges {bridges:?} for subnets {subnets:?}"
+        ));
+    }
+}
+
+/// A map element as `host port -> container ip:port`, from either map
+/// form: `[port, {concat: [ip, port]}]` or `[{concat: [host ip, port]}, …]`.
+fn published_element(e: &serde_json::Value) -> String {
+    let key = &e[0];
+    let port = key["concat"][1]
+        .as_u64()
+        .or_else(|| key.as_u64())
+        .unwrap_or(0);
+    let to = &e[1]["concat"];
+    format!(
+        "{port} -> {}:{}",
+        to[0].as_str().unwrap_or("?"),
+        to[1].as_u64().unwrap_or(0)
+    )
+}
+
+/// Each scope's resolver answers every instance of its apps, and nothing
+/// for apps that are gone.
+async fn dns(world: &World<'_>, desired: &Desired, rows: &[Row], v: &mut Vec<String>) {
+    let _ = world;
+    let mut scopes: BTreeMap<&str, &Row> = BTreeMap::new();
+    for r in rows {
+        scopes.entry(r.environment.as_str()).or_insert(r);
+    }
+    for (env, asker) in scopes {
+        let Some(gateway) = asker
+            .ip
+            .parse()
+            .ok()
+            .and_then(Subnet::of)
+            .map(Subnet::gateway)
+        else {
+            continue;
+        };
+        let netns = world.net.config().netns_dir.join(&asker.container_id);
+        let mut names: Vec<(String, BTreeSet<String>)> = desired
+            .apps
+            .iter()
+            .filter(|(_, a)| a.env == env && a.replicas > 0)
+            .map(|(n, _)| {
+                let ips = rows
+                    .iter()
+                    .filter(|r| r.app == *n)
+                    .map(|r| r.ip.clone())
+                    .collect();
+                (n.clone(), ips)
+            })
+            .collect();
+        names.extend(desired.gone.iter().map(|g| (g.clone(), BTreeSet::new())));
+        for (app, want) in names {
+            let name = format!("{app}.internal");
+            let server = SocketAddrV4::new(gateway, 53);
+            let path = netns.clone();
+            let q = name.clone();
+            let answer = tokio::task::spawn_blocking(move || {
+                zattera_netns::dig::query_from(&path, server, &q, Duration::from_secs(1))
+            })
+            .await;
+            match answer {
+                Ok(Ok(a)) => {
+                    let got: BTreeSet<String> =
+                        a.addresses.iter().map(Ipv4Addr::to_string).collect();
+                    let rcode_ok = if want.is_empty() {
+                        a.rcode == "NXDOMAIN"
+                    } else {
+                        a.rcode == "NOERROR"
+                    };
+                    if got != want || !rcode_ok {
+                        v.push(format!(
+                            "DNS {name} in {env}: {} {got:?}, want {want:?}",
+                            a.rcode
+                        ));
+                    }
+                }
+                Ok(Err(e)) => {
+                    let host = std::process::Command::new("dig")
+                        .args([
+                            "+short",
+                            "+time=1",
+                            "+tries=1",
+                            &format!("@{gateway}"),
+                            &name,
+                        ])
+                        .output()
+                        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+                    let neigh = std::process::Command::new("nsenter")
+                        .arg(format!("--net={}", netns.display()))
+                        .args(["ip", "neigh", "show", &gateway.to_string()])
+                        .output()
+                        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+                    v.push(format!(
+                        "DNS {name} in {env}, asked from {} ({}): {e}; from the host: {host:?}; its neighbour entry {neigh:?}",
+                        asker.id, asker.ip
+                    ));
+                }
+                Err(e) => v.push(format!("DNS {name} in {env}: {e}")),
+            }
+        }
+    }
+}
+
+/// The counter kept running through every fault, so its log has every line
+/// from 1 up, in order.
+fn counter_log(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
+    let (cid, _) = world.counter;
+    match rows.iter().find(|r| r.app == COUNTER) {
+        Some(r) if r.container_id == cid => {}
+        other => {
+            return v.push(format!(
+                "counter: container {cid} replaced by {:?}",
+                other.map(|r| &r.container_id)
+            ));
+        }
+    }
+    let path = world.data_dir.join("logs").join(format!("{cid}.log"));
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) => return v.push(format!("counter log {}: {e}", path.display())),
+    };
+    let mut next = 1u64;
+    for line in text.lines() {
+        let n = line
+            .splitn(4, ' ')
+            .nth(3)
+            .and_then(|n| n.parse::<u64>().ok());
+        match n {
+            Some(n) if n == next => next += 1,
+            _ => {
+                return v.push(format!(
+                    "counter log {}: want line {next}, found {line:?}",
+                    path.display()
+                ));
+            }
+        }
+    }
+    if next < 100 {
+        v.push(format!(
+            "counter log {}: only {} lines",
+            path.display(),
+            next - 1
+        ));
+    }
+}
