@@ -6,7 +6,9 @@
 # sizes differ. The figures go to bench/chaos/results/<date>-seed<N>.json.
 #
 # Bounded: FAULTS faults (default 500), then SOAK_SECS (default 3600), and
-# the whole run is killed after LIMIT_SECS (default 3 h). Root, with the rig
+# the whole run is killed after LIMIT_SECS (default 3 h). Its own bridge
+# prefix and subnets (PREFIX=ztfb, POOL=60-69), so CI's chaos test can run
+# beside it. Root, with the rig
 # (scripts/rig.sh) up. Traffic stays on the bridges the run makes.
 #
 #   bench/chaos/run.sh                  # 500 faults + 1 h, seed 19
@@ -34,7 +36,7 @@ uptime > "$log"
 
 cargo build --tests -q --test chaos
 ZATTERA_CHAOS_SEED=$SEED ZATTERA_CHAOS_FAULTS=$FAULTS ZATTERA_CHAOS_SOAK_SECS=$SOAK_SECS \
-ZATTERA_CHAOS_REPORT=$report \
+ZATTERA_CHAOS_REPORT=$report ZATTERA_CHAOS_PREFIX=${PREFIX:-ztfb} ZATTERA_CHAOS_POOL=${POOL:-60-69} \
   timeout --kill-after=60 "$LIMIT_SECS" \
   cargo test -q --test chaos faults_in_any_order -- --nocapture 2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}

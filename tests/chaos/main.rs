@@ -13,6 +13,9 @@
 //! - `ZATTERA_CHAOS_FAULTS`: how many faults (default 50).
 //! - `ZATTERA_CHAOS_SOAK_SECS`: the soak after the faults (default 0).
 //! - `ZATTERA_CHAOS_REPORT`: a file to write the figures to, as JSON.
+//! - `ZATTERA_CHAOS_PREFIX`, `ZATTERA_CHAOS_POOL`: the bridge prefix and
+//!   subnet slots (default `ztfa`, `240-249`), so that a long run and CI's
+//!   run can share the machine.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 // The figures are statistics over a few hundred samples: float casts are fine.
@@ -56,6 +59,13 @@ const CONVERGE_BOUND: Duration = Duration::from_secs(60);
 const SETTLE: Duration = Duration::from_secs(10);
 const PREFIX: &str = "ztfa";
 const POOL: &str = "240-249";
+
+fn env_or(key: &str, default: &str) -> String {
+    std::env::var(key)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_owned())
+}
 /// Apps besides the counter at the start (three replicas each).
 const START_APPS: u32 = 7;
 
@@ -364,13 +374,15 @@ impl Lab {
             .unwrap();
         let foreign = start_foreign(&ctd, scratch.path()).await;
 
-        let mut agent = AgentProc::new(&containerd.socket, &ns, PREFIX, POOL);
+        let prefix = env_or("ZATTERA_CHAOS_PREFIX", PREFIX);
+        let pool = env_or("ZATTERA_CHAOS_POOL", POOL);
+        let mut agent = AgentProc::new(&containerd.socket, &ns, &prefix, &pool);
         agent.run_args = vec!["--default-subnet".into(), "none".into()];
         for (name, app) in &desired.apps {
             agent.write_manifest(&format!("{name}.toml"), &app.manifest(name));
         }
         let mut cfg = zattera_netns::NetConfig::for_namespace(&ns, &agent.run_dir()).unwrap();
-        cfg.bridge_prefix = PREFIX.into();
+        cfg.bridge_prefix = prefix;
         let table = cfg.nft_table.clone();
         let net = NetNode::new(cfg).unwrap();
         agent.start();
