@@ -142,6 +142,7 @@ mod tests {
             log_path: None,
             restart: true,
             exit_code: None,
+            restarts: 0,
         }
     }
 

@@ -39,6 +39,9 @@ pub const LOG_PATH: &str = "dev.zattera/log-path";
 pub const RESTART: &str = "dev.zattera/restart";
 /// A job's exit code, once it has one (survives restarts and reboots).
 pub const EXIT_CODE: &str = "dev.zattera/exit-code";
+/// How many times the agent restarted the task (X-7 deviation: counted,
+/// and kept across agent restarts).
+pub const RESTARTS: &str = "dev.zattera/restarts";
 
 /// The E-2 filter: managed services.
 pub const OWNED_FILTER: [(&str, &str); 2] = [(MANAGED, "true"), (ROLE, ROLE_SERVICE)];
@@ -105,6 +108,7 @@ pub struct OwnedContainer {
     pub log_path: Option<String>,
     pub restart: bool,
     pub exit_code: Option<u32>,
+    pub restarts: u32,
 }
 
 impl OwnedContainer {
@@ -146,6 +150,7 @@ impl OwnedContainer {
             log_path: l.get(LOG_PATH).cloned(),
             restart: l.get(RESTART).map(String::as_str) != Some("no"),
             exit_code: l.get(EXIT_CODE).and_then(|v| v.parse().ok()),
+            restarts: l.get(RESTARTS).and_then(|v| v.parse().ok()).unwrap_or(0),
         })
     }
 }

@@ -9,6 +9,7 @@
 //! [`Cmd`]s: a later desire for another config is another container, hence
 //! another worker; `Stop` is final.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -252,6 +253,7 @@ struct Supervisor<'a> {
 impl<'a> Supervisor<'a> {
     fn new(ctx: &'a Ctx, owned: OwnedContainer, spec: Option<ServiceSpec>) -> Self {
         let (health_tx, health_rx) = mpsc::channel(HEALTH_QUEUE);
+        let restarts = owned.restarts;
         Self {
             ctx,
             owned,
@@ -262,7 +264,7 @@ impl<'a> Supervisor<'a> {
             crash: None,
             last_delay: None,
             started_at: Instant::now(),
-            restarts: 0,
+            restarts,
             health_warned: false,
         }
     }
@@ -513,6 +515,15 @@ impl<'a> Supervisor<'a> {
             Ok(()) => {
                 self.crash = None;
                 self.restarts += 1;
+                // Kept in a label so that an agent restart does not reset it.
+                let count =
+                    HashMap::from([(labels::RESTARTS.to_owned(), self.restarts.to_string())]);
+                if let Err(e) =
+                    containers::add_labels(&self.ctx.h.ctd, &self.owned.container_id, count).await
+                {
+                    tracing::debug!(container = %self.owned.container_id, error = %e, "restart count not recorded");
+                }
+                self.owned.restarts = self.restarts;
                 self.started_at = Instant::now();
                 self.report_running();
                 self.start_monitor();
