@@ -13,7 +13,7 @@ use containerd_client::services::v1::{
 use zattera_agent::runtime::Containerd;
 use zattera_netns::{NetNode, Subnet, inventory};
 
-use crate::model::{COUNTER, Desired};
+use crate::model::Desired;
 
 const ASSIGNMENT_ID: &str = "dev.zattera/assignment-id";
 const MANAGED: &str = "dev.zattera/managed";
@@ -94,15 +94,30 @@ pub struct World<'a> {
     pub counter: (&'a str, u32),
 }
 
-/// Every invariant, once. An empty result means all hold.
+/// Every invariant of the standalone node, once. An empty result means
+/// all hold.
 pub async fn check(world: &World<'_>, desired: &Desired, rows: &[Row]) -> Vec<String> {
     let mut v = Vec::new();
     instances(desired, rows, &mut v);
+    dns(world, desired, rows, &mut v).await;
+    v.extend(check_node(world, rows).await);
+    v
+}
+
+/// What holds whatever the source of assignments: containers, processes,
+/// the kernel's objects, the firewall, the counter's log.
+pub async fn check_node(world: &World<'_>, rows: &[Row]) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut ids = BTreeSet::new();
+    for r in rows {
+        if !ids.insert(&r.id) {
+            v.push(format!("assignment {}: two status rows", r.id));
+        }
+    }
     containers(world, rows, &mut v).await;
     processes(world, &mut v).await;
     kernel(world, rows, &mut v).await;
     firewall(world, rows, &mut v);
-    dns(world, desired, rows, &mut v).await;
     counter_log(world, rows, &mut v);
     v
 }
@@ -122,12 +137,6 @@ fn instances(desired: &Desired, rows: &[Row], v: &mut Vec<String>) {
                 .map(|(n, a)| (n, a.replicas))
                 .collect::<Vec<_>>()
         ));
-    }
-    let mut ids = BTreeSet::new();
-    for r in rows {
-        if !ids.insert(&r.id) {
-            v.push(format!("assignment {}: two status rows", r.id));
-        }
     }
 }
 
@@ -565,14 +574,8 @@ async fn dns(world: &World<'_>, desired: &Desired, rows: &[Row], v: &mut Vec<Str
 /// from 1 up, in order.
 fn counter_log(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
     let (cid, _) = world.counter;
-    match rows.iter().find(|r| r.app == COUNTER) {
-        Some(r) if r.container_id == cid => {}
-        other => {
-            return v.push(format!(
-                "counter: container {cid} replaced by {:?}",
-                other.map(|r| &r.container_id)
-            ));
-        }
+    if !rows.iter().any(|r| r.container_id == cid) {
+        return v.push(format!("counter: container {cid} is gone from status"));
     }
     let path = world.data_dir.join("logs").join(format!("{cid}.log"));
     let text = match std::fs::read_to_string(&path) {

@@ -14,7 +14,8 @@
 //! - `ZATTERA_CHAOS_SOAK_SECS`: the soak after the faults (default 0).
 //! - `ZATTERA_CHAOS_REPORT`: a file to write the figures to, as JSON.
 //! - `ZATTERA_CHAOS_PREFIX`, `ZATTERA_CHAOS_POOL`: the bridge prefix and
-//!   subnet slots (default `ztfa`, `240-249`), so that a long run and CI's
+//!   subnet slots (default `ztfa`, `240-245`; the control-plane run uses
+//!   `ztfc` and 246-247), so that a long run and CI's
 //!   run can share the machine.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -25,9 +26,12 @@
     clippy::cast_sign_loss
 )]
 
+#[path = "../support/control.rs"]
+mod control_plane;
 #[path = "../support/mod.rs"]
 mod support;
 
+mod control;
 mod faults;
 mod invariants;
 mod model;
@@ -58,7 +62,7 @@ const CONVERGE_BOUND: Duration = Duration::from_secs(60);
 /// How long invariants may lag convergence (DNS and nft follow the pass).
 const SETTLE: Duration = Duration::from_secs(10);
 const PREFIX: &str = "ztfa";
-const POOL: &str = "240-249";
+const POOL: &str = "240-245";
 
 fn env_or(key: &str, default: &str) -> String {
     std::env::var(key)
