@@ -105,9 +105,89 @@ impl PrivateContainerd {
 impl Drop for PrivateContainerd {
     fn drop(&mut self) {
         self.down();
+        // Shims outlive containerd by design; with this containerd gone for
+        // good, any left (a task a failed test never deleted) and the rootfs
+        // mounts they hold would stay forever.
+        kill_shims_of(&self.socket);
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        let state = self.state.to_string_lossy().into_owned();
+        let mut ours: Vec<&str> = mounts
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter(|m| m.starts_with(&state))
+            .collect();
+        ours.sort_unstable_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in ours {
+            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+        }
         if let Some(dir) = &self.content_tmpfs {
             let _ = nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH);
         }
         let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
+/// SIGKILLs every runc shim serving containerd at `socket`, and every
+/// process under it first (tasks and log shims: the shim is their
+/// subreaper, so they are its descendants).
+fn kill_shims_of(socket: &std::path::Path) {
+    let want = socket.to_string_lossy().into_owned();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    let mut parent_of = std::collections::HashMap::new();
+    let mut shims = Vec::new();
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        // The field after the ")" that closes the command name is the state,
+        // then the parent pid.
+        let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
+        if let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<i32>().ok())
+        {
+            parent_of.insert(pid, ppid);
+        }
+        let Ok(raw) = std::fs::read(p.path().join("cmdline")) else {
+            continue;
+        };
+        let argv: Vec<String> = raw
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if argv
+            .first()
+            .is_some_and(|a| a.ends_with("containerd-shim-runc-v2"))
+            && argv.windows(2).any(|w| w[0] == "-address" && w[1] == want)
+        {
+            shims.push(pid);
+        }
+    }
+    let kill = |pid: i32| {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    };
+    for shim in shims {
+        let descends = |mut pid: i32| {
+            while let Some(&ppid) = parent_of.get(&pid) {
+                if ppid == shim {
+                    return true;
+                }
+                if ppid <= 1 {
+                    return false;
+                }
+                pid = ppid;
+            }
+            false
+        };
+        for pid in parent_of.keys().copied().filter(|p| descends(*p)) {
+            kill(pid);
+        }
+        kill(shim);
     }
 }
