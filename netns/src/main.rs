@@ -20,7 +20,8 @@ use zattera_netns::{NetConfig, NetNode, PublishedPort, Subnet, nsfile};
 const AFTER_HELP: &str = "\
 NAMES
     Bridges are <prefix><slot> (default ztbr7 for 10.201.7.0/24) and carry the
-    alias zattera:<network name>; host veth ends are <prefix><slot>v<host>;
+    alias zattera:<network name> and the fixed hardware address
+    02:7a:<first three octets of the subnet>; host veth ends are <prefix><slot>v<host>;
     each container's network namespace is the file <run-dir>/netns/<container id>;
     the rules live in the nftables table inet <table> (default zattera, or
     zattera_<namespace> for another containerd namespace).

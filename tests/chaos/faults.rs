@@ -71,6 +71,21 @@ impl fmt::Display for Fault {
     }
 }
 
+impl Fault {
+    /// A short name, for counting faults by kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::KillAgent { .. } => "agent SIGKILL",
+            Self::BounceContainerd { .. } => "containerd restart",
+            Self::Burst(_) => "manifest burst",
+            Self::KillTask => "task killed",
+            Self::RemoveNetns => "netns file removed",
+            Self::DeleteVeth => "veth deleted",
+            Self::DiskFull => "pull into a full disk",
+        }
+    }
+}
+
 /// The most apps the loop grows to, and the fewest it shrinks to.
 const MAX_APPS: usize = 9;
 const MIN_APPS: usize = 4;

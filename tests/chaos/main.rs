@@ -198,12 +198,7 @@ async fn run(lab: &mut Lab, desired: &mut Desired, sizes: &Sizes) -> Figures {
 
     for k in 0..sizes.faults {
         let fault = faults::choose(&mut rng, desired);
-        let kind = format!("{fault}")
-            .split_whitespace()
-            .take(2)
-            .collect::<Vec<_>>()
-            .join(" ");
-        *fig.by_kind.entry(kind).or_default() += 1;
+        *fig.by_kind.entry(fault.kind().to_owned()).or_default() += 1;
         if let Err(e) = fault.inflict(lab, desired, &mut rng).await {
             fig.violations.push(format!("fault {k} ({fault}): {e}"));
         }
