@@ -515,3 +515,49 @@ async fn a_conflicting_manifest_never_evicts_what_runs() {
     })
     .await;
 }
+
+/// Issue 17.3: a container killed by the OOM killer is FAILED "out of
+/// memory (limit N MiB)", not just an exit code; it is restarted after its
+/// back-off and the restart count says so.
+#[tokio::test]
+async fn an_oom_kill_is_reported_as_out_of_memory() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-oom", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkj", "168-169");
+        // dd is the container's PID 1 and asks for a 64 MiB buffer under 16.
+        agent.write_manifest(
+            "hog.toml",
+            &format!(
+                "[app]\nname = \"hog\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
+                 [env.prod]\ncommand = \"exec dd if=/dev/zero of=/dev/null bs=64M count=1\"\n\
+                 [env.prod.resources]\nmemory_mb = 16\n"
+            ),
+        );
+        agent.start();
+        let oom = |s: &serde_json::Value, restarts: u64| {
+            support::agent::row(s, "hog").is_some_and(|r| {
+                r["state"] == "FAILED"
+                    && r["message"] == "out of memory (limit 16 MiB)"
+                    && r["restarts"].as_u64() >= Some(restarts)
+            })
+        };
+        agent.wait_for("FAILED out of memory", |s| oom(s, 0));
+        // Restarted after the back-off, and killed again: counted.
+        let s = agent.wait_for("out of memory again after a restart", |s| oom(s, 1));
+        let table = status_table(&agent);
+        assert!(table.contains("out of memory (limit 16 MiB)"), "{table}\n{s}");
+    })
+    .await;
+}
+
+/// `status` as people read it.
+fn status_table(agent: &AgentProc) -> String {
+    let out = Command::new(BIN)
+        .arg("--run-dir")
+        .arg(agent.run_dir())
+        .arg("status")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

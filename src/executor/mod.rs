@@ -226,6 +226,11 @@ impl Executor {
                             w.send(Cmd::Exited);
                         }
                     }
+                    Some(Ok(TaskEvent::OomKilled { container_id })) => {
+                        if let Some(w) = self.workers.get(&container_id) {
+                            w.send(Cmd::Oom);
+                        }
+                    }
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "task event stream ended; re-subscribing");

@@ -47,6 +47,8 @@ pub(super) enum Cmd {
     Stop,
     /// The task's init process exited (from containerd's event stream).
     Exited,
+    /// containerd saw the OOM killer act in the task.
+    Oom,
     /// The service's current spec: a monitor is started if there is none.
     Spec(Option<Box<ServiceSpec>>),
 }
@@ -229,10 +231,12 @@ async fn remove(ctx: &Ctx, owned: OwnedContainer) {
 }
 
 /// A service that exited and waits for its back-off to end.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Crash {
     due: Instant,
     exit_code: u32,
+    /// "out of memory (limit N MiB)" when the OOM killer ended it.
+    oom: Option<String>,
 }
 
 /// The supervision of one running container.
@@ -248,6 +252,8 @@ struct Supervisor<'a> {
     started_at: Instant,
     restarts: u32,
     health_warned: bool,
+    /// An OOM event for the current task (the cgroup is asked too).
+    oom_seen: bool,
 }
 
 impl<'a> Supervisor<'a> {
@@ -266,6 +272,7 @@ impl<'a> Supervisor<'a> {
             started_at: Instant::now(),
             restarts,
             health_warned: false,
+            oom_seen: false,
         }
     }
 
@@ -363,7 +370,10 @@ impl<'a> Supervisor<'a> {
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         poll.tick().await;
         loop {
-            let due = self.crash.map(|c| tokio::time::Instant::from_std(c.due));
+            let due = self
+                .crash
+                .as_ref()
+                .map(|c| tokio::time::Instant::from_std(c.due));
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => return,
@@ -377,6 +387,7 @@ impl<'a> Supervisor<'a> {
                             return;
                         }
                     }
+                    Some(Cmd::Oom) => self.oom_seen = true,
                     Some(Cmd::Spec(spec)) => {
                         self.spec = spec.map(|s| *s);
                         if self.monitor.is_none() {
@@ -431,9 +442,10 @@ impl<'a> Supervisor<'a> {
                 let obs = if exit_code == 0 {
                     self.observe(State::Stopped)
                 } else {
-                    let mut f = self
-                        .observe(State::Failed)
-                        .message(format!("exited with code {exit_code}"));
+                    let why = self
+                        .oom_message()
+                        .unwrap_or_else(|| format!("exited with code {exit_code}"));
+                    let mut f = self.observe(State::Failed).message(why);
                     f.exit_code = i32::try_from(exit_code).ok();
                     f
                 };
@@ -456,19 +468,24 @@ impl<'a> Supervisor<'a> {
                     let delay = backoff::next_delay(self.last_delay, now - self.started_at);
                     self.last_delay = Some(delay);
                     self.stop_monitor();
-                    tracing::info!(container = %self.owned.container_id, exit_code, ?delay, "service exited; restarting after back-off");
+                    let oom = self.oom_message();
+                    tracing::info!(container = %self.owned.container_id, exit_code, ?delay, oom = oom.as_deref().unwrap_or("no"), "service exited; restarting after back-off");
                     self.crash = Some(Crash {
                         due: now + delay,
                         exit_code,
+                        oom,
                     });
                 }
-                let Some(crash) = self.crash else { return true };
+                let Some(crash) = self.crash.clone() else {
+                    return true;
+                };
                 if now >= crash.due {
                     return self.restart().await;
                 }
-                let mut f = self
-                    .observe(State::Failed)
-                    .message(format!("crash-looping: last exit code {}", crash.exit_code));
+                let why = crash.oom.clone().unwrap_or_else(|| {
+                    format!("crash-looping: last exit code {}", crash.exit_code)
+                });
+                let mut f = self.observe(State::Failed).message(why);
                 f.exit_code = i32::try_from(crash.exit_code).ok();
                 self.report(Event::Observed(f));
             }
@@ -476,6 +493,19 @@ impl<'a> Supervisor<'a> {
             TaskState::Absent | TaskState::Created => return self.restart().await,
         }
         true
+    }
+
+    /// "out of memory (limit N MiB)" when the OOM killer ended the current
+    /// task: its cgroup's count (while the stopped task still holds it) or
+    /// containerd's OOM event.
+    fn oom_message(&self) -> Option<String> {
+        let cgroup =
+            std::path::Path::new(&self.ctx.h.cfg.cgroup_parent).join(&self.owned.container_id);
+        match crate::runtime::oom::read(std::path::Path::new("/sys/fs/cgroup"), &cgroup) {
+            Some(r) if r.kills > 0 => Some(r.message()),
+            _ if self.oom_seen => Some("out of memory".to_owned()),
+            _ => None,
+        }
     }
 
     /// A namespace file or host veth removed behind the agent's back is
@@ -514,6 +544,7 @@ impl<'a> Supervisor<'a> {
         match instance::restart(&self.ctx.h, &self.owned).await {
             Ok(()) => {
                 self.crash = None;
+                self.oom_seen = false;
                 self.restarts += 1;
                 // Kept in a label so that an agent restart does not reset it.
                 let count =

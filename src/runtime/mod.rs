@@ -19,6 +19,7 @@ pub mod exec_session;
 pub mod images;
 pub mod lease;
 mod names;
+pub mod oom;
 pub mod pull;
 pub mod reference;
 pub mod rootfs;
