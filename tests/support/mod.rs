@@ -134,8 +134,11 @@ pub async fn purge_namespace(ctd: &Containerd) {
         // A loaded machine can take seconds to reap a killed task. Deleting
         // the container record while its task still exists would strand the
         // task's runc shim and log shim (nothing would ever delete them).
+        // "Not stopped yet" comes as FailedPrecondition or, from the shim,
+        // Unknown "cannot delete a running process": retry both, killing
+        // again every second.
         let mut task_gone = false;
-        for _ in 0..300 {
+        for attempt in 0..300 {
             let deleted = ctd
                 .tasks()
                 .delete(ctd.request(DeleteTaskRequest {
@@ -143,16 +146,30 @@ pub async fn purge_namespace(ctd: &Containerd) {
                 }))
                 .await;
             match deleted {
-                Err(s) if s.code() == tonic::Code::FailedPrecondition => {
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-                Err(s) if s.code() != tonic::Code::NotFound => {
-                    eprintln!("warning: task {} not deleted: {}", c.id, s.message());
-                    break;
-                }
-                _ => {
+                Ok(_) => {
                     task_gone = true;
                     break;
+                }
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    task_gone = true;
+                    break;
+                }
+                Err(s) if attempt == 299 => {
+                    eprintln!("warning: task {} not deleted: {}", c.id, s.message());
+                }
+                Err(_) => {
+                    if attempt % 10 == 9 {
+                        let _ = ctd
+                            .tasks()
+                            .kill(ctd.request(KillRequest {
+                                container_id: c.id.clone(),
+                                exec_id: String::new(),
+                                signal: 9,
+                                all: true,
+                            }))
+                            .await;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
             }
         }
