@@ -561,7 +561,7 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
         let agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztse").await;
         // web: a published port; idle: holds port-forwards open, never reads.
-        let (mut web, mut web_rt) = assignment("w1", "env", 182, "httpd -f -p 80 -h /var/www");
+        let (mut web, mut web_rt) = assignment("w1", "env", 188, "httpd -f -p 80 -h /var/www");
         web.app_id = "web".into();
         web_rt.spec.as_mut().unwrap().ports = vec![zattera_agent::proto::v1::PortSpec {
             name: "http".into(),
@@ -569,7 +569,7 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
             protocol: zattera_agent::proto::v1::Protocol::Http as i32,
             public_l4_port: 0,
         }];
-        let idle = assignment("i1", "env", 182, "nc -ll -p 9000 -e sleep 3600");
+        let idle = assignment("i1", "env", 188, "nc -ll -p 9000 -e sleep 3600");
         cp.push_set(set_of(1, vec![(web, web_rt), idle]));
         serving(&agent, &cp).await;
 
