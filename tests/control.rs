@@ -1565,6 +1565,14 @@ async fn the_binary_joins_and_runs_under_control() {
             .unwrap()
             .into_inner();
         assert!(none.message().await.unwrap().is_none());
+        // An empty selector would read every log on the node: refused (17.1).
+        let all = api
+            .query_logs(LogQuery::default())
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(all.code(), tonic::Code::InvalidArgument, "{all:?}");
+        assert!(all.message().contains("empty selector"), "{all:?}");
 
         // Exec: stdin in the first frame, both streams, the exit code.
         let start = |cmd: &[&str], tty: bool| AgentExecStart {

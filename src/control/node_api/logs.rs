@@ -3,8 +3,10 @@
 //!
 //! Streams are the assignments of the current set that match the selector
 //! (W-9); each one's file comes from its container's label. The history is
-//! the newest `limit` lines (0 = 1000) within `since..=until`, across all
-//! selected streams, in time order; with `follow` the files are then tailed
+//! the newest `limit` lines (0 = 1000, at most [`MAX_LIMIT`]) within
+//! `since..=until`, across all
+//! selected streams, in time order (an empty selector is refused: it would
+//! read every log on the node); with `follow` the files are then tailed
 //! (every 250 ms, rotation included) until the caller goes away. Unlike the
 //! reference there is no separate log store: the shim's files are it, so
 //! lines written while the agent was down are there too.
@@ -28,6 +30,9 @@ use crate::runtime::{Containerd, containers};
 use super::Out;
 
 const DEFAULT_LIMIT: usize = 1000;
+/// The most history lines one query returns (the lines are held in memory
+/// to merge the streams by time); a larger `limit` is cut to this.
+pub const MAX_LIMIT: usize = 10_000;
 const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
 /// One instance's log file.
@@ -254,12 +259,19 @@ pub async fn query_logs(
     query: LogQuery,
 ) -> Result<Out<LogLine>, Status> {
     let selector = query.selector.clone().unwrap_or_default();
+    if selector == LogSelector::default() {
+        // The reference reads every stream on the node for this.
+        return Err(Status::invalid_argument(
+            "QueryLogs: an empty selector would read every log on the node; \
+             name an instance, app, environment, project or job",
+        ));
+    }
     let set = desired.borrow().clone();
     let streams = streams(ctd, data_dir, set.as_ref(), &selector).await?;
     let window = Window::of(&query);
     let limit = match query.limit {
         0 => DEFAULT_LIMIT,
-        n => usize::try_from(n).unwrap_or(usize::MAX),
+        n => usize::try_from(n).unwrap_or(MAX_LIMIT).min(MAX_LIMIT),
     };
     let (tx, rx) = mpsc::channel::<Result<LogLine, Status>>(256);
     let follow = query.follow;
