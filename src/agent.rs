@@ -150,6 +150,8 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         batches,
     );
     let executor_task = tokio::spawn(executor.run());
+    // Kept for the host's shutdown, whichever source owns `handle`.
+    let halt = handle.clone();
 
     let listener = admin::bind(&config.run_dir).with_context(|| {
         format!(
@@ -262,8 +264,19 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     ]);
     shutdown.await;
     notify(&[sd_notify::NotifyState::Stopping]);
-    tracing::info!("stopping; containers keep running");
     source_task.abort();
+    if host_is_going_down(&config.host_shutdown_check).await {
+        notify(&[sd_notify::NotifyState::Status(
+            "host shutting down: stopping instances",
+        )]);
+        let stopped = halt.halt().await.unwrap_or(0);
+        tracing::info!(
+            stopped,
+            "the host is going down: instances stopped, containers kept for the next boot"
+        );
+    } else {
+        tracing::info!("stopping; containers keep running");
+    }
     admin_task.abort();
     executor_task.abort();
     if let Some((stats, path)) = &stats_on_close {
@@ -476,6 +489,33 @@ fn lock_namespace(namespace: &str) -> Result<nix::fcntl::Flock<std::fs::File>> {
             path.display()
         )
     })
+}
+
+/// Whether SIGTERM came because the host is shutting down (or rebooting)
+/// rather than because the agent alone is stopped or restarted: the check
+/// command (systemd's `is-system-running`) prints `stopping`. Any failure
+/// means "no": leaving instances running is the safe side.
+async fn host_is_going_down(check: &[String]) -> bool {
+    let Some((program, args)) = check.split_first() else {
+        return false;
+    };
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(3),
+        tokio::process::Command::new(program)
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await;
+    match out {
+        Ok(Ok(out)) => String::from_utf8_lossy(&out.stdout).trim() == "stopping",
+        Ok(Err(e)) => {
+            tracing::debug!(command = %program, error = %e, "host shutdown check did not run");
+            false
+        }
+        Err(_) => false,
+    }
 }
 
 async fn shutdown_signal() {

@@ -77,6 +77,12 @@ pub struct Settings {
     /// (default 10.202.0.0/24).
     #[serde(alias = "default_subnet")]
     pub default_subnet: Option<String>,
+    /// The command whose output says the host is going down (`stopping`):
+    /// then SIGTERM stops every instance with its grace; otherwise the
+    /// agent exits and they keep running. `none`: never (default
+    /// `systemctl is-system-running`).
+    #[serde(alias = "host_shutdown_check")]
+    pub host_shutdown_check: Option<String>,
 }
 
 impl Settings {
@@ -126,6 +132,7 @@ impl Settings {
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
             join_token: top.join_token.or(self.join_token),
             default_subnet: top.default_subnet.or(self.default_subnet),
+            host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
         }
     }
 
@@ -171,8 +178,17 @@ impl Settings {
             Some("none") => None,
             Some(text) => Some(parse_default_subnet(text)?),
         };
+        let host_shutdown_check = match self.host_shutdown_check.as_deref().map(str::trim) {
+            None => DEFAULT_HOST_SHUTDOWN_CHECK
+                .split_whitespace()
+                .map(str::to_owned)
+                .collect(),
+            Some("none" | "") => Vec::new(),
+            Some(cmd) => cmd.split_whitespace().map(str::to_owned).collect(),
+        };
         Ok(Config {
             default_subnet,
+            host_shutdown_check,
             host_port_range,
             pull_timeout,
             pids_limit: self
@@ -220,7 +236,13 @@ pub struct Config {
     pub control_node_ids: Vec<String>,
     pub join_token: Option<String>,
     pub default_subnet: Option<zattera_netns::Subnet>,
+    /// argv of the host-shutdown check; empty: never.
+    pub host_shutdown_check: Vec<String>,
 }
+
+/// systemd's own answer: `stopping` while the host shuts down or reboots,
+/// `running` (or `degraded`) while a unit is merely restarted.
+pub const DEFAULT_HOST_SHUTDOWN_CHECK: &str = "systemctl is-system-running";
 
 /// The default network's subnet: next to the environment pool, and
 /// outside every zattera range.

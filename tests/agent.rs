@@ -561,3 +561,57 @@ fn status_table(agent: &AgentProc) -> String {
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Issue 17.6: a SIGTERM while the host goes down (the check prints
+/// `stopping`, as `systemctl is-system-running` does then) stops every
+/// instance with its grace and keeps the containers, which the next start
+/// brings back; a SIGTERM while the host stays up (an agent restart or
+/// upgrade) leaves them running.
+#[tokio::test]
+async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-halt", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkk", "189-189");
+        agent.write_manifest(
+            "svc.toml",
+            &format!(
+                "[app]\nname = \"svc\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
+                 [env.prod]\nreplicas = 2\ncommand = \"trap 'echo bye; exit 0' TERM; while true; do sleep 1; done\"\nstop_grace = \"5s\"\n"
+            ),
+        );
+        let check = |answer: &str| vec!["--host-shutdown-check".to_owned(), format!("echo {answer}")];
+        agent.run_args = check("running");
+        agent.start();
+        let ids = agent.wait_all(2, "HEALTHY");
+        let pids = task_pids(&ctd, ids.values()).await;
+        assert_eq!(pids.len(), 2);
+
+        let status = agent.term().expect("the agent exits on SIGTERM");
+        assert!(status.success(), "{status:?}");
+        assert_eq!(task_pids(&ctd, ids.values()).await, pids, "an agent restart leaves them running");
+
+        agent.run_args = check("stopping");
+        agent.start();
+        assert_eq!(agent.wait_all(2, "HEALTHY"), ids, "adopted");
+        let status = agent.term().expect("the agent exits on SIGTERM");
+        assert!(status.success(), "{status:?}");
+        for cid in ids.values() {
+            assert_eq!(
+                containers::task_state(&ctd, cid).await.unwrap(),
+                TaskState::Absent,
+                "{cid}: stopped for the host's shutdown"
+            );
+            let log = std::fs::read_to_string(agent.data_dir().join("logs").join(format!("{cid}.log"))).unwrap();
+            assert!(log.contains("stdout F bye"), "{cid}: stopped with SIGTERM and its grace: {log}");
+        }
+        assert_eq!(owned_count(&ctd).await, 2, "containers kept for the next boot");
+        assert!(agent.log().contains("the host is going down"), "{}", agent.log());
+
+        // The next boot: the same containers run again.
+        agent.run_args = check("running");
+        agent.start();
+        assert_eq!(agent.wait_all(2, "HEALTHY"), ids);
+    })
+    .await;
+}

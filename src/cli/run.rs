@@ -53,6 +53,11 @@ pub struct RunArgs {
     /// [default: 10.202.0.0/24]
     #[arg(long, value_name = "CIDR")]
     default_subnet: Option<String>,
+    /// Command that prints `stopping` while the host shuts down: SIGTERM then
+    /// stops every instance with its grace instead of leaving them running;
+    /// `none` never [default: systemctl is-system-running]
+    #[arg(long, value_name = "COMMAND")]
+    host_shutdown_check: Option<String>,
 }
 
 impl RunArgs {
@@ -72,6 +77,7 @@ impl RunArgs {
             pull_timeout: self.pull_timeout.clone(),
             join_token: self.join_token.clone(),
             default_subnet: self.default_subnet.clone(),
+            host_shutdown_check: self.host_shutdown_check.clone(),
             ..base
         }
     }

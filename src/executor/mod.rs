@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use zattera_dns::table::LocalInstance;
 use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
 use zattera_netns::{
@@ -97,6 +97,18 @@ pub struct ExecutorHandle {
     pub status: watch::Receiver<Arc<StatusSnapshot>>,
     /// The networks in use on this node (for the VIP rules).
     pub networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
+    halt: mpsc::Sender<oneshot::Sender<usize>>,
+}
+
+impl ExecutorHandle {
+    /// The host is going down: every instance is stopped with its grace
+    /// (containers kept, so the next boot restarts them) and the executor
+    /// stops. Returns how many were stopped, `None` if it was gone already.
+    pub async fn halt(&self) -> Option<usize> {
+        let (tx, rx) = oneshot::channel();
+        self.halt.send(tx).await.ok()?;
+        rx.await.ok()
+    }
 }
 
 /// A network of this node as the VIP rules need it: its name (the scope
@@ -128,6 +140,7 @@ pub struct Executor {
     reports_rx: mpsc::UnboundedReceiver<Report>,
     networks: BTreeSet<Subnet>,
     networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
+    halt_rx: mpsc::Receiver<oneshot::Sender<usize>>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -150,6 +163,7 @@ impl Executor {
         batches: Option<mpsc::Sender<Vec<Observation>>>,
     ) -> (Self, ExecutorHandle) {
         let (desired_tx, desired_rx) = watch::channel(None);
+        let (halt_tx, halt_rx) = mpsc::channel(1);
         let (errors_tx, errors_rx) = watch::channel(Vec::new());
         let (status_tx, status_rx) = watch::channel(Arc::new(StatusSnapshot {
             node_id: cfg.node_id.clone(),
@@ -190,12 +204,14 @@ impl Executor {
             reports_rx,
             networks: BTreeSet::new(),
             networks_tx,
+            halt_rx,
         };
         let handle = ExecutorHandle {
             desired: desired_tx,
             source_errors: errors_tx,
             status: status_rx,
             networks: networks_rx,
+            halt: halt_tx,
         };
         (exec, handle)
     }
@@ -243,9 +259,47 @@ impl Executor {
                     }
                 },
                 Some(report) = self.reports_rx.recv() => self.on_report(report).await,
+                Some(reply) = self.halt_rx.recv() => {
+                    let _ = reply.send(self.halt_all().await);
+                    break;
+                }
             }
         }
         tracing::info!("executor stopped");
+    }
+
+    /// Every worker stops its task with the container's grace and ends;
+    /// waits for all (each bounded by its grace, plus the kill wait).
+    async fn halt_all(&mut self) -> usize {
+        let longest = self
+            .owned
+            .values()
+            .map(|o| o.stop_grace)
+            .max()
+            .unwrap_or_default();
+        let acks: Vec<_> = self
+            .workers
+            .values()
+            .map(|w| {
+                let (tx, rx) = oneshot::channel();
+                w.send(Cmd::Halt(tx));
+                rx
+            })
+            .collect();
+        let n = acks.len();
+        tracing::info!(
+            instances = n,
+            ?longest,
+            "host shutting down: stopping every instance with its grace"
+        );
+        let all = futures::future::join_all(acks);
+        if tokio::time::timeout(longest + HALT_SLACK, all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("host shutdown: not every instance stopped in time");
+        }
+        n
     }
 
     /// Before any source has spoken: adopt what exists, rebuild IPAM, ports
@@ -887,6 +941,9 @@ async fn collect_orphan_attachments(net: &NetNode, live: &BTreeSet<String>) {
         tracing::warn!(error = %e, "leftover attachments not all removed");
     }
 }
+
+/// Beyond the longest grace: the SIGKILL wait and the task deletes.
+const HALT_SLACK: Duration = Duration::from_secs(5);
 
 pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapshot, RuntimeError> {
     let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;

@@ -51,6 +51,9 @@ pub(super) enum Cmd {
     Oom,
     /// The service's current spec: a monitor is started if there is none.
     Spec(Option<Box<ServiceSpec>>),
+    /// The host is going down: stop the task with its grace, keep the
+    /// container (the next boot restarts it), answer, end.
+    Halt(tokio::sync::oneshot::Sender<()>),
 }
 
 /// What a worker tells the loop, for its container.
@@ -388,6 +391,15 @@ impl<'a> Supervisor<'a> {
                         }
                     }
                     Some(Cmd::Oom) => self.oom_seen = true,
+                    Some(Cmd::Halt(done)) => {
+                        self.stop_monitor();
+                        let o = &self.owned;
+                        if let Err(e) = containers::stop(&self.ctx.h.ctd, &o.container_id, o.stop_signal, o.stop_grace).await {
+                            tracing::warn!(container = %o.container_id, error = %e, "not stopped for the host's shutdown");
+                        }
+                        let _ = done.send(());
+                        return;
+                    }
                     Some(Cmd::Spec(spec)) => {
                         self.spec = spec.map(|s| *s);
                         if self.monitor.is_none() {
