@@ -279,6 +279,13 @@ async fn processes(world: &World<'_>, v: &mut Vec<String>) {
             v.push(format!("log shim pid {pid} of {id}: its task is gone"));
         }
     }
+    // And the other way (which also proves the listing above finds them):
+    // a running task of ours writes through its log shim.
+    for id in running.iter().filter(|id| **id != world.foreign.0) {
+        if !log_shims.contains_key(id) {
+            v.push(format!("task {id}: running without its log shim"));
+        }
+    }
 }
 
 /// container id → pid of every `containerd-shim-runc-v2 -namespace <ns> -id
