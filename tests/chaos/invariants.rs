@@ -3,6 +3,7 @@
 //! table. Each violation names the object it is about.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -492,6 +493,66 @@ fn published_element(e: &serde_json::Value) -> String {
     )
 }
 
+/// How many numbered lines `files` (oldest first) hold, all in sequence
+/// from 1 (from any first number when `any_start`).
+fn counter_lines(files: &[PathBuf], any_start: bool) -> Result<u64, String> {
+    let mut next: Option<u64> = (!any_start).then_some(1);
+    let mut lines = 0u64;
+    for file in files {
+        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        for line in text.lines() {
+            let n = line
+                .splitn(4, ' ')
+                .nth(3)
+                .and_then(|n| n.parse::<u64>().ok());
+            match (n, next) {
+                (Some(n), Some(want)) if n == want => next = Some(n + 1),
+                (Some(n), None) => next = Some(n + 1),
+                _ => {
+                    return Err(format!(
+                        "{}: want line {next:?}, found {line:?}",
+                        file.display()
+                    ));
+                }
+            }
+            lines += 1;
+        }
+    }
+    Ok(lines)
+}
+
+#[test]
+fn the_counter_check_follows_rotations_and_sees_a_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, from: u64, to: u64| {
+        let mut text = String::new();
+        for n in from..=to {
+            let _ = writeln!(text, "2026-12-01T00:00:00Z stdout F {n}");
+        }
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let files = [
+        write("c.log.2", 1, 100),
+        write("c.log.1", 101, 150),
+        write("c.log", 151, 160),
+    ];
+    assert_eq!(counter_lines(&files, false), Ok(160));
+    // The oldest rotation dropped: any start, but still no gap.
+    assert_eq!(counter_lines(&files[1..], true), Ok(60));
+    assert!(
+        counter_lines(&files[1..], false).is_err(),
+        "starts at 101, not 1"
+    );
+    let gap = [write("g.log.1", 1, 10), write("g.log", 12, 20)];
+    assert!(
+        counter_lines(&gap, false)
+            .unwrap_err()
+            .contains("want line Some(11)")
+    );
+}
+
 /// Each scope's resolver answers every instance of its apps, and nothing
 /// for apps that are gone.
 async fn dns(world: &World<'_>, desired: &Desired, rows: &[Row], v: &mut Vec<String>) {
@@ -578,38 +639,31 @@ async fn dns(world: &World<'_>, desired: &Desired, rows: &[Row], v: &mut Vec<Str
 }
 
 /// The counter kept running through every fault, so its log has every line
-/// from 1 up, in order.
+/// from 1 up, in order, across the log shim's rotations (`<file>.N` …
+/// `<file>.1`, then the live file). Once the oldest rotation has been
+/// dropped (`KEEP_ROTATED` of them kept), the first line kept may be any.
 fn counter_log(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
     let (cid, _) = world.counter;
     if !rows.iter().any(|r| r.container_id == cid) {
         return v.push(format!("counter: container {cid} is gone from status"));
     }
     let path = world.data_dir.join("logs").join(format!("{cid}.log"));
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) => return v.push(format!("counter log {}: {e}", path.display())),
+    let keep = zattera_agent::logshim::KEEP_ROTATED;
+    let mut files: Vec<PathBuf> = (1..=keep)
+        .rev()
+        .map(|n| PathBuf::from(format!("{}.{n}", path.display())))
+        .filter(|p| p.exists())
+        .collect();
+    let all_kept = files.len() == keep;
+    files.push(path.clone());
+    let lines = match counter_lines(&files, all_kept) {
+        Ok(n) => n,
+        Err(e) => return v.push(format!("counter log: {e}")),
     };
-    let mut next = 1u64;
-    for line in text.lines() {
-        let n = line
-            .splitn(4, ' ')
-            .nth(3)
-            .and_then(|n| n.parse::<u64>().ok());
-        match n {
-            Some(n) if n == next => next += 1,
-            _ => {
-                return v.push(format!(
-                    "counter log {}: want line {next}, found {line:?}",
-                    path.display()
-                ));
-            }
-        }
-    }
-    if next < 100 {
+    if lines < 100 {
         v.push(format!(
-            "counter log {}: only {} lines",
-            path.display(),
-            next - 1
+            "counter log {}: only {lines} lines",
+            path.display()
         ));
     }
 }
