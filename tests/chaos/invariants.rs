@@ -294,36 +294,14 @@ async fn processes(world: &World<'_>, v: &mut Vec<String>) {
 fn shim_processes(ns: &str, logs: &Path) -> (BTreeMap<String, u32>, BTreeMap<String, u32>) {
     let mut shims = BTreeMap::new();
     let mut log_shims = BTreeMap::new();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return (shims, log_shims);
-    };
-    for p in procs.flatten() {
-        let Ok(pid) = p.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(raw) = std::fs::read(p.path().join("cmdline")) else {
-            continue;
-        };
-        let argv: Vec<String> = raw
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let after = |flag: &str| {
-            argv.iter()
-                .position(|a| a == flag)
-                .and_then(|i| argv.get(i + 1))
-                .cloned()
-        };
-        if argv
-            .first()
-            .is_some_and(|a| a.ends_with("containerd-shim-runc-v2"))
-            && after("-namespace").as_deref() == Some(ns)
-        {
-            if let Some(id) = after("-id") {
-                shims.insert(id, pid);
+    for p in crate::support::processes() {
+        let pid = u32::try_from(p.pid).unwrap_or(0);
+        if p.is_runc_shim() && p.flag("-namespace") == Some(ns) {
+            if let Some(id) = p.flag("-id") {
+                shims.insert(id.to_owned(), pid);
             }
-        } else if argv.get(1).map(String::as_str) == Some("zattera-log")
-            && let Some(path) = argv.get(2).map(Path::new)
+        } else if p.argv.get(1).map(String::as_str) == Some("zattera-log")
+            && let Some(path) = p.argv.get(2).map(Path::new)
             && path.starts_with(logs)
         {
             let id = path

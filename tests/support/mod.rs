@@ -122,15 +122,7 @@ pub async fn purge_namespace(ctd: &Containerd) {
         .map(|r| r.into_inner().containers)
         .unwrap_or_default();
     for c in containers {
-        let _ = ctd
-            .tasks()
-            .kill(ctd.request(KillRequest {
-                container_id: c.id.clone(),
-                exec_id: String::new(),
-                signal: 9,
-                all: true,
-            }))
-            .await;
+        kill_all(ctd, &c.id).await;
         // A loaded machine can take seconds to reap a killed task. Deleting
         // the container record while its task still exists would strand the
         // task's runc shim and log shim (nothing would ever delete them).
@@ -159,15 +151,7 @@ pub async fn purge_namespace(ctd: &Containerd) {
                 }
                 Err(_) => {
                     if attempt % 10 == 9 {
-                        let _ = ctd
-                            .tasks()
-                            .kill(ctd.request(KillRequest {
-                                container_id: c.id.clone(),
-                                exec_id: String::new(),
-                                signal: 9,
-                                all: true,
-                            }))
-                            .await;
+                        kill_all(ctd, &c.id).await;
                     }
                     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                 }
@@ -274,6 +258,19 @@ pub async fn purge_namespace(ctd: &Containerd) {
         );
     }
     remove_test_cgroups(ctd.namespace().as_str());
+}
+
+/// SIGKILL to every process of a task; errors (no task) are fine here.
+async fn kill_all(ctd: &Containerd, id: &str) {
+    let _ = ctd
+        .tasks()
+        .kill(ctd.request(KillRequest {
+            container_id: id.to_owned(),
+            exec_id: String::new(),
+            signal: 9,
+            all: true,
+        }))
+        .await;
 }
 
 /// Tests put containers under `/zattera-test/<namespace>/<id>` (executor
@@ -409,4 +406,56 @@ pub fn test_network(
     let net = std::sync::Arc::new(zattera_netns::NetNode::new(cfg).unwrap());
     let dns = zattera_dns::DnsServer::new(zattera_dns::Config::default()).unwrap();
     (net, dns, cleanup)
+}
+
+/// A process as /proc shows it.
+#[derive(Debug, Clone)]
+pub struct Process {
+    pub pid: i32,
+    pub ppid: i32,
+    pub argv: Vec<String>,
+}
+
+impl Process {
+    /// The value after `flag` in argv (`-namespace ns`).
+    pub fn flag(&self, flag: &str) -> Option<&str> {
+        self.argv
+            .windows(2)
+            .find(|w| w[0] == flag)
+            .map(|w| w[1].as_str())
+    }
+
+    pub fn is_runc_shim(&self) -> bool {
+        self.argv
+            .first()
+            .is_some_and(|a| a.ends_with("containerd-shim-runc-v2"))
+    }
+}
+
+/// Every process of the machine, read from /proc (those that vanish
+/// meanwhile are left out).
+pub fn processes() -> Vec<Process> {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|p| {
+            let pid = p.file_name().to_string_lossy().parse::<i32>().ok()?;
+            // After the ")" that closes the command name: the state, then
+            // the parent pid.
+            let stat = std::fs::read_to_string(p.path().join("stat")).ok()?;
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())?;
+            let raw = std::fs::read(p.path().join("cmdline")).ok()?;
+            let argv = raw
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            Some(Process { pid, ppid, argv })
+        })
+        .collect()
 }

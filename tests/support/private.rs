@@ -132,40 +132,14 @@ impl Drop for PrivateContainerd {
 /// subreaper, so they are its descendants).
 fn kill_shims_of(socket: &std::path::Path) {
     let want = socket.to_string_lossy().into_owned();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return;
-    };
-    let mut parent_of = std::collections::HashMap::new();
-    let mut shims = Vec::new();
-    for p in procs.flatten() {
-        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        // The field after the ")" that closes the command name is the state,
-        // then the parent pid.
-        let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
-        if let Some(ppid) = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<i32>().ok())
-        {
-            parent_of.insert(pid, ppid);
-        }
-        let Ok(raw) = std::fs::read(p.path().join("cmdline")) else {
-            continue;
-        };
-        let argv: Vec<String> = raw
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if argv
-            .first()
-            .is_some_and(|a| a.ends_with("containerd-shim-runc-v2"))
-            && argv.windows(2).any(|w| w[0] == "-address" && w[1] == want)
-        {
-            shims.push(pid);
-        }
-    }
+    let all = super::processes();
+    let parent_of: std::collections::HashMap<i32, i32> =
+        all.iter().map(|p| (p.pid, p.ppid)).collect();
+    let shims: Vec<i32> = all
+        .iter()
+        .filter(|p| p.is_runc_shim() && p.flag("-address") == Some(want.as_str()))
+        .map(|p| p.pid)
+        .collect();
     let kill = |pid: i32| {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
