@@ -179,28 +179,7 @@ impl ControlLab {
     }
 
     async fn converge(&self, plan: &Plan, bound: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + bound;
-        let mut seen = false;
-        loop {
-            let rows = self.rows();
-            if converged(plan, &rows) {
-                if seen {
-                    return Ok(());
-                }
-                seen = true;
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-            seen = false;
-            if Instant::now() > deadline {
-                let have: Vec<String> = rows
-                    .iter()
-                    .map(|r| format!("{} {} {} {}", r.id, r.container_id, r.state, r.message))
-                    .collect();
-                return Err(format!("status {have:?}"));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        crate::converge_rows(|| self.rows(), |rows| converged(plan, rows), bound).await
     }
 
     async fn settle(&self, plan: &Plan) -> Vec<String> {

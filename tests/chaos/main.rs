@@ -425,31 +425,14 @@ impl Lab {
         }
     }
 
-    /// Waits until the status rows are the desired set, all up, on two
-    /// polls a second apart (a pass in flight can look converged once).
+    /// Waits until the status rows are the desired set, all up.
     async fn converge(&self, desired: &Desired, bound: Duration) -> Result<(), String> {
-        let deadline = Instant::now() + bound;
-        let mut seen = false;
-        loop {
-            let rows = self.rows();
-            if invariants::converged(desired, &rows) {
-                if seen {
-                    return Ok(());
-                }
-                seen = true;
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
-            }
-            seen = false;
-            if Instant::now() > deadline {
-                let have: Vec<String> = rows
-                    .iter()
-                    .map(|r| format!("{} {} {}", r.id, r.state, r.message))
-                    .collect();
-                return Err(format!("status {have:?}"));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        converge_rows(
+            || self.rows(),
+            |rows| invariants::converged(desired, rows),
+            bound,
+        )
+        .await
     }
 
     /// Every invariant, retried for [`SETTLE`]; what still fails then.
@@ -506,6 +489,38 @@ impl Lab {
             tasks: self.task_pids().await.len(),
             nft_rules,
         }
+    }
+}
+
+/// Waits until `done` holds for the status rows on two polls a second
+/// apart (a pass in flight can look converged once); on timeout, the last
+/// rows.
+async fn converge_rows(
+    rows: impl Fn() -> Vec<invariants::Row>,
+    done: impl Fn(&[invariants::Row]) -> bool,
+    bound: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + bound;
+    let mut seen = false;
+    loop {
+        let now = rows();
+        if done(&now) {
+            if seen {
+                return Ok(());
+            }
+            seen = true;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        }
+        seen = false;
+        if Instant::now() > deadline {
+            let have: Vec<String> = now
+                .iter()
+                .map(|r| format!("{} {} {} {}", r.id, r.container_id, r.state, r.message))
+                .collect();
+            return Err(format!("status {have:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
