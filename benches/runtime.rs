@@ -30,7 +30,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use zattera_agent::logshim::log_uri;
+use zattera_agent::logs::{Retention, shim::log_uri};
 use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
 use zattera_agent::runtime::{Containerd, ImageRef, Namespace, get_local, import_archive};
@@ -162,7 +162,11 @@ async fn agent_once(
     containers::start(
         ctd,
         id,
-        &log_uri(agent_binary, &logs.join(format!("{id}.log"))),
+        &log_uri(
+            agent_binary,
+            &logs.join(format!("{id}.log")),
+            Retention::default(),
+        ),
     )
     .await
     .expect("start");

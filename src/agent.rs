@@ -140,6 +140,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         source,
         cluster_registry,
         default_subnet: config.default_subnet,
+        log_retention: config.log_retention,
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(
@@ -150,6 +151,12 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         batches,
     );
     let executor_task = tokio::spawn(executor.run());
+    let log_janitor = tokio::spawn(crate::logs::janitor::run(
+        ctd.clone(),
+        config.data_dir.join("logs"),
+        config.log_retention,
+        crate::logs::janitor::EVERY,
+    ));
     // Kept for the host's shutdown, whichever source owns `handle`.
     let halt = handle.clone();
 
@@ -279,6 +286,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     }
     admin_task.abort();
     executor_task.abort();
+    log_janitor.abort();
     if let Some((stats, path)) = &stats_on_close {
         crate::metrics::persist::flush_now(stats, path).await;
     }

@@ -83,6 +83,12 @@ pub struct Settings {
     /// `systemctl is-system-running`).
     #[serde(alias = "host_shutdown_check")]
     pub host_shutdown_check: Option<String>,
+    /// How long container output is kept, as `7days`, `36h` (default 7 days).
+    #[serde(alias = "log_retention")]
+    pub log_retention: Option<String>,
+    /// Compressed container output kept per instance, in MiB (default 100).
+    #[serde(alias = "log_max_stream_mb")]
+    pub log_max_stream_mb: Option<u64>,
 }
 
 impl Settings {
@@ -133,6 +139,8 @@ impl Settings {
             join_token: top.join_token.or(self.join_token),
             default_subnet: top.default_subnet.or(self.default_subnet),
             host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
+            log_retention: top.log_retention.or(self.log_retention),
+            log_max_stream_mb: top.log_max_stream_mb.or(self.log_max_stream_mb),
         }
     }
 
@@ -186,7 +194,31 @@ impl Settings {
             Some("none" | "") => Vec::new(),
             Some(cmd) => cmd.split_whitespace().map(str::to_owned).collect(),
         };
+        let log_max_age = match self.log_retention.as_deref() {
+            None => crate::logs::retention::DEFAULT_MAX_AGE,
+            Some(text) => humantime::parse_duration(text)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| ConfigError::Invalid {
+                    key: "log-retention",
+                    message: format!("{text:?} is not a duration such as 7days or 36h"),
+                })?,
+        };
+        let log_max_stream_bytes = match self.log_max_stream_mb {
+            None => crate::logs::retention::DEFAULT_MAX_STREAM_BYTES,
+            Some(0) => {
+                return Err(ConfigError::Invalid {
+                    key: "log-max-stream-mb",
+                    message: "0 would keep no history; give at least 1".into(),
+                });
+            }
+            Some(mb) => mb.saturating_mul(1024 * 1024),
+        };
         Ok(Config {
+            log_retention: crate::logs::Retention {
+                max_age: log_max_age,
+                max_stream_bytes: log_max_stream_bytes,
+            },
             default_subnet,
             host_shutdown_check,
             host_port_range,
@@ -238,6 +270,7 @@ pub struct Config {
     pub default_subnet: Option<zattera_netns::Subnet>,
     /// argv of the host-shutdown check; empty: never.
     pub host_shutdown_check: Vec<String>,
+    pub log_retention: crate::logs::Retention,
 }
 
 /// systemd's own answer: `stopping` while the host shuts down or reboots,

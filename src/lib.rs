@@ -13,7 +13,7 @@ pub mod control;
 pub mod doctor;
 pub mod executor;
 pub mod health;
-pub mod logshim;
+pub mod logs;
 pub mod metrics;
 pub mod proto;
 pub mod redact;

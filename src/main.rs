@@ -11,11 +11,11 @@ use tracing_subscriber::EnvFilter;
 fn main() -> ExitCode {
     // Started by containerd's runc shim as a container's logger: no CLI, no async.
     let args: Vec<String> = std::env::args().collect();
-    if let Some(path) = zattera_agent::logshim::invoked_as_shim(&args) {
-        return match zattera_agent::logshim::run(&path) {
+    if let Some(shim) = zattera_agent::logs::shim::invoked_as_shim(&args) {
+        return match zattera_agent::logs::shim::run(&shim) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("zattera-agent log shim {}: {e}", path.display());
+                eprintln!("zattera-agent log shim {}: {e}", shim.log_path.display());
                 ExitCode::FAILURE
             }
         };

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
-use zattera_agent::logshim::log_uri;
+use zattera_agent::logs::shim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
@@ -71,9 +71,17 @@ async fn start_busybox(
     .await
     .expect("create container");
     let log = logs.join(format!("{id}.log"));
-    containers::start(ctd, id, &log_uri(&agent_binary(), &log))
-        .await
-        .expect("start task");
+    containers::start(
+        ctd,
+        id,
+        &log_uri(
+            &agent_binary(),
+            &log,
+            zattera_agent::logs::Retention::default(),
+        ),
+    )
+    .await
+    .expect("start task");
     log
 }
 

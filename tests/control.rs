@@ -513,6 +513,7 @@ impl Node {
             source: format!("control {}", cp.address()),
             cluster_registry: None,
             default_subnet: None,
+            log_retention: zattera_agent::logs::Retention::default(),
         };
         let (batches_tx, batches_rx) = mpsc::channel(64);
         let (exec, handle) = Executor::new(

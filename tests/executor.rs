@@ -64,6 +64,7 @@ impl Agent {
             source: "test".into(),
             cluster_registry: None,
             default_subnet: None,
+            log_retention: zattera_agent::logs::Retention::default(),
         };
         let (exec, handle) = Executor::new(
             cfg,

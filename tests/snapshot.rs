@@ -743,9 +743,10 @@ async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &
     .await
     .unwrap();
     std::fs::create_dir_all(logs).unwrap();
-    let uri = zattera_agent::logshim::log_uri(
+    let uri = zattera_agent::logs::shim::log_uri(
         Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
         &logs.join(format!("{id}.log")),
+        zattera_agent::logs::Retention::default(),
     );
     containers::start(ctd, id, &uri).await.unwrap();
 }

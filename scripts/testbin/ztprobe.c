@@ -11,6 +11,9 @@
  *       tries one syscall (unshare-user, unshare-net, keyctl, bpf, mount,
  *       init-module, settime, ptrace-attach, perf) and prints
  *       "allowed" or "blocked: <errno name>"; exit 0 either way.
+ *   ztprobe spew MIB_PER_SEC SECONDS
+ *       writes numbered 100-byte lines "spew <n> ..." to stdout at that rate
+ *       (in 10 ms steps), then "spew end <count>": the log tests' heavy writer.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -28,6 +31,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -158,7 +162,45 @@ static int sys(const char *name) {
     return 0;
 }
 
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int spew(const char *rate_arg, const char *secs_arg) {
+    double rate = atof(rate_arg) * 1024 * 1024, secs = atof(secs_arg);
+    enum { LINE = 100 };
+    static char buf[1 << 20];
+    unsigned long n = 0;
+    double start = now_s(), sent = 0;
+    for (;;) {
+        double t = now_s() - start;
+        if (t >= secs) break;
+        double due = rate * (t + 0.01) - sent;
+        size_t len = 0;
+        while (due >= LINE && len + LINE <= sizeof buf) {
+            int w = snprintf(buf + len, LINE + 1, "spew %012lu %-81s", n++, "abcdefghijklmnopqrstuvwxyz0123456789");
+            (void)w;
+            buf[len + LINE - 1] = '\n';
+            len += LINE;
+            due -= LINE;
+        }
+        for (size_t off = 0; off < len;) {
+            ssize_t w = write(1, buf + off, len - off);
+            if (w < 0) { if (errno == EINTR) continue; perror("write"); return 1; }
+            off += (size_t)w;
+        }
+        sent += len;
+        double next = (sent / rate) - (now_s() - start);
+        if (next > 0) { struct timespec ts = { 0, (long)(next * 1e9) }; nanosleep(&ts, NULL); }
+    }
+    printf("spew end %lu\n", n);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && !strcmp(argv[1], "spew")) return spew(argv[2], argv[3]);
     if (argc >= 2 && !strcmp(argv[1], "udp")) return udp(argc, argv);
     if (argc == 3 && !strcmp(argv[1], "syscall")) return sys(argv[2]);
     if (argc == 3 && !strcmp(argv[1], "udp-listen")) return udp_listen(argv[2]);

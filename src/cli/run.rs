@@ -58,6 +58,12 @@ pub struct RunArgs {
     /// `none` never [default: systemctl is-system-running]
     #[arg(long, value_name = "COMMAND")]
     host_shutdown_check: Option<String>,
+    /// How long container output is kept, as 7days or 36h [default: 7days]
+    #[arg(long, value_name = "DURATION")]
+    log_retention: Option<String>,
+    /// Compressed container output kept per instance, in MiB [default: 100]
+    #[arg(long, value_name = "MIB")]
+    log_max_stream_mb: Option<u64>,
 }
 
 impl RunArgs {
@@ -78,6 +84,8 @@ impl RunArgs {
             join_token: self.join_token.clone(),
             default_subnet: self.default_subnet.clone(),
             host_shutdown_check: self.host_shutdown_check.clone(),
+            log_retention: self.log_retention.clone(),
+            log_max_stream_mb: self.log_max_stream_mb,
             ..base
         }
     }

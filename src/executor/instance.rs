@@ -13,7 +13,7 @@ use zattera_netns::{NetNode, Subnet, network_name};
 use super::labels::{self, NamedPort, OwnedContainer};
 use super::status::{Observation, State};
 use super::{ExecutorConfig, files};
-use crate::logshim;
+use crate::logs::{self, files::StreamMeta};
 use crate::proto::cluster::AssignmentRuntime;
 use crate::proto::v1::Assignment;
 use crate::runtime::containers::{self, NewContainer};
@@ -277,7 +277,19 @@ pub async fn bring_up(
             }
         }
         progress(Observation::new(&id, State::Starting).container(&cid));
-        let uri = logshim::log_uri(&h.cfg.logger_binary, &log_path);
+        // Its output stays queryable by its assignment after it is gone.
+        let meta = StreamMeta {
+            assignment_id: id.clone(),
+            project_id: plan.assignment.project_id.clone(),
+            app_id: plan.assignment.app_id.clone(),
+            environment_id: plan.assignment.environment_id.clone(),
+            job_id: plan.assignment.job_id.clone(),
+        };
+        if let Err(e) = logs::files::write_meta(&log_path, &meta) {
+            let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
+            return Err(Failure(format!("create: log meta: {e}")));
+        }
+        let uri = logs::shim::log_uri(&h.cfg.logger_binary, &log_path, h.cfg.log_retention);
         if let Err(e) = containers::start(&h.ctd, &cid, &uri).await {
             // Never leave a dead container to be adopted.
             let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
@@ -333,7 +345,7 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
         },
         PathBuf::from,
     );
-    let uri = logshim::log_uri(&h.cfg.logger_binary, &log_path);
+    let uri = logs::shim::log_uri(&h.cfg.logger_binary, &log_path, h.cfg.log_retention);
     containers::start(&h.ctd, &owned.container_id, &uri)
         .await
         .map(|_| ())

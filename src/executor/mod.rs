@@ -87,6 +87,8 @@ pub struct ExecutorConfig {
     pub cluster_registry: Option<ClusterRegistryWatch>,
     /// Where assignments without a subnet go; `None`: only `lo`.
     pub default_subnet: Option<Subnet>,
+    /// How long each container's log shim keeps its rotated files.
+    pub log_retention: crate::logs::Retention,
 }
 
 /// Handle to a running executor.

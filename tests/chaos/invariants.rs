@@ -300,11 +300,11 @@ fn shim_processes(ns: &str, logs: &Path) -> (BTreeMap<String, u32>, BTreeMap<Str
             if let Some(id) = p.flag("-id") {
                 shims.insert(id.to_owned(), pid);
             }
-        } else if p.argv.get(1).map(String::as_str) == Some("zattera-log")
-            && let Some(path) = p.argv.get(2).map(Path::new)
-            && path.starts_with(logs)
+        } else if let Some(shim) = zattera_agent::logs::shim::invoked_as_shim(&p.argv)
+            && shim.log_path.starts_with(logs)
         {
-            let id = path
+            let id = shim
+                .log_path
                 .file_stem()
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
@@ -477,8 +477,10 @@ fn counter_lines(files: &[PathBuf], any_start: bool) -> Result<u64, String> {
     let mut next: Option<u64> = (!any_start).then_some(1);
     let mut lines = 0u64;
     for file in files {
-        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-        for line in text.lines() {
+        let reader = zattera_agent::logs::files::open(file)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+        for line in std::io::BufRead::lines(reader) {
+            let line = line.map_err(|e| format!("{}: {e}", file.display()))?;
             let n = line
                 .splitn(4, ' ')
                 .nth(3)
@@ -511,9 +513,10 @@ fn the_counter_check_follows_rotations_and_sees_a_gap() {
         std::fs::write(&p, text).unwrap();
         p
     };
+    let compressed = |p: PathBuf| zattera_agent::logs::files::compress(&p).unwrap().0;
     let files = [
-        write("c.log.2", 1, 100),
-        write("c.log.1", 101, 150),
+        compressed(write("c.log.1", 1, 100)),
+        compressed(write("c.log.2", 101, 150)),
         write("c.log", 151, 160),
     ];
     assert_eq!(counter_lines(&files, false), Ok(160));
@@ -617,24 +620,22 @@ async fn dns(world: &World<'_>, desired: &Desired, rows: &[Row], v: &mut Vec<Str
 }
 
 /// The counter kept running through every fault, so its log has every line
-/// from 1 up, in order, across the log shim's rotations (`<file>.N` …
-/// `<file>.1`, then the live file). Once the oldest rotation has been
-/// dropped (`KEEP_ROTATED` of them kept), the first line kept may be any.
+/// from 1 up, in order, across the log shim's rotations (compressed, oldest
+/// first, then the live file). Once retention has dropped the first
+/// rotation (seq 1), the first line kept may be any.
 fn counter_log(world: &World<'_>, rows: &[Row], v: &mut Vec<String>) {
     let (cid, _) = world.counter;
     if !rows.iter().any(|r| r.container_id == cid) {
         return v.push(format!("counter: container {cid} is gone from status"));
     }
     let path = world.data_dir.join("logs").join(format!("{cid}.log"));
-    let keep = zattera_agent::logshim::KEEP_ROTATED;
-    let mut files: Vec<PathBuf> = (1..=keep)
-        .rev()
-        .map(|n| PathBuf::from(format!("{}.{n}", path.display())))
-        .filter(|p| p.exists())
-        .collect();
-    let all_kept = files.len() == keep;
-    files.push(path.clone());
-    let lines = match counter_lines(&files, all_kept) {
+    let files = zattera_agent::logs::files::of_container(&path);
+    let first = |f: &PathBuf| {
+        let name = f.to_string_lossy();
+        *f == path || name.ends_with(".log.1.zst") || name.ends_with(".log.1")
+    };
+    let dropped = !files.first().is_some_and(first);
+    let lines = match counter_lines(&files, dropped) {
         Ok(n) => n,
         Err(e) => return v.push(format!("counter log: {e}")),
     };

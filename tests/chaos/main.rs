@@ -47,7 +47,7 @@ use support::agent::AgentProc;
 use support::private::PrivateContainerd;
 use support::registry::Registry;
 use support::{Rig, TEST_IMAGE, rig};
-use zattera_agent::logshim::log_uri;
+use zattera_agent::logs::shim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
 use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
@@ -552,8 +552,16 @@ async fn start_foreign(ctd: &Containerd, dir: &Path) -> (String, u32) {
     .await
     .unwrap();
     let log = dir.join("foreign.log");
-    let pid = containers::start(ctd, &id, &log_uri(Path::new(support::agent::BIN), &log))
-        .await
-        .unwrap();
+    let pid = containers::start(
+        ctd,
+        &id,
+        &log_uri(
+            Path::new(support::agent::BIN),
+            &log,
+            zattera_agent::logs::Retention::default(),
+        ),
+    )
+    .await
+    .unwrap();
     (id, pid)
 }

@@ -1,17 +1,20 @@
 //! `QueryLogs`: instance output from the files the log shim writes (CRI
-//! format, rotated as `<file>.1` … `<file>.N`, oldest last).
+//! format, rotated and compressed as [`crate::logs::files`] lays out).
 //!
-//! Streams are the assignments of the current set that match the selector
-//! (W-9); each one's file comes from its container's label. The history is
+//! Streams are the assignments that match the selector (W-9, LQ-1): those
+//! of the current set, and those the meta files on disk name, so output of
+//! a replaced or removed container stays queryable until retention deletes
+//! it, and a query right after a restart finds it too. The history is
 //! the newest `limit` lines (0 = 1000, at most [`MAX_LIMIT`]) within
 //! `since..=until`, across all
 //! selected streams, in time order (an empty selector is refused: it would
 //! read every log on the node); with `follow` the files are then tailed
-//! (every 250 ms, rotation included) until the caller goes away. Unlike the
+//! (every 250 ms; across a rotation, the old file is read to its end
+//! first) until the caller goes away. Unlike the
 //! reference there is no separate log store: the shim's files are it, so
 //! lines written while the agent was down are there too.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -22,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
 use crate::executor::labels::{OWNED_FILTER, OwnedContainer};
-use crate::logshim::KEEP_ROTATED;
+use crate::logs::files::{self, StreamMeta};
 use crate::proto::cluster::AssignmentSet;
 use crate::proto::v1::{LogLine, LogQuery, LogSelector, LogSource};
 use crate::runtime::{Containerd, containers};
@@ -35,11 +38,12 @@ const DEFAULT_LIMIT: usize = 1000;
 pub const MAX_LIMIT: usize = 10_000;
 const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
-/// One instance's log file.
+/// One instance's output: the live file of each of its containers here,
+/// the one written to last, last.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogStream {
     pub instance_id: String,
-    pub path: PathBuf,
+    pub live: Vec<PathBuf>,
 }
 
 /// One parsed CRI line.
@@ -86,7 +90,28 @@ fn selected(sel: &LogSelector, a: &crate::proto::v1::Assignment) -> bool {
         && ok(&sel.instance_id, id)
 }
 
-/// The log files of the selected instances that have a container here.
+/// Whether the container whose output `m` describes matches `sel`.
+fn selected_meta(sel: &LogSelector, m: &StreamMeta) -> bool {
+    let ok = |want: &str, have: &str| want.is_empty() || want == have;
+    ok(&sel.project_id, &m.project_id)
+        && ok(&sel.app_id, &m.app_id)
+        && ok(&sel.environment_id, &m.environment_id)
+        && ok(&sel.job_id, &m.job_id)
+        && ok(&sel.instance_id, &m.assignment_id)
+}
+
+/// Every meta file in the log directory: container id → what it ran for.
+fn metas(dir: &Path) -> Vec<(String, StreamMeta)> {
+    files::list(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f.kind == files::Kind::Meta)
+        .filter_map(|f| Some((f.container_id, files::read_meta(&f.path)?)))
+        .collect()
+}
+
+/// The log files of the selected instances: of containers here now, and of
+/// those gone whose output is still on disk.
 pub async fn streams(
     ctd: &Containerd,
     data_dir: &Path,
@@ -94,38 +119,71 @@ pub async fn streams(
     sel: &LogSelector,
 ) -> Result<Vec<LogStream>, Status> {
     // Builds log elsewhere: a build id selects nothing here.
-    let Some(set) = set.filter(|_| sel.build_id.is_empty()) else {
+    if !sel.build_id.is_empty() {
         return Ok(Vec::new());
+    }
+    let dir = data_dir.join("logs");
+    let on_disk = {
+        let dir = dir.clone();
+        tokio::task::spawn_blocking(move || metas(&dir))
+            .await
+            .unwrap_or_default()
     };
-    let wanted: std::collections::BTreeSet<&str> = set
-        .assignments
-        .iter()
-        .filter(|a| selected(sel, a))
-        .filter_map(|a| a.meta.as_ref().map(|m| m.id.as_str()))
-        .collect();
+    let mut wanted: BTreeSet<String> = set
+        .map(|set| {
+            set.assignments
+                .iter()
+                .filter(|a| selected(sel, a))
+                .filter_map(|a| a.meta.as_ref().map(|m| m.id.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    wanted.extend(
+        on_disk
+            .iter()
+            .filter(|(_, m)| selected_meta(sel, m))
+            .map(|(_, m)| m.assignment_id.clone()),
+    );
     if wanted.is_empty() {
         return Ok(Vec::new());
+    }
+    let mut live: BTreeMap<String, BTreeSet<PathBuf>> = BTreeMap::new();
+    for (cid, m) in &on_disk {
+        if wanted.contains(&m.assignment_id) {
+            let path = dir.join(format!("{cid}.log"));
+            live.entry(m.assignment_id.clone())
+                .or_default()
+                .insert(path);
+        }
     }
     let listed = containers::list(ctd, &OWNED_FILTER)
         .await
         .map_err(|e| Status::internal(format!("QueryLogs: {e}")))?;
-    let mut out: Vec<LogStream> = listed
-        .iter()
-        .filter_map(OwnedContainer::from_container)
-        .filter(|o| wanted.contains(o.assignment_id.as_str()))
-        .map(|o| LogStream {
-            path: o.log_path.map_or_else(
-                || {
-                    data_dir
-                        .join("logs")
-                        .join(format!("{}.log", o.container_id))
-                },
+    for o in listed.iter().filter_map(OwnedContainer::from_container) {
+        if wanted.contains(&o.assignment_id) {
+            let path = o.log_path.map_or_else(
+                || dir.join(format!("{}.log", o.container_id)),
                 PathBuf::from,
-            ),
-            instance_id: o.assignment_id,
-        })
-        .collect();
-    out.sort_by(|a, b| a.instance_id.cmp(&b.instance_id));
+            );
+            live.entry(o.assignment_id).or_default().insert(path);
+        }
+    }
+    let out = tokio::task::spawn_blocking(move || {
+        live.into_iter()
+            .map(|(instance_id, paths)| {
+                let mut live: Vec<PathBuf> = paths.into_iter().collect();
+                // A replaced container wrote before its successor.
+                live.sort_by_cached_key(|p| {
+                    std::fs::metadata(p)
+                        .and_then(|m| m.modified())
+                        .unwrap_or(SystemTime::UNIX_EPOCH)
+                });
+                LogStream { instance_id, live }
+            })
+            .collect()
+    })
+    .await
+    .map_err(|e| Status::internal(format!("QueryLogs: {e}")))?;
     Ok(out)
 }
 
@@ -185,52 +243,77 @@ fn log_line(instance_id: &str, source: LogSource, time: SystemTime, line: String
     }
 }
 
-/// Where a stream's history ended: the current file (inode) and its length.
-type Offset = (u64, u64);
+/// Where history reading ended in one live file: the open file (kept open
+/// so the follower drains it even after a rotation renames or deletes it)
+/// and how far it was read.
+#[derive(Debug)]
+struct Offset {
+    path: PathBuf,
+    file: Option<std::fs::File>,
+    consumed: u64,
+}
 
 /// The newest `limit` lines of one stream within `window`, oldest first,
-/// and the current file's length at the time.
-fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLine>, Offset) {
+/// and where each live file's reading ended.
+fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLine>, Vec<Offset>) {
     let mut keep: VecDeque<LogLine> = VecDeque::with_capacity(limit.min(4096));
-    let mut asm = Assembler::default();
-    let mut files: Vec<PathBuf> = (1..=KEEP_ROTATED)
-        .rev()
-        .map(|n| PathBuf::from(format!("{}.{n}", stream.path.display())))
-        .collect();
-    files.push(stream.path.clone());
-    let mut offset = (0, 0);
-    for file in files {
-        let Ok(f) = std::fs::File::open(&file) else {
-            continue;
+    let mut offsets = Vec::with_capacity(stream.live.len());
+    for live in &stream.live {
+        let mut asm = Assembler::default();
+        let mut offset = Offset {
+            path: live.clone(),
+            file: None,
+            consumed: 0,
         };
-        let ino = f.metadata().map_or(0, |m| m.ino());
-        let mut reader = BufReader::new(f);
-        let mut consumed: u64 = 0;
-        let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            let n = match reader.read_until(b'\n', &mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            // A line still being written is left to the follower.
-            if buf.last() != Some(&b'\n') {
-                break;
-            }
-            consumed += n as u64;
-            let raw = String::from_utf8_lossy(&buf[..n - 1]);
-            if let Some(line) = asm.take(&raw, window, &stream.instance_id) {
-                if keep.len() == limit {
-                    keep.pop_front();
+        for path in files::of_container(live) {
+            let is_live = &path == live;
+            let reader: Box<dyn BufRead + Send> = if is_live {
+                let Ok(f) = std::fs::File::open(&path) else {
+                    continue;
+                };
+                offset.file = f.try_clone().ok();
+                Box::new(BufReader::new(f))
+            } else {
+                match files::open(&path) {
+                    Ok(r) => r,
+                    Err(_) => continue,
                 }
-                keep.push_back(line);
+            };
+            let consumed = read_lines(reader, |raw| {
+                if let Some(line) = asm.take(raw, window, &stream.instance_id) {
+                    if keep.len() == limit {
+                        keep.pop_front();
+                    }
+                    keep.push_back(line);
+                }
+            });
+            if is_live {
+                offset.consumed = consumed;
             }
         }
-        if file == stream.path {
-            offset = (ino, consumed);
-        }
+        offsets.push(offset);
     }
-    (keep, offset)
+    (keep, offsets)
+}
+
+/// Feeds every complete line of `reader` to `each`; returns the bytes
+/// consumed (a line still being written is left to the follower).
+fn read_lines(mut reader: impl BufRead, mut each: impl FnMut(&str)) -> u64 {
+    let mut consumed: u64 = 0;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = match reader.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if buf.last() != Some(&b'\n') {
+            break;
+        }
+        consumed += n as u64;
+        each(&String::from_utf8_lossy(&buf[..n - 1]));
+    }
+    consumed
 }
 
 /// The selected history, merged across streams by time, newest `limit`.
@@ -238,13 +321,13 @@ fn merged_history(
     streams: &[LogStream],
     window: Window,
     limit: usize,
-) -> (Vec<LogLine>, Vec<Offset>) {
+) -> (Vec<LogLine>, Vec<Vec<Offset>>) {
     let mut all = Vec::new();
     let mut offsets = Vec::with_capacity(streams.len());
     for s in streams {
-        let (lines, offset) = history(s, window, limit);
+        let (lines, ends) = history(s, window, limit);
         all.extend(lines);
-        offsets.push(offset);
+        offsets.push(ends);
     }
     let key = |l: &LogLine| l.time.as_ref().map_or((0, 0), |t| (t.seconds, t.nanos));
     all.sort_by_key(key);
@@ -294,65 +377,94 @@ pub async fn query_logs(
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
 
-/// One followed file: where reading got to, and bytes of a line not yet
-/// ended by a newline.
+/// One followed live file: the file open under its name when last looked
+/// at, how far it was read, and bytes of a line not yet ended.
 #[derive(Debug)]
 struct Follower {
-    stream: LogStream,
-    ino: u64,
-    offset: u64,
+    instance_id: String,
+    at: Offset,
     rest: Vec<u8>,
     asm: Assembler,
 }
 
 impl Follower {
-    /// New complete lines since the last call. Another file under the
-    /// name (a rotation) is read from its start.
+    fn new(instance_id: String, at: Offset) -> Self {
+        Self {
+            instance_id,
+            at,
+            rest: Vec::new(),
+            asm: Assembler::default(),
+        }
+    }
+
+    /// New complete lines since the last call. When another file has taken
+    /// the name (a rotation), the old one is read to its end, then the new
+    /// one from its start.
     fn poll(&mut self, window: Window) -> Vec<LogLine> {
-        let Ok(mut file) = std::fs::File::open(&self.stream.path) else {
-            return Vec::new();
-        };
-        let (ino, len) = file.metadata().map_or((0, 0), |m| (m.ino(), m.len()));
-        if ino != self.ino || len < self.offset {
-            self.ino = ino;
-            self.offset = 0;
+        let mut out = Vec::new();
+        loop {
+            self.drain(window, &mut out);
+            let Ok(current) = std::fs::File::open(&self.at.path) else {
+                return out;
+            };
+            if self
+                .at
+                .file
+                .as_ref()
+                .is_some_and(|f| same_file(f, &current))
+            {
+                return out;
+            }
+            self.at.file = Some(current);
+            self.at.consumed = 0;
             self.rest.clear();
         }
-        if len == self.offset || file.seek(SeekFrom::Start(self.offset)).is_err() {
-            return Vec::new();
+    }
+
+    fn drain(&mut self, window: Window, out: &mut Vec<LogLine>) {
+        let Some(file) = self.at.file.as_mut() else {
+            return;
+        };
+        if file.seek(SeekFrom::Start(self.at.consumed)).is_err() {
+            return;
         }
         let mut fresh = Vec::new();
-        if file.read_to_end(&mut fresh).is_err() {
-            return Vec::new();
+        if file.read_to_end(&mut fresh).is_err() || fresh.is_empty() {
+            return;
         }
-        self.offset += fresh.len() as u64;
+        self.at.consumed += fresh.len() as u64;
         self.rest.extend_from_slice(&fresh);
         let Some(end) = self.rest.iter().rposition(|b| *b == b'\n') else {
-            return Vec::new();
+            return;
         };
         let complete: Vec<u8> = self.rest.drain(..=end).collect();
-        String::from_utf8_lossy(&complete)
-            .lines()
-            .filter_map(|raw| self.asm.take(raw, window, &self.stream.instance_id))
-            .collect()
+        out.extend(
+            String::from_utf8_lossy(&complete)
+                .lines()
+                .filter_map(|raw| self.asm.take(raw, window, &self.instance_id)),
+        );
+    }
+}
+
+fn same_file(a: &std::fs::File, b: &std::fs::File) -> bool {
+    match (a.metadata(), b.metadata()) {
+        (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
+        _ => false,
     }
 }
 
 async fn tail(
     streams: Vec<LogStream>,
-    offsets: Vec<Offset>,
+    offsets: Vec<Vec<Offset>>,
     window: Window,
     tx: mpsc::Sender<Result<LogLine, Status>>,
 ) {
     let mut followers: Vec<Follower> = streams
         .into_iter()
         .zip(offsets)
-        .map(|(stream, (ino, offset))| Follower {
-            stream,
-            ino,
-            offset,
-            rest: Vec::new(),
-            asm: Assembler::default(),
+        .flat_map(|(stream, ends)| {
+            ends.into_iter()
+                .map(move |at| Follower::new(stream.instance_id.clone(), at))
         })
         .collect();
     loop {
@@ -412,14 +524,33 @@ mod tests {
         }
     }
 
+    fn aged(path: &Path, secs: u64) {
+        std::fs::File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(SystemTime::now() - Duration::from_secs(secs))
+            .unwrap();
+    }
+
     #[test]
-    fn history_spans_rotated_files_joins_chunks_and_keeps_the_newest() {
+    fn history_spans_compressed_files_and_containers_joins_chunks_and_keeps_the_newest() {
         let dir = tempfile::tempdir().unwrap();
+        // A replaced container's output, then its successor's, one rotation
+        // each, compressed.
+        let old = dir.path().join("old.log");
+        write_lines(&files::rotated(&old, 1), &[(1, "stdout", "F", "zero")]);
+        aged(&files::rotated(&old, 1), 40);
+        files::compress(&files::rotated(&old, 1)).unwrap();
+        std::fs::write(&old, "").unwrap();
+        aged(&old, 30);
         let path = dir.path().join("c.log");
         write_lines(
-            &PathBuf::from(format!("{}.1", path.display())),
+            &files::rotated(&path, 1),
             &[(1, "stdout", "F", "one"), (2, "stdout", "P", "tw")],
         );
+        aged(&files::rotated(&path, 1), 20);
+        files::compress(&files::rotated(&path, 1)).unwrap();
         write_lines(
             &path,
             &[
@@ -430,17 +561,17 @@ mod tests {
         );
         let s = LogStream {
             instance_id: "a1".into(),
-            path: path.clone(),
+            live: vec![old.clone(), path.clone()],
         };
         let all = Window {
             since: None,
             until: None,
         };
-        let (lines, offset) = history(&s, all, 10);
+        let (lines, mut ends) = history(&s, all, 10);
         let text: Vec<&str> = lines.iter().map(|l| l.line.as_str()).collect();
-        assert_eq!(text, ["one", "two", "three", "four"]);
-        assert_eq!(offset.1, std::fs::metadata(&path).unwrap().len());
-        assert_eq!(lines[2].source, LogSource::Stderr as i32);
+        assert_eq!(text, ["zero", "one", "two", "three", "four"]);
+        assert_eq!(ends[1].consumed, std::fs::metadata(&path).unwrap().len());
+        assert_eq!(lines[3].source, LogSource::Stderr as i32);
         let (newest, _) = history(&s, all, 2);
         assert_eq!(newest.len(), 2);
         assert_eq!(newest[0].line, "three");
@@ -452,14 +583,9 @@ mod tests {
         assert_eq!(bounded.len(), 1);
         assert_eq!(bounded[0].line, "three");
 
-        // Following picks up complete lines only, and a rotation.
-        let mut f = Follower {
-            stream: s,
-            ino: offset.0,
-            offset: offset.1,
-            rest: Vec::new(),
-            asm: Assembler::default(),
-        };
+        // Following picks up complete lines only, and every line across a
+        // rotation: the old file's tail first, then the new file.
+        let mut f = Follower::new("a1".into(), ends.remove(1));
         assert!(f.poll(all).is_empty());
         write_lines(&path, &[(6, "stdout", "F", "five")]);
         let mut file = std::fs::OpenOptions::new()
@@ -469,9 +595,39 @@ mod tests {
         write!(file, "2026-").unwrap();
         let got: Vec<String> = f.poll(all).into_iter().map(|l| l.line).collect();
         assert_eq!(got, ["five"]);
-        std::fs::rename(&path, format!("{}.1", path.display())).unwrap();
-        write_lines(&path, &[(7, "stdout", "F", "six")]);
+        writeln!(file, "12-01T00:00:00Z stdout F finished").unwrap();
+        drop(file);
+        write_lines(&path, &[(7, "stdout", "F", "tail of the old file")]);
+        std::fs::rename(&path, files::rotated(&path, 2)).unwrap();
+        write_lines(&path, &[(8, "stdout", "F", "six")]);
         let got: Vec<String> = f.poll(all).into_iter().map(|l| l.line).collect();
-        assert_eq!(got, ["six"]);
+        assert_eq!(got, ["finished", "tail of the old file", "six"]);
+    }
+
+    #[test]
+    fn a_meta_matches_the_selector_fields() {
+        let m = StreamMeta {
+            assignment_id: "a1".into(),
+            project_id: "p".into(),
+            app_id: "app".into(),
+            environment_id: "env".into(),
+            job_id: String::new(),
+        };
+        let sel = |f: fn(&mut LogSelector)| {
+            let mut s = LogSelector::default();
+            f(&mut s);
+            s
+        };
+        assert!(selected_meta(&sel(|s| s.app_id = "app".into()), &m));
+        assert!(selected_meta(&sel(|s| s.instance_id = "a1".into()), &m));
+        assert!(!selected_meta(&sel(|s| s.instance_id = "a2".into()), &m));
+        assert!(!selected_meta(
+            &sel(|s| {
+                s.app_id = "app".into();
+                s.environment_id = "other".into();
+            }),
+            &m
+        ));
+        assert!(!selected_meta(&sel(|s| s.job_id = "j".into()), &m));
     }
 }

@@ -6,29 +6,40 @@
 //! so output keeps flowing while the agent is down or upgrading. Each line is
 //! written in the CRI log format that kubelet, fluent-bit, Vector and promtail
 //! read: `<RFC3339Nano> <stdout|stderr> <F|P> <line>`, `P` marking a chunk of
-//! a line longer than [`MAX_LINE`]. Files rotate at [`ROTATE_BYTES`] or
-//! [`ROTATE_AGE`] (LOG-5), keeping [`KEEP_ROTATED`] old files (~100 MiB).
+//! a line longer than [`MAX_LINE`]. The file rotates at [`ROTATE_BYTES`] or
+//! [`ROTATE_AGE`] (LOG-5) to `<file>.<seq>`, which a second thread
+//! compresses to `<file>.<seq>.zst` and then applies the retention caps to
+//! (LOG-6, LOG-9; see [`super::files`]), so the copy never waits for zstd.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use super::files;
+use super::retention::{self, Retention};
+
 /// The argv key the runc shim passes us (from the log URI's query).
 pub const ARG: &str = "zattera-log";
+/// The retention caps, in seconds and bytes.
+const ARG_MAX_AGE: &str = "zattera-log-max-age";
+const ARG_MAX_BYTES: &str = "zattera-log-max-bytes";
 pub const MAX_LINE: usize = 16 * 1024;
 pub const ROTATE_BYTES: u64 = 8 * 1024 * 1024;
 pub const ROTATE_AGE: Duration = Duration::from_secs(3600);
-pub const KEEP_ROTATED: usize = 12;
 
 /// The `binary://` URI that makes the runc shim run `agent_binary` as the
-/// logger of a container, writing to `log_path`.
-pub fn log_uri(agent_binary: &Path, log_path: &Path) -> String {
+/// logger of a container, writing to `log_path`, keeping its rotated files
+/// within `caps`.
+pub fn log_uri(agent_binary: &Path, log_path: &Path, caps: Retention) -> String {
     format!(
-        "binary://{}?{ARG}={}",
+        "binary://{}?{ARG}={}&{ARG_MAX_AGE}={}&{ARG_MAX_BYTES}={}",
         percent_encode(&agent_binary.to_string_lossy()),
-        percent_encode(&log_path.to_string_lossy())
+        percent_encode(&log_path.to_string_lossy()),
+        caps.max_age.as_secs(),
+        caps.max_stream_bytes,
     )
 }
 
@@ -45,25 +56,61 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-/// If this process was started as a log shim (`<agent> zattera-log <path>`),
-/// returns the log file path.
-pub fn invoked_as_shim(args: &[String]) -> Option<PathBuf> {
-    match args {
-        [_, key, path] if key == ARG => Some(PathBuf::from(path)),
-        _ => None,
-    }
+/// What the runc shim started us with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimArgs {
+    pub log_path: PathBuf,
+    pub caps: Retention,
 }
 
-/// Runs the shim until both streams reach EOF. Errors go to stderr, which
-/// the runc shim forwards to its own log.
-pub fn run(log_path: &Path) -> io::Result<()> {
+/// If this process was started as a log shim (`<agent> zattera-log <path>
+/// [<key> <value>]...`, the pairs in any order), what it was started with.
+/// A cap that is absent or unreadable is the default.
+pub fn invoked_as_shim(args: &[String]) -> Option<ShimArgs> {
+    let pairs = args.get(1..)?;
+    if pairs.len() % 2 != 0 {
+        return None;
+    }
+    let value = |key: &str| pairs.chunks(2).find(|p| p[0] == key).map(|p| p[1].as_str());
+    let number = |key: &str| value(key).and_then(|v| v.parse::<u64>().ok());
+    let defaults = Retention::default();
+    Some(ShimArgs {
+        log_path: PathBuf::from(value(ARG)?),
+        caps: Retention {
+            max_age: number(ARG_MAX_AGE).map_or(defaults.max_age, Duration::from_secs),
+            max_stream_bytes: number(ARG_MAX_BYTES).unwrap_or(defaults.max_stream_bytes),
+        },
+    })
+}
+
+/// Runs the shim until both streams reach EOF and every rotated file is
+/// compressed. Errors go to stderr, which the runc shim forwards to its own
+/// log.
+pub fn run(args: &ShimArgs) -> io::Result<()> {
     // The runc shim sends SIGTERM when the task's IO closes; we exit at EOF
     // anyway, and must not die before draining what is still in the pipes.
     let mut term = nix::sys::signal::SigSet::empty();
     term.add(nix::sys::signal::Signal::SIGTERM);
     term.thread_block().map_err(io::Error::from)?;
 
-    let writer = Arc::new(Mutex::new(RotatingFile::open(log_path.to_path_buf())?));
+    let (rotated_tx, rotated_rx) = mpsc::channel::<PathBuf>();
+    let log_path = args.log_path.clone();
+    let caps = args.caps;
+    let compressor = std::thread::spawn(move || {
+        for raw in rotated_rx {
+            if let Err(e) = files::compress(&raw) {
+                eprintln!("zattera-agent log shim: compress {}: {e}", raw.display());
+            }
+            for old in retention::expired_of_container(&log_path, caps, SystemTime::now()) {
+                let _ = fs::remove_file(old);
+            }
+        }
+    });
+
+    let writer = Arc::new(Mutex::new(RotatingFile::open(
+        args.log_path.clone(),
+        Some(rotated_tx),
+    )?));
     // Reopening through /proc gives our own read ends of the same pipes
     // without taking ownership of raw descriptors.
     let stdout = File::open("/proc/self/fd/3")?;
@@ -86,13 +133,20 @@ pub fn run(log_path: &Path) -> io::Result<()> {
             Err(_) => result = Err(io::Error::other("log copy thread panicked")),
         }
     }
+    // Both copies are done: dropping the writer ends the compressor's queue.
+    drop(writer);
+    if compressor.join().is_err() {
+        result = Err(io::Error::other("log compressor thread panicked"));
+    }
     result
 }
 
-/// Splits `input` into CRI lines until EOF.
+/// Splits `input` into CRI lines until EOF: what one read brings is written
+/// with one write, whole lines only.
 fn copy_lines(mut input: impl Read, stream: &str, out: &Mutex<RotatingFile>) -> io::Result<()> {
     let mut buf = vec![0u8; 64 * 1024];
     let mut pending: Vec<u8> = Vec::with_capacity(MAX_LINE);
+    let mut batch: Vec<u8> = Vec::with_capacity(128 * 1024);
     loop {
         let n = match input.read(&mut buf) {
             Ok(0) => break,
@@ -100,20 +154,23 @@ fn copy_lines(mut input: impl Read, stream: &str, out: &Mutex<RotatingFile>) -> 
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
+        let time = humantime::format_rfc3339_nanos(SystemTime::now()).to_string();
+        batch.clear();
         for record in split_records(&mut pending, &buf[..n]) {
-            write_record(out, stream, &record)?;
+            encode(&mut batch, &time, stream, &record);
         }
+        write_batch(out, &batch)?;
     }
     if !pending.is_empty() {
         // Output that ended without a newline is still a whole line.
-        write_record(
-            out,
-            stream,
-            &Record {
-                full: true,
-                data: std::mem::take(&mut pending),
-            },
-        )?;
+        let time = humantime::format_rfc3339_nanos(SystemTime::now()).to_string();
+        batch.clear();
+        let record = Record {
+            full: true,
+            data: std::mem::take(&mut pending),
+        };
+        encode(&mut batch, &time, stream, &record);
+        write_batch(out, &batch)?;
     }
     Ok(())
 }
@@ -146,30 +203,39 @@ fn split_records(pending: &mut Vec<u8>, chunk: &[u8]) -> Vec<Record> {
     out
 }
 
-fn write_record(out: &Mutex<RotatingFile>, stream: &str, record: &Record) -> io::Result<()> {
-    let time = humantime::format_rfc3339_nanos(SystemTime::now());
-    let tag = if record.full { 'F' } else { 'P' };
-    let mut line = Vec::with_capacity(record.data.len() + 48);
-    write!(line, "{time} {stream} {tag} ")?;
-    line.extend_from_slice(&record.data);
-    line.push(b'\n');
+/// One CRI line; every line of a read gets the time of that read.
+fn encode(out: &mut Vec<u8>, time: &str, stream: &str, record: &Record) {
+    let tag = if record.full { "F" } else { "P" };
+    for part in [time, " ", stream, " ", tag, " "] {
+        out.extend_from_slice(part.as_bytes());
+    }
+    out.extend_from_slice(&record.data);
+    out.push(b'\n');
+}
+
+fn write_batch(out: &Mutex<RotatingFile>, batch: &[u8]) -> io::Result<()> {
+    if batch.is_empty() {
+        return Ok(());
+    }
     let mut file = out
         .lock()
         .map_err(|_| io::Error::other("log writer lock poisoned"))?;
-    file.append(&line)
+    file.append(batch)
 }
 
-/// The current log file plus its rotated predecessors `<path>.1` … `<path>.N`.
+/// The live log file; rotated files go to the compressor.
 #[derive(Debug)]
 struct RotatingFile {
     path: PathBuf,
     file: File,
     size: u64,
     opened: Instant,
+    next_seq: u64,
+    rotated: Option<mpsc::Sender<PathBuf>>,
 }
 
 impl RotatingFile {
-    fn open(path: PathBuf) -> io::Result<Self> {
+    fn open(path: PathBuf, rotated: Option<mpsc::Sender<PathBuf>>) -> io::Result<Self> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         if let Some(dir) = path.parent() {
             fs::DirBuilder::new()
@@ -185,34 +251,37 @@ impl RotatingFile {
             .open(&path)?;
         let size = file.metadata()?.len();
         Ok(Self {
+            next_seq: files::next_seq(&path),
             path,
             file,
             size,
             opened: Instant::now(),
+            rotated,
         })
     }
 
-    fn append(&mut self, line: &[u8]) -> io::Result<()> {
+    /// Appends whole lines; one write, so readers never see a torn line
+    /// from the other stream.
+    fn append(&mut self, lines: &[u8]) -> io::Result<()> {
         if self.size > 0 && (self.size >= ROTATE_BYTES || self.opened.elapsed() >= ROTATE_AGE) {
             self.rotate()?;
         }
-        // One write per line: readers never see a torn line from the other stream.
-        self.file.write_all(line)?;
-        self.size += line.len() as u64;
+        self.file.write_all(lines)?;
+        self.size += lines.len() as u64;
         Ok(())
     }
 
     fn rotate(&mut self) -> io::Result<()> {
-        let numbered = |n: usize| PathBuf::from(format!("{}.{n}", self.path.display()));
-        let _ = fs::remove_file(numbered(KEEP_ROTATED));
-        for n in (1..KEEP_ROTATED).rev() {
-            let from = numbered(n);
-            if from.exists() {
-                fs::rename(&from, numbered(n + 1))?;
-            }
+        let to = files::rotated(&self.path, self.next_seq);
+        fs::rename(&self.path, &to)?;
+        let rotated = self.rotated.take();
+        *self = Self::open(self.path.clone(), None)?;
+        if let Some(tx) = &rotated {
+            // A compressor gone (it cannot be while we run) leaves the raw
+            // file to the janitor.
+            let _ = tx.send(to);
         }
-        fs::rename(&self.path, numbered(1))?;
-        *self = Self::open(self.path.clone())?;
+        self.rotated = rotated;
         Ok(())
     }
 }
@@ -223,20 +292,53 @@ mod tests {
 
     #[test]
     fn uri_encodes_paths_and_shim_args_round_trip() {
+        let caps = Retention {
+            max_age: Duration::from_secs(60),
+            max_stream_bytes: 1000,
+        };
         let uri = log_uri(
             Path::new("/usr/bin/zattera-agent"),
             Path::new("/var/lib/z/logs/a b.log"),
+            caps,
         );
         assert_eq!(
             uri,
-            "binary:///usr/bin/zattera-agent?zattera-log=/var/lib/z/logs/a%20b.log"
+            "binary:///usr/bin/zattera-agent?zattera-log=/var/lib/z/logs/a%20b.log\
+             &zattera-log-max-age=60&zattera-log-max-bytes=1000"
         );
+        // The runc shim passes the pairs in any order.
+        let args: Vec<String> = [
+            "/usr/bin/zattera-agent",
+            ARG_MAX_BYTES,
+            "1000",
+            ARG,
+            "/x.log",
+            ARG_MAX_AGE,
+            "60",
+        ]
+        .map(String::from)
+        .to_vec();
+        let want = ShimArgs {
+            log_path: PathBuf::from("/x.log"),
+            caps,
+        };
+        assert_eq!(invoked_as_shim(&args), Some(want));
+        // A shim started by an agent from before the caps: the defaults.
         let args: Vec<String> = ["/usr/bin/zattera-agent", ARG, "/x.log"]
             .map(String::from)
             .to_vec();
-        assert_eq!(invoked_as_shim(&args), Some(PathBuf::from("/x.log")));
-        let args: Vec<String> = ["zattera-agent", "run"].map(String::from).to_vec();
-        assert_eq!(invoked_as_shim(&args), None);
+        assert_eq!(
+            invoked_as_shim(&args).map(|a| a.caps),
+            Some(Retention::default())
+        );
+        for args in [
+            vec!["zattera-agent", "run"],
+            vec!["zattera-agent", "run", "x"],
+            vec![],
+        ] {
+            let args: Vec<String> = args.into_iter().map(String::from).collect();
+            assert_eq!(invoked_as_shim(&args), None, "{args:?}");
+        }
     }
 
     #[test]
@@ -265,10 +367,11 @@ mod tests {
     }
 
     #[test]
-    fn writes_cri_lines_and_rotates() {
+    fn writes_cri_lines_and_rotates_to_the_compressor() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.log");
-        let out = Mutex::new(RotatingFile::open(path.clone()).unwrap());
+        let (tx, rx) = mpsc::channel();
+        let out = Mutex::new(RotatingFile::open(path.clone(), Some(tx)).unwrap());
         copy_lines(&b"hello\nworld"[..], "stderr", &out).unwrap();
         let text = fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = text.lines().collect();
@@ -281,12 +384,16 @@ mod tests {
 
         out.lock().unwrap().size = ROTATE_BYTES;
         copy_lines(&b"after\n"[..], "stdout", &out).unwrap();
-        assert!(
-            fs::read_to_string(format!("{}.1", path.display()))
-                .unwrap()
-                .contains("hello")
-        );
+        let first = rx.try_recv().unwrap();
+        assert_eq!(first, dir.path().join("c.log.1"));
+        assert!(fs::read_to_string(&first).unwrap().contains("hello"));
         let current = fs::read_to_string(&path).unwrap();
         assert!(current.ends_with(" stdout F after\n") && current.lines().count() == 1);
+
+        // Seq only grows, past what is on disk from before.
+        files::compress(&first).unwrap();
+        out.lock().unwrap().size = ROTATE_BYTES;
+        copy_lines(&b"again\n"[..], "stdout", &out).unwrap();
+        assert_eq!(rx.try_recv().unwrap(), dir.path().join("c.log.2"));
     }
 }

@@ -1,0 +1,277 @@
+//! Container output kept as promised (issue 17.1), through the real
+//! `zattera-agent run` binary, its log shim under containerd's runc shim and
+//! the rig's containerd: a heavy writer loses no line, rotated files are
+//! zstd-compressed and within the cap, QueryLogs reads across compressed and
+//! live files in order, and the janitor removes what retention says.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use futures::StreamExt;
+use support::agent::AgentProc;
+use support::{rig, with_namespace};
+use zattera_agent::logs::files::{self, Kind};
+use zattera_agent::proto::v1::{LogQuery, LogSelector};
+use zattera_agent::runtime::import_archive;
+
+const TOOLS: &str = "docker.io/zattera/busybox:tools";
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+fn spewer(mib_per_sec: u32, secs: u32) -> String {
+    format!(
+        "[app]\nname = \"spew\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TOOLS}\"\n\
+         [env.prod]\ncommand = \"ztprobe spew {mib_per_sec} {secs}; exec sleep 1000000\"\n"
+    )
+}
+
+/// The CRI text of every line in `paths`, in order.
+fn texts(paths: &[PathBuf]) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in paths {
+        for line in files::open(p).unwrap().lines() {
+            let line = line.unwrap();
+            out.push(line.splitn(4, ' ').nth(3).unwrap_or_default().to_owned());
+        }
+    }
+    out
+}
+
+/// `spew <n>` → n; `spew end <count>` → None.
+fn spew_number(text: &str) -> Option<u64> {
+    text.strip_prefix("spew ")?.split(' ').next()?.parse().ok()
+}
+
+/// Waits until the spewer's last line is in the live file and every
+/// rotation is compressed; the container's files then.
+fn wait_for_the_end(live: &Path, within: Duration) -> Vec<files::LogFile> {
+    let deadline = Instant::now() + within;
+    loop {
+        let ended = std::fs::read_to_string(live).is_ok_and(|t| t.contains(" spew end "));
+        let mine: Vec<files::LogFile> = files::list(live.parent().unwrap())
+            .unwrap()
+            .into_iter()
+            .filter(|f| live.file_stem().is_some_and(|s| *s == *f.container_id))
+            .collect();
+        let pending = mine
+            .iter()
+            .any(|f| matches!(f.kind, Kind::Raw(_) | Kind::Partial(_)));
+        if ended && !pending {
+            return mine;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the spewer did not finish: ended {ended}, rotations pending {pending}: {mine:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn age(path: &Path, by: Duration) {
+    std::fs::File::options()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_modified(SystemTime::now() - by)
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "logs-heavy", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztla", "230-230");
+        agent.write_manifest("spew.toml", &spewer(20, 30));
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let (assignment, cid) = ids.into_iter().next().unwrap();
+        let started = Instant::now();
+        let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
+        let mine = wait_for_the_end(&live, Duration::from_secs(120));
+        let took = started.elapsed();
+
+        // Every line, once, in order, across compressed rotations.
+        let paths = files::of_container(&live);
+        let all = texts(&paths);
+        let (last, numbers) = all.split_last().unwrap();
+        for (want, text) in numbers.iter().enumerate() {
+            assert_eq!(
+                spew_number(text),
+                Some(want as u64),
+                "line {want}: {text:?}"
+            );
+        }
+        assert_eq!(last, &format!("spew end {}", numbers.len()));
+        let compressed: Vec<&files::LogFile> = mine
+            .iter()
+            .filter(|f| matches!(f.kind, Kind::Compressed(_)))
+            .collect();
+        let zst_bytes: u64 = compressed.iter().map(|f| f.size).sum();
+        let raw_bytes = numbers.len() as u64 * 100;
+        eprintln!(
+            "{} lines ({} MiB) in {:.1} s, {} compressed rotations, {} KiB compressed",
+            numbers.len(),
+            raw_bytes >> 20,
+            took.as_secs_f64(),
+            compressed.len(),
+            zst_bytes >> 10
+        );
+        // 20 MiB/s for 30 s is about 600 MiB, 8 MiB a rotation.
+        assert!(numbers.len() > 5_000_000, "{} lines", numbers.len());
+        assert!(compressed.len() >= 50, "{} rotations", compressed.len());
+        assert!(zst_bytes <= 100 << 20, "{zst_bytes} bytes over the cap");
+
+        // QueryLogs, up to the live file's first line: the newest 10,000
+        // lines before it come out of the newest compressed file and go on
+        // into the live file without a gap.
+        let first_live = std::fs::read_to_string(&live).unwrap();
+        let first_live = first_live.lines().next().unwrap();
+        let live_at = humantime::parse_rfc3339(first_live.split(' ').next().unwrap()).unwrap();
+        let live_n = spew_number(first_live.splitn(4, ' ').nth(3).unwrap()).unwrap();
+        let (_, desired) = tokio::sync::watch::channel(None);
+        let query = LogQuery {
+            selector: Some(LogSelector {
+                instance_id: assignment.clone(),
+                ..LogSelector::default()
+            }),
+            until: Some(live_at.into()),
+            limit: 10_000,
+            ..LogQuery::default()
+        };
+        let mut got = zattera_agent::control::node_api::logs::query_logs(
+            &ctd,
+            &agent.data_dir(),
+            &desired,
+            query,
+        )
+        .await
+        .unwrap();
+        let mut lines = Vec::new();
+        while let Some(l) = got.next().await {
+            lines.push(l.unwrap());
+        }
+        assert_eq!(lines.len(), 10_000);
+        assert!(lines.iter().all(|l| l.instance_id == assignment));
+        let ns: Vec<u64> = lines
+            .iter()
+            .map(|l| spew_number(&l.line).unwrap())
+            .collect();
+        assert!(
+            ns.windows(2).all(|w| w[1] == w[0] + 1),
+            "a gap or reordering"
+        );
+        assert!(
+            ns[0] < live_n && live_n <= ns[9_999],
+            "{}..={} does not cross into the live file at {live_n}",
+            ns[0],
+            ns[9_999]
+        );
+
+        // The janitor, at the agent's start: a rotation past the age cap
+        // goes; so does every file of a container removed 8 days ago, but
+        // not those of one removed yesterday, nor the running one's.
+        agent.kill9();
+        let logs = agent.data_dir().join("logs");
+        let oldest = compressed[0].path.clone();
+        age(&oldest, 8 * DAY);
+        let gone = |cid: &str, ago: Duration| -> Vec<PathBuf> {
+            let live = logs.join(format!("{cid}.log"));
+            std::fs::write(&live, "2026-11-20T00:00:00Z stdout F bye\n").unwrap();
+            files::write_meta(
+                &live,
+                &files::StreamMeta {
+                    assignment_id: format!("{cid}-assignment"),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let rotated = files::rotated(&live, 1);
+            std::fs::write(&rotated, "2026-11-20T00:00:00Z stdout F hi\n").unwrap();
+            let (rotated, _) = files::compress(&rotated).unwrap();
+            let all = vec![live.clone(), files::meta_path(&live), rotated];
+            for p in &all {
+                age(p, ago);
+            }
+            all
+        };
+        let old_gone = gone("removed-long-ago", 8 * DAY);
+        let recently_gone = gone("removed-yesterday", DAY);
+        agent.start();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while old_gone.iter().chain([&oldest]).any(|p| p.exists()) {
+            assert!(
+                Instant::now() < deadline,
+                "the janitor left {:?}; agent log:\n{}",
+                old_gone
+                    .iter()
+                    .chain([&oldest])
+                    .filter(|p| p.exists())
+                    .collect::<Vec<_>>(),
+                agent.log()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        for p in recently_gone.iter().chain([&live, &compressed[1].path]) {
+            assert!(p.exists(), "{} was removed", p.display());
+        }
+        assert!(agent.log().contains("log janitor"), "{}", agent.log());
+        // The running container was adopted, not restarted.
+        assert_eq!(agent.wait_all(1, "HEALTHY").get(&assignment), Some(&cid));
+
+        agent.kill9();
+        support::purge_namespace(&ctd).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "logs-cap", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlb", "231-231");
+        agent.run_args = vec!["--log-max-stream-mb".into(), "1".into()];
+        agent.write_manifest("spew.toml", &spewer(20, 6));
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let cid = ids.values().next().unwrap().clone();
+        let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
+        let mine = wait_for_the_end(&live, Duration::from_secs(90));
+
+        let mut seqs: BTreeMap<u64, u64> = BTreeMap::new();
+        for f in &mine {
+            if let Kind::Compressed(n) = f.kind {
+                seqs.insert(n, f.size);
+            }
+        }
+        let total: u64 = seqs.values().sum();
+        assert!(total <= 1 << 20, "{total} compressed bytes kept: {seqs:?}");
+        assert!(
+            seqs.keys().next().is_some_and(|first| *first > 1),
+            "nothing was dropped: {seqs:?}"
+        );
+        // What is kept is the newest part, without a gap up to the end.
+        let all = texts(&files::of_container(&live));
+        let (last, numbers) = all.split_last().unwrap();
+        let first = spew_number(&numbers[0]).unwrap();
+        assert!(first > 0);
+        for (i, text) in numbers.iter().enumerate() {
+            assert_eq!(spew_number(text), Some(first + i as u64), "{text:?}");
+        }
+        assert_eq!(last, &format!("spew end {}", first + numbers.len() as u64));
+
+        agent.kill9();
+        support::purge_namespace(&ctd).await;
+    })
+    .await;
+}
