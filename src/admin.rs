@@ -36,12 +36,16 @@ pub fn bind(run_dir: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serves requests until the task is dropped. `notices` are node-level
-/// warnings (an expiring certificate) shown with the status.
+/// Node-level warnings, one feed per service that has any (the identity's
+/// expiry, disk pressure).
+pub type Notices = Vec<watch::Receiver<Vec<String>>>;
+
+/// Serves requests until the task is dropped. `notices` are shown with the
+/// status.
 pub async fn serve(
     listener: UnixListener,
     status: watch::Receiver<Arc<StatusSnapshot>>,
-    notices: watch::Receiver<Vec<String>>,
+    notices: Notices,
 ) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -61,7 +65,7 @@ pub async fn serve(
 async fn answer(
     stream: UnixStream,
     status: watch::Receiver<Arc<StatusSnapshot>>,
-    notices: watch::Receiver<Vec<String>>,
+    notices: Notices,
 ) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
@@ -72,7 +76,7 @@ async fn answer(
     let body = match line.trim() {
         "status" => {
             let mut snapshot = StatusSnapshot::clone(&status.borrow());
-            snapshot.notices.clone_from(&notices.borrow());
+            snapshot.notices = notices.iter().flat_map(|n| n.borrow().clone()).collect();
             serde_json::to_vec(&snapshot).map_err(std::io::Error::other)?
         }
         other => serde_json::to_vec(

@@ -166,7 +166,22 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             admin::socket_path(&config.run_dir).display()
         )
     })?;
-    let admin_task = tokio::spawn(admin::serve(listener, handle.status.clone(), notices_rx));
+    let (disk_notices, disk_notices_rx) = tokio::sync::watch::channel(Vec::new());
+    let image_gc = tokio::spawn(
+        crate::image_gc::ImageGc {
+            ctd: ctd.clone(),
+            policy: config.image_gc.policy.clone(),
+            every: config.image_gc.every,
+            record: crate::image_gc::ImageGc::record_path(&config.data_dir),
+            notices: disk_notices,
+        }
+        .run(),
+    );
+    let admin_task = tokio::spawn(admin::serve(
+        listener,
+        handle.status.clone(),
+        vec![notices_rx, disk_notices_rx],
+    ));
     if let Some(renewer) = renewer {
         tokio::spawn(renewer.run());
     }
@@ -287,6 +302,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     admin_task.abort();
     executor_task.abort();
     log_janitor.abort();
+    image_gc.abort();
     if let Some((stats, path)) = &stats_on_close {
         crate::metrics::persist::flush_now(stats, path).await;
     }

@@ -89,6 +89,25 @@ pub struct Settings {
     /// Compressed container output kept per instance, in MiB (default 100).
     #[serde(alias = "log_max_stream_mb")]
     pub log_max_stream_mb: Option<u64>,
+    /// Percent of the image filesystem in use that starts image GC (85).
+    #[serde(alias = "image_gc_high_percent")]
+    pub image_gc_high_percent: Option<u8>,
+    /// Where image GC stops (80).
+    #[serde(alias = "image_gc_low_percent")]
+    pub image_gc_low_percent: Option<u8>,
+    /// Unused this long, an image is removed without disk pressure; `off`
+    /// (the default): only disk pressure removes images.
+    #[serde(alias = "image_gc_max_age")]
+    pub image_gc_max_age: Option<String>,
+    /// An image used or pulled this recently is kept (2m).
+    #[serde(alias = "image_gc_min_age")]
+    pub image_gc_min_age: Option<String>,
+    /// Images never removed: names, or prefixes ending in `*`.
+    #[serde(alias = "image_gc_pinned")]
+    pub image_gc_pinned: Option<Vec<String>>,
+    /// Time between image GC passes (5m).
+    #[serde(alias = "image_gc_interval")]
+    pub image_gc_interval: Option<String>,
 }
 
 impl Settings {
@@ -141,6 +160,12 @@ impl Settings {
             host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
             log_retention: top.log_retention.or(self.log_retention),
             log_max_stream_mb: top.log_max_stream_mb.or(self.log_max_stream_mb),
+            image_gc_high_percent: top.image_gc_high_percent.or(self.image_gc_high_percent),
+            image_gc_low_percent: top.image_gc_low_percent.or(self.image_gc_low_percent),
+            image_gc_max_age: top.image_gc_max_age.or(self.image_gc_max_age),
+            image_gc_min_age: top.image_gc_min_age.or(self.image_gc_min_age),
+            image_gc_pinned: top.image_gc_pinned.or(self.image_gc_pinned),
+            image_gc_interval: top.image_gc_interval.or(self.image_gc_interval),
         }
     }
 
@@ -214,7 +239,9 @@ impl Settings {
             }
             Some(mb) => mb.saturating_mul(1024 * 1024),
         };
+        let image_gc = self.image_gc()?;
         Ok(Config {
+            image_gc,
             log_retention: crate::logs::Retention {
                 max_age: log_max_age,
                 max_stream_bytes: log_max_stream_bytes,
@@ -246,6 +273,61 @@ impl Settings {
     }
 }
 
+impl Settings {
+    fn image_gc(&self) -> Result<ImageGcConfig, ConfigError> {
+        use crate::image_gc::{DEFAULT_EVERY, GcPolicy, Pin};
+        let defaults = GcPolicy::default();
+        let duration = |key: &'static str, text: &str| {
+            humantime::parse_duration(text.trim()).map_err(|_| ConfigError::Invalid {
+                key,
+                message: format!("{text:?} is not a duration such as 90s, 10m or 7days"),
+            })
+        };
+        let high = self.image_gc_high_percent.unwrap_or(defaults.high_percent);
+        let low = self.image_gc_low_percent.unwrap_or(defaults.low_percent);
+        if !(1..=100).contains(&high) || low >= high {
+            return Err(ConfigError::Invalid {
+                key: "image-gc-low-percent",
+                message: format!(
+                    "the low mark ({low}%) must be under the high mark ({high}%), at most 100%"
+                ),
+            });
+        }
+        let max_age = match self.image_gc_max_age.as_deref().map(str::trim) {
+            None | Some("off" | "") => None,
+            Some(text) => Some(duration("image-gc-max-age", text)?),
+        };
+        let min_age = match self.image_gc_min_age.as_deref() {
+            None => defaults.min_age,
+            Some(text) => duration("image-gc-min-age", text)?,
+        };
+        let every = match self.image_gc_interval.as_deref() {
+            None => DEFAULT_EVERY,
+            Some(text) => Some(duration("image-gc-interval", text)?)
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| ConfigError::Invalid {
+                    key: "image-gc-interval",
+                    message: "must be more than 0".into(),
+                })?,
+        };
+        Ok(ImageGcConfig {
+            policy: GcPolicy {
+                max_age,
+                min_age,
+                high_percent: high,
+                low_percent: low,
+                pinned: self
+                    .image_gc_pinned
+                    .iter()
+                    .flatten()
+                    .map(|p| Pin::new(p))
+                    .collect(),
+            },
+            every,
+        })
+    }
+}
+
 /// The resolved configuration the agent runs with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -271,6 +353,14 @@ pub struct Config {
     /// argv of the host-shutdown check; empty: never.
     pub host_shutdown_check: Vec<String>,
     pub log_retention: crate::logs::Retention,
+    pub image_gc: ImageGcConfig,
+}
+
+/// Image garbage collection, resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageGcConfig {
+    pub policy: crate::image_gc::GcPolicy,
+    pub every: std::time::Duration,
 }
 
 /// systemd's own answer: `stopping` while the host shuts down or reboots,

@@ -13,6 +13,7 @@ pub mod control;
 pub mod doctor;
 pub mod executor;
 pub mod health;
+pub mod image_gc;
 pub mod logs;
 pub mod metrics;
 pub mod proto;

@@ -64,6 +64,24 @@ pub struct RunArgs {
     /// Compressed container output kept per instance, in MiB [default: 100]
     #[arg(long, value_name = "MIB")]
     log_max_stream_mb: Option<u64>,
+    /// Image filesystem use that starts image GC, percent [default: 85]
+    #[arg(long, value_name = "PERCENT")]
+    image_gc_high_percent: Option<u8>,
+    /// Image filesystem use where image GC stops, percent [default: 80]
+    #[arg(long, value_name = "PERCENT")]
+    image_gc_low_percent: Option<u8>,
+    /// Unused this long, an image is removed even without disk pressure [default: off]
+    #[arg(long, value_name = "DURATION|off")]
+    image_gc_max_age: Option<String>,
+    /// An image used or pulled this recently is never removed [default: 2m]
+    #[arg(long, value_name = "DURATION")]
+    image_gc_min_age: Option<String>,
+    /// An image image GC never removes (a name, or a prefix ending in *); repeatable
+    #[arg(long = "image-gc-pin", value_name = "IMAGE")]
+    image_gc_pinned: Vec<String>,
+    /// Time between image GC passes [default: 5m]
+    #[arg(long, value_name = "DURATION")]
+    image_gc_interval: Option<String>,
 }
 
 impl RunArgs {
@@ -86,6 +104,13 @@ impl RunArgs {
             host_shutdown_check: self.host_shutdown_check.clone(),
             log_retention: self.log_retention.clone(),
             log_max_stream_mb: self.log_max_stream_mb,
+            image_gc_high_percent: self.image_gc_high_percent,
+            image_gc_low_percent: self.image_gc_low_percent,
+            image_gc_max_age: self.image_gc_max_age.clone(),
+            image_gc_min_age: self.image_gc_min_age.clone(),
+            image_gc_pinned: (!self.image_gc_pinned.is_empty())
+                .then(|| self.image_gc_pinned.clone()),
+            image_gc_interval: self.image_gc_interval.clone(),
             ..base
         }
     }

@@ -115,6 +115,14 @@ pub fn run(args: &ShimArgs) -> io::Result<()> {
     // without taking ownership of raw descriptors.
     let stdout = File::open("/proc/self/fd/3")?;
     let stderr = File::open("/proc/self/fd/4")?;
+    // A larger pipe lets a burst wait in the kernel instead of blocking the
+    // container's write while a line batch is on its way to disk.
+    for pipe in [&stdout, &stderr] {
+        let _ = nix::fcntl::fcntl(
+            pipe,
+            nix::fcntl::FcntlArg::F_SETPIPE_SZ(i32::try_from(READ_BYTES).unwrap_or(i32::MAX)),
+        );
+    }
     // Ready: the runc shim starts the task once fd 5 is closed.
     nix::unistd::close(5).map_err(io::Error::from)?;
 
@@ -144,9 +152,9 @@ pub fn run(args: &ShimArgs) -> io::Result<()> {
 /// Splits `input` into CRI lines until EOF: what one read brings is written
 /// with one write, whole lines only.
 fn copy_lines(mut input: impl Read, stream: &str, out: &Mutex<RotatingFile>) -> io::Result<()> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut pending: Vec<u8> = Vec::with_capacity(MAX_LINE);
-    let mut batch: Vec<u8> = Vec::with_capacity(128 * 1024);
+    let mut buf = vec![0u8; READ_BYTES];
+    let mut framer = Framer::new(stream);
+    let mut batch: Vec<u8> = Vec::with_capacity(READ_BYTES * 2);
     loop {
         let n = match input.read(&mut buf) {
             Ok(0) => break,
@@ -154,63 +162,80 @@ fn copy_lines(mut input: impl Read, stream: &str, out: &Mutex<RotatingFile>) -> 
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        let time = humantime::format_rfc3339_nanos(SystemTime::now()).to_string();
         batch.clear();
-        for record in split_records(&mut pending, &buf[..n]) {
-            encode(&mut batch, &time, stream, &record);
+        framer.frame(&buf[..n], SystemTime::now(), &mut batch);
+        write_batch(out, &batch)?;
+    }
+    // Output that ended without a newline is still a whole line.
+    batch.clear();
+    framer.finish(SystemTime::now(), &mut batch);
+    write_batch(out, &batch)
+}
+
+/// What one read takes from the pipe (the pipe is made this large too).
+const READ_BYTES: usize = 1 << 20;
+
+/// Turns a stream's bytes into CRI lines: `<time> <stream> F <line>`, and
+/// `P` for each [`MAX_LINE`] chunk of a longer line. Bytes are copied once,
+/// from the read buffer into the batch; every line of a read gets that
+/// read's time.
+#[derive(Debug)]
+struct Framer {
+    stream: &'static str,
+    /// The start of a line whose end has not been read yet.
+    pending: Vec<u8>,
+}
+
+impl Framer {
+    fn new(stream: &str) -> Self {
+        Self {
+            stream: if stream == "stderr" {
+                "stderr"
+            } else {
+                "stdout"
+            },
+            pending: Vec::with_capacity(MAX_LINE),
         }
-        write_batch(out, &batch)?;
     }
-    if !pending.is_empty() {
-        // Output that ended without a newline is still a whole line.
-        let time = humantime::format_rfc3339_nanos(SystemTime::now()).to_string();
-        batch.clear();
-        let record = Record {
-            full: true,
-            data: std::mem::take(&mut pending),
-        };
-        encode(&mut batch, &time, stream, &record);
-        write_batch(out, &batch)?;
-    }
-    Ok(())
-}
 
-#[derive(Debug, PartialEq, Eq)]
-struct Record {
-    full: bool,
-    data: Vec<u8>,
-}
-
-/// Feeds `chunk` into the line assembler; returns the finished records.
-fn split_records(pending: &mut Vec<u8>, chunk: &[u8]) -> Vec<Record> {
-    let mut out = Vec::new();
-    for &b in chunk {
-        if b == b'\n' {
-            out.push(Record {
-                full: true,
-                data: std::mem::take(pending),
-            });
-        } else {
-            pending.push(b);
-            if pending.len() >= MAX_LINE {
-                out.push(Record {
-                    full: false,
-                    data: std::mem::take(pending),
-                });
+    fn frame(&mut self, mut chunk: &[u8], at: SystemTime, out: &mut Vec<u8>) {
+        let time = humantime::format_rfc3339_nanos(at).to_string();
+        while !chunk.is_empty() {
+            let room = MAX_LINE - self.pending.len();
+            let window = &chunk[..room.min(chunk.len())];
+            if let Some(end) = memchr::memchr(b'\n', window) {
+                self.emit(&time, 'F', &chunk[..end], out);
+                chunk = &chunk[end + 1..];
+            } else if chunk.len() >= room {
+                self.emit(&time, 'P', window, out);
+                chunk = &chunk[room..];
+            } else {
+                self.pending.extend_from_slice(chunk);
+                chunk = &[];
             }
         }
     }
-    out
-}
 
-/// One CRI line; every line of a read gets the time of that read.
-fn encode(out: &mut Vec<u8>, time: &str, stream: &str, record: &Record) {
-    let tag = if record.full { "F" } else { "P" };
-    for part in [time, " ", stream, " ", tag, " "] {
-        out.extend_from_slice(part.as_bytes());
+    fn finish(&mut self, at: SystemTime, out: &mut Vec<u8>) {
+        if !self.pending.is_empty() {
+            let time = humantime::format_rfc3339_nanos(at).to_string();
+            self.emit(&time, 'F', &[], out);
+        }
     }
-    out.extend_from_slice(&record.data);
-    out.push(b'\n');
+
+    /// One line: the pending start, then `tail`.
+    fn emit(&mut self, time: &str, tag: char, tail: &[u8], out: &mut Vec<u8>) {
+        out.extend_from_slice(time.as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(self.stream.as_bytes());
+        out.push(b' ');
+        out.push(if tag == 'F' { b'F' } else { b'P' });
+        out.push(b' ');
+        out.extend_from_slice(&self.pending);
+        self.pending.clear();
+        out.extend_from_slice(tail);
+        out.push(b'\n');
+    }
 }
 
 fn write_batch(out: &Mutex<RotatingFile>, batch: &[u8]) -> io::Result<()> {
@@ -341,29 +366,41 @@ mod tests {
         }
     }
 
-    #[test]
-    fn splits_lines_and_marks_long_ones_partial() {
-        let mut pending = Vec::new();
-        let r = split_records(&mut pending, b"one\ntw");
-        assert_eq!(
-            r,
-            vec![Record {
-                full: true,
-                data: b"one".to_vec()
-            }]
-        );
-        let r = split_records(&mut pending, b"o\n\n");
-        assert_eq!(r.len(), 2);
-        assert_eq!(r[0].data, b"two");
-        assert!(r[1].full && r[1].data.is_empty());
+    fn framed(framer: &mut Framer, chunks: &[&[u8]]) -> Vec<String> {
+        let mut out = Vec::new();
+        let at = SystemTime::UNIX_EPOCH;
+        for c in chunks {
+            framer.frame(c, at, &mut out);
+        }
+        framer.finish(at, &mut out);
+        String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| l.split_once(' ').unwrap().1.to_owned())
+            .collect()
+    }
 
-        let long = vec![b'x'; MAX_LINE + 10];
-        let mut input = long.clone();
-        input.push(b'\n');
-        let r = split_records(&mut pending, &input);
-        assert_eq!(r.len(), 2);
-        assert!(!r[0].full && r[0].data.len() == MAX_LINE);
-        assert!(r[1].full && r[1].data.len() == 10);
+    #[test]
+    fn frames_lines_across_reads_and_marks_long_ones_partial() {
+        let mut f = Framer::new("stdout");
+        assert_eq!(
+            framed(&mut f, &[b"one\ntw", b"o\n\n", b"end"]),
+            ["stdout F one", "stdout F two", "stdout F ", "stdout F end"]
+        );
+        // A line of exactly MAX_LINE bytes: one full chunk, then its end.
+        let mut exact = vec![b'x'; MAX_LINE];
+        exact.push(b'\n');
+        let got = framed(&mut Framer::new("stderr"), &[&exact]);
+        assert_eq!(got.len(), 2);
+        assert!(got[0].starts_with("stderr P xxx") && got[0].len() == 9 + MAX_LINE);
+        assert_eq!(got[1], "stderr F ");
+        // Longer, split over reads: chunks of MAX_LINE, the rest whole.
+        let long = vec![b'y'; MAX_LINE + 10];
+        let (a, b) = long.split_at(100);
+        let got = framed(&mut Framer::new("stdout"), &[a, b, b"\n"]);
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].len(), 9 + MAX_LINE);
+        assert_eq!(got[1], format!("stdout F {}", "y".repeat(10)));
     }
 
     #[test]

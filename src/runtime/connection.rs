@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use containerd_client::services::v1::{
     containers_client::ContainersClient, content_client::ContentClient, diff_client::DiffClient,
-    events_client::EventsClient, images_client::ImagesClient, leases_client::LeasesClient,
+    events_client::EventsClient, images_client::ImagesClient,
+    introspection_client::IntrospectionClient, leases_client::LeasesClient,
     namespaces_client::NamespacesClient, snapshots::snapshots_client::SnapshotsClient,
     tasks_client::TasksClient, version_client::VersionClient,
 };
@@ -130,6 +131,33 @@ impl Containerd {
         ContentClient::new(self.channel.clone())
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20)
+    }
+
+    pub fn introspection(&self) -> IntrospectionClient<Channel> {
+        IntrospectionClient::new(self.channel.clone())
+    }
+
+    /// The directory of containerd's content store, from the content
+    /// plugin's exports: the filesystem images fill.
+    pub async fn content_root(&self) -> Result<PathBuf, RuntimeError> {
+        let reply = self
+            .introspection()
+            .plugins(
+                self.request(containerd_client::services::v1::PluginsRequest {
+                    filters: vec!["type==io.containerd.content.v1".into()],
+                }),
+            )
+            .await
+            .map_err(RuntimeError::grpc("introspection: plugins"))?
+            .into_inner();
+        reply
+            .plugins
+            .iter()
+            .find_map(|p| p.exports.get("root"))
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                RuntimeError::Invalid("containerd's content plugin exports no root".into())
+            })
     }
 
     pub fn images(&self) -> ImagesClient<Channel> {

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use containerd_client::services::v1::{
-    CreateImageRequest, GetImageRequest, Image, UpdateImageRequest,
+    CreateImageRequest, DeleteImageRequest, GetImageRequest, Image, ListImagesRequest,
+    UpdateImageRequest,
 };
 use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
 use tonic::Code;
@@ -102,6 +103,10 @@ async fn store_and_unpack(
     })
 }
 
+/// The label on every image record the agent made (a pull or an import):
+/// image garbage collection removes no other.
+pub const OWNED_LABEL: &str = "dev.zattera/managed";
+
 /// Creates the image record, or points an existing one at the new target.
 pub async fn put_image_record(
     ctd: &Containerd,
@@ -110,7 +115,7 @@ pub async fn put_image_record(
 ) -> Result<(), RuntimeError> {
     let image = Image {
         name: name.to_string(),
-        labels: HashMap::new(),
+        labels: HashMap::from([(OWNED_LABEL.to_owned(), "true".to_owned())]),
         target: Some(target.to_containerd()),
         created_at: None,
         updated_at: None,
@@ -129,7 +134,7 @@ pub async fn put_image_record(
                 .update(ctd.request(UpdateImageRequest {
                     image: Some(image),
                     update_mask: Some(prost_types::FieldMask {
-                        paths: vec!["target".into()],
+                        paths: vec!["target".into(), format!("labels.{OWNED_LABEL}")],
                     }),
                     source_date_epoch: None,
                 }))
@@ -138,6 +143,60 @@ pub async fn put_image_record(
             Ok(())
         }
         Err(s) => Err(RuntimeError::grpc(format!("create image {name}"))(s)),
+    }
+}
+
+/// An image record of the namespace, as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRecord {
+    pub name: String,
+    /// Made by this agent ([`OWNED_LABEL`]).
+    pub owned: bool,
+    /// When the record was created or last pointed at a new target.
+    pub updated: std::time::SystemTime,
+    /// The target's digest (index or manifest).
+    pub target: String,
+}
+
+/// Every image record of the namespace.
+pub async fn list_images(ctd: &Containerd) -> Result<Vec<ImageRecord>, RuntimeError> {
+    let images = ctd
+        .images()
+        .list(ctd.request(ListImagesRequest { filters: vec![] }))
+        .await
+        .map_err(RuntimeError::grpc("list images"))?
+        .into_inner()
+        .images;
+    let at = |t: Option<prost_types::Timestamp>| {
+        t.and_then(|t| std::time::SystemTime::try_from(t).ok())
+            .unwrap_or(std::time::UNIX_EPOCH)
+    };
+    Ok(images
+        .into_iter()
+        .map(|i| ImageRecord {
+            owned: i.labels.get(OWNED_LABEL).is_some_and(|v| v == "true"),
+            updated: at(i.updated_at).max(at(i.created_at)),
+            target: i.target.map(|t| t.digest).unwrap_or_default(),
+            name: i.name,
+        })
+        .collect())
+}
+
+/// Deletes an image record and, before answering, lets containerd's garbage
+/// collector free what only it referenced (its content and snapshots).
+pub async fn delete_image(ctd: &Containerd, name: &str) -> Result<(), RuntimeError> {
+    match ctd
+        .images()
+        .delete(ctd.request(DeleteImageRequest {
+            name: name.to_owned(),
+            sync: true,
+            target: None,
+        }))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(s) if s.code() == Code::NotFound => Ok(()),
+        Err(s) => Err(RuntimeError::grpc(format!("delete image {name}"))(s)),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod containers;
 pub mod content;
 pub mod descriptor;
 pub mod digest;
+pub mod disk;
 mod error;
 pub mod events;
 pub mod exec;

@@ -108,6 +108,8 @@ pub struct Puller {
     insecure: Vec<String>,
     cluster: ClusterRegistryWatch,
     inflight: Arc<Mutex<HashMap<String, Arc<Mutex<()>>>>>,
+    /// Where the content store is, asked of containerd once.
+    content_root: Arc<tokio::sync::OnceCell<Option<std::path::PathBuf>>>,
 }
 
 impl std::fmt::Debug for Puller {
@@ -127,6 +129,7 @@ impl Puller {
             insecure,
             cluster: watch::channel(None).1,
             inflight: Arc::default(),
+            content_root: Arc::default(),
         }
     }
 
@@ -189,6 +192,43 @@ impl Puller {
         get_local(&self.ctd, reference)
             .await?
             .ok_or_else(|| fail(reference, "the image record vanished after the pull"))
+    }
+
+    /// Refuses, before a byte is fetched, a pull whose missing layers alone
+    /// do not fit the free space of containerd's content store (under disk
+    /// pressure, the pull that cannot succeed is not started). A store whose
+    /// filesystem cannot be measured is not checked.
+    async fn check_space(
+        &self,
+        reference: &ImageRef,
+        layers: &[Descriptor],
+    ) -> Result<(), RuntimeError> {
+        let root = self
+            .content_root
+            .get_or_init(|| async { self.ctd.content_root().await.ok() })
+            .await;
+        let Some(root) = root else { return Ok(()) };
+        let mut need = 0u64;
+        for layer in layers {
+            if !content::exists(&self.ctd, &layer.digest).await? {
+                need += layer.size;
+            }
+        }
+        let Ok(usage) = super::disk::Usage::of(root) else {
+            return Ok(());
+        };
+        if need > usage.available_bytes {
+            return Err(fail(
+                reference,
+                &format!(
+                    "no space left on {} for this image: its layers need {} MiB, {} MiB free",
+                    root.display(),
+                    need.div_ceil(1 << 20),
+                    usage.available_bytes >> 20
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The cluster registry always speaks TLS, even on loopback; other
@@ -324,6 +364,7 @@ impl Puller {
                 bytes: layers.iter().map(|l| l.size).sum(),
             });
         }
+        self.check_space(reference, &layers).await?;
 
         // Config first (small, needed for the diff ids), then the layers in parallel.
         let config_bytes = fetch_small_blob(&client, &oref, reference, &config_desc).await?;
