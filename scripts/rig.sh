@@ -102,17 +102,18 @@ fi
 # --- S3 server ---------------------------------------------------------------
 # moto's S3 server on loopback for the snapshot tests and bench/snapshot, in a
 # venv of its own with what tests/snapshot_ref.py needs (the independent
-# Tier A writer: cryptography's AES-GCM, zstandard). moto over s3s-fs: a pip
+# Tier A writer: cryptography's AES-GCM, zstandard; tests/telemetry.rs's
+# exposition-format parser, prometheus_client). moto over s3s-fs: a pip
 # install in seconds, where `cargo install s3s-fs` compiles for many minutes
 # on a small machine; both speak path-style S3 with V4 signatures.
 S3_VENV="$RIG_DIR/s3-venv"
 S3_PORT=${ZATTERA_RIG_S3_PORT:-9555}
 if [ "${ZATTERA_RIG_S3:-1}" != 0 ]; then
-  if ! "$S3_VENV/bin/python" -c 'import moto.server, cryptography, zstandard' 2>/dev/null; then
-    say "installing moto[server], cryptography and zstandard into $S3_VENV"
+  if ! "$S3_VENV/bin/python" -c 'import moto.server, cryptography, zstandard, prometheus_client' 2>/dev/null; then
+    say "installing moto[server], cryptography, zstandard and prometheus_client into $S3_VENV"
     rm -rf "$S3_VENV"
     /usr/bin/python3 -m venv "$S3_VENV"
-    "$S3_VENV/bin/pip" install -q --disable-pip-version-check 'moto[server]>=5,<6' 'cryptography>=41' 'zstandard>=0.22' >&2
+    "$S3_VENV/bin/pip" install -q --disable-pip-version-check 'moto[server]>=5,<6' 'cryptography>=41' 'zstandard>=0.22' 'prometheus_client>=0.20' >&2
   fi
   if curl -fsS -o /dev/null "http://127.0.0.1:$S3_PORT/moto-api/data.json" 2>/dev/null; then
     say "S3 server already running on 127.0.0.1:$S3_PORT"

@@ -67,6 +67,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     let net = Arc::new(NetNode::new(net_cfg).context("networking")?);
     warn_if_ports_overlap_kernel(config.host_port_range);
     let dns = Arc::new(zattera_dns::DnsServer::new(zattera_dns::Config::default()).context("DNS")?);
+    let metrics = crate::telemetry::AgentMetrics::new();
 
     // With a control plane the node is who its enrollment says; the
     // executor's reports flow to the sync stream.
@@ -141,6 +142,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         cluster_registry,
         default_subnet: config.default_subnet,
         log_retention: config.log_retention,
+        metrics: Arc::clone(&metrics),
     };
     let batches = control.as_ref().map(|(_, tx, _)| tx.clone());
     let (executor, handle) = Executor::new(
@@ -156,6 +158,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         config.data_dir.join("logs"),
         config.log_retention,
         crate::logs::janitor::EVERY,
+        Arc::clone(&metrics),
     ));
     // Kept for the host's shutdown, whichever source owns `handle`.
     let halt = handle.clone();
@@ -174,6 +177,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             every: config.image_gc.every,
             record: crate::image_gc::ImageGc::record_path(&config.data_dir),
             notices: disk_notices,
+            metrics: Arc::clone(&metrics),
         }
         .run(),
     );
@@ -193,6 +197,8 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     );
 
     let mut stats_on_close = None;
+    let status_for_metrics = handle.status.clone();
+    let mut samples_for_metrics = crate::metrics::none();
     let source_task = match (&config.control, &config.manifests) {
         (Some(addr), _) => {
             let Some((sync, _, rx)) = control.take() else {
@@ -221,6 +227,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 }),
             }
             .spawn();
+            samples_for_metrics = samples.clone();
             let node = crate::control::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired: handle.desired.subscribe(),
@@ -251,13 +258,19 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
-            let routes =
-                crate::control::services::spawn(&sync, config.node_api_listen, node, controls)
-                    .await;
+            let routes = crate::control::services::spawn(
+                &sync,
+                config.node_api_listen,
+                node,
+                controls,
+                Arc::clone(&metrics),
+            )
+            .await;
             tokio::spawn(crate::control::vip::run(
                 Arc::clone(&net),
                 routes.clone(),
                 handle.networks.clone(),
+                metrics.vip_connections.clone(),
             ));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
@@ -278,6 +291,46 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 std::future::pending::<()>().await;
             })
         }
+    };
+
+    let _metrics_server = match config.metrics_listen {
+        Some(addr) => {
+            if config.control.is_none() {
+                // Standalone has no sampler of its own: start one for the
+                // per-instance figures.
+                let (samples, _sampler) = crate::metrics::Sampler {
+                    ctd: ctd.clone(),
+                    cgroup_parent: cgroup_parent.clone(),
+                    status: status_for_metrics.clone(),
+                    every: crate::metrics::SAMPLE_EVERY,
+                    store: None,
+                }
+                .spawn();
+                samples_for_metrics = samples;
+            }
+            let sources = crate::telemetry::collect::Sources {
+                status: status_for_metrics,
+                dns: Some(Arc::clone(&dns)),
+                samples: samples_for_metrics,
+                cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+                cgroup_parent: cgroup_parent.clone(),
+                log_dir: config.data_dir.join("logs"),
+            };
+            match crate::telemetry::serve::bind(addr).await {
+                Ok(listener) => {
+                    tracing::info!(%addr, "metrics at /metrics");
+                    let registry = Arc::new(crate::telemetry::registry(&metrics, sources));
+                    Some(tokio::spawn(crate::telemetry::serve::run(
+                        listener, registry,
+                    )))
+                }
+                Err(e) => {
+                    tracing::error!(%addr, "metrics-listen: cannot listen: {e}; no metrics served");
+                    None
+                }
+            }
+        }
+        None => None,
     };
 
     notify(&[

@@ -108,6 +108,10 @@ pub struct Settings {
     /// Time between image GC passes (5m).
     #[serde(alias = "image_gc_interval")]
     pub image_gc_interval: Option<String>,
+    /// Where `/metrics` is served (Prometheus text format): `HOST:PORT`,
+    /// or `PORT` for loopback; absent (the default): not served.
+    #[serde(alias = "metrics_listen")]
+    pub metrics_listen: Option<String>,
 }
 
 impl Settings {
@@ -166,6 +170,7 @@ impl Settings {
             image_gc_min_age: top.image_gc_min_age.or(self.image_gc_min_age),
             image_gc_pinned: top.image_gc_pinned.or(self.image_gc_pinned),
             image_gc_interval: top.image_gc_interval.or(self.image_gc_interval),
+            metrics_listen: top.metrics_listen.or(self.metrics_listen),
         }
     }
 
@@ -240,8 +245,18 @@ impl Settings {
             Some(mb) => mb.saturating_mul(1024 * 1024),
         };
         let image_gc = self.image_gc()?;
+        let metrics_listen = match self.metrics_listen.as_deref().map(str::trim) {
+            None | Some("" | "off") => None,
+            Some(text) => Some(crate::telemetry::serve::parse_listen(text).ok_or_else(|| {
+                ConfigError::Invalid {
+                    key: "metrics-listen",
+                    message: format!("{text:?} is not HOST:PORT or PORT"),
+                }
+            })?),
+        };
         Ok(Config {
             image_gc,
+            metrics_listen,
             log_retention: crate::logs::Retention {
                 max_age: log_max_age,
                 max_stream_bytes: log_max_stream_bytes,
@@ -354,6 +369,8 @@ pub struct Config {
     pub host_shutdown_check: Vec<String>,
     pub log_retention: crate::logs::Retention,
     pub image_gc: ImageGcConfig,
+    /// Where `/metrics` is served; `None`: nowhere.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Image garbage collection, resolved.

@@ -21,4 +21,5 @@ pub mod redact;
 pub mod runtime;
 pub mod snapshot;
 pub mod source;
+pub mod telemetry;
 pub mod volumes;

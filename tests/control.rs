@@ -514,6 +514,7 @@ impl Node {
             cluster_registry: None,
             default_subnet: None,
             log_retention: zattera_agent::logs::Retention::default(),
+            metrics: std::sync::Arc::default(),
         };
         let (batches_tx, batches_rx) = mpsc::channel(64);
         let (exec, handle) = Executor::new(

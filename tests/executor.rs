@@ -65,6 +65,7 @@ impl Agent {
             cluster_registry: None,
             default_subnet: None,
             log_retention: zattera_agent::logs::Retention::default(),
+            metrics: std::sync::Arc::default(),
         };
         let (exec, handle) = Executor::new(
             cfg,

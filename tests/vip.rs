@@ -89,10 +89,12 @@ async fn vip_connections_reach_healthy_endpoints_only() {
     let vip = "10.97.250.7";
     let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(snapshot(1, vip, &endpoint, true))));
     let (_networks_tx, networks) = tokio::sync::watch::channel(Arc::new(Vec::new()));
+    let connections = prometheus_client::metrics::counter::Counter::<u64>::default();
     let proxy = tokio::spawn(zattera_agent::control::vip::run(
         Arc::clone(&net),
         rx,
         networks,
+        connections.clone(),
     ));
     wait_until("the VIP on ztvpvip", || {
         vip_addresses("ztvpvip").contains("10.97.250.7/32")
@@ -126,6 +128,12 @@ async fn vip_connections_reach_healthy_endpoints_only() {
         .unwrap()
         .unwrap_or(0);
     assert_eq!(n, 0, "closed without data");
+    // Every accepted connection is counted (zattera_vip_connections).
+    assert!(
+        connections.get() >= 2,
+        "{} connections counted",
+        connections.get()
+    );
 
     // The service leaves the snapshot: listener closed, address removed.
     tx.send(Some(Arc::new(RouteSnapshot {

@@ -25,6 +25,7 @@ pub(crate) struct Shared {
     pub(crate) own: ArcSwap<Vec<IpAddr>>,
     forwards: Arc<Semaphore>,
     pub(crate) config: Config,
+    pub(crate) stats: crate::stats::Stats,
 }
 
 impl Shared {
@@ -38,6 +39,7 @@ impl Shared {
                 config.max_forwards.min(Semaphore::MAX_PERMITS),
             )),
             config,
+            stats: crate::stats::Stats::default(),
         }
     }
 

@@ -173,6 +173,11 @@ impl DnsServer {
         self.shared.table.load_full()
     }
 
+    /// What the server was asked and how it answered, since it started.
+    pub fn stats(&self) -> crate::stats::StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
     /// The upstream resolvers in use right now.
     pub fn upstreams(&self) -> Vec<SocketAddr> {
         self.shared.upstreams.get().to_vec()

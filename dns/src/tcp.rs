@@ -72,6 +72,7 @@ async fn connection(mut stream: TcpStream, ctx: &ListenerCtx) -> io::Result<()> 
             let table = ctx.shared.table.load();
             respond(&query, &scope, &table, Transport::Tcp)
         };
+        ctx.shared.stats.count(&query, &outcome);
         let answer = match outcome {
             Outcome::Reply(answer) => answer,
             Outcome::Forward(request) => {

@@ -45,6 +45,7 @@ pub(crate) async fn serve(socket: Arc<UdpSocket>, ctx: Arc<ListenerCtx>) {
             let table = ctx.shared.table.load();
             respond(packet, &scope, &table, Transport::Udp)
         };
+        ctx.shared.stats.count(packet, &outcome);
         match outcome {
             Outcome::Reply(answer) => send(&socket, &answer, peer).await,
             Outcome::Drop => debug!(%peer, len, "udp packet dropped"),

@@ -82,6 +82,9 @@ pub struct RunArgs {
     /// Time between image GC passes [default: 5m]
     #[arg(long, value_name = "DURATION")]
     image_gc_interval: Option<String>,
+    /// Serve Prometheus metrics at /metrics here: HOST:PORT, or PORT for loopback [default: off]
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
 }
 
 impl RunArgs {
@@ -111,6 +114,7 @@ impl RunArgs {
             image_gc_pinned: (!self.image_gc_pinned.is_empty())
                 .then(|| self.image_gc_pinned.clone()),
             image_gc_interval: self.image_gc_interval.clone(),
+            metrics_listen: self.metrics_listen.clone(),
             ..base
         }
     }

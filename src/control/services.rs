@@ -19,6 +19,7 @@ pub async fn spawn(
     listen: SocketAddr,
     node: NodeContext,
     controls: super::node_api::ControlIds,
+    metrics: Arc<crate::telemetry::AgentMetrics>,
 ) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
     if controls.borrow().is_empty() {
         tracing::warn!(
@@ -27,6 +28,7 @@ pub async fn spawn(
     }
     match NodeApi::bind_current(listen, sync.tls.clone(), Some(node), controls).await {
         Ok(api) => {
+            let api = api.with_metrics(metrics);
             tracing::info!(%listen, "node API listening");
             tokio::spawn(async move {
                 if let Err(e) = api.serve().await {

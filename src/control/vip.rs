@@ -138,6 +138,7 @@ pub async fn run(
     net: Arc<NetNode>,
     mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>,
     mut networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
+    connections: prometheus_client::metrics::counter::Counter,
 ) {
     let in_flight: InFlight = Arc::default();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -148,7 +149,7 @@ pub async fn run(
         let local = Arc::clone(&networks.borrow_and_update());
         if let Some(snapshot) = snapshot {
             let w = wanted(&snapshot, &local);
-            reconcile(&net, &w, &mut listeners, &in_flight, &slots).await;
+            reconcile(&net, &w, &mut listeners, &in_flight, &slots, &connections).await;
         }
         tokio::select! {
             changed = routes.changed() => if changed.is_err() {
@@ -167,6 +168,7 @@ async fn reconcile(
     listeners: &mut BTreeMap<SocketAddr, Listener>,
     in_flight: &InFlight,
     slots: &Arc<tokio::sync::Semaphore>,
+    connections: &prometheus_client::metrics::counter::Counter,
 ) {
     // 1. Addresses first: a listener cannot bind an address that is not there.
     let current: BTreeSet<Ipv4Addr> = listeners
@@ -201,6 +203,7 @@ async fn reconcile(
                     Arc::clone(&shared),
                     Arc::clone(in_flight),
                     Arc::clone(slots),
+                    connections.clone(),
                 ));
                 listeners.insert(
                     *addr,
@@ -230,10 +233,14 @@ async fn accept(
     endpoints: Arc<RwLock<Vec<SocketAddr>>>,
     in_flight: InFlight,
     slots: Arc<tokio::sync::Semaphore>,
+    connections: prometheus_client::metrics::counter::Counter,
 ) {
     loop {
         let client = match socket.accept().await {
-            Ok((client, _)) => client,
+            Ok((client, _)) => {
+                connections.inc();
+                client
+            }
             Err(e) => {
                 // Out of descriptors (EMFILE) and the like: the listener
                 // stays readable, so retrying at once would spin.

@@ -17,7 +17,7 @@ use crate::logs::{self, files::StreamMeta};
 use crate::proto::cluster::AssignmentRuntime;
 use crate::proto::v1::Assignment;
 use crate::runtime::containers::{self, NewContainer};
-use crate::runtime::pull::{Credentials, Puller};
+use crate::runtime::pull::{Credentials, ProgressFn, PullEvent, Puller};
 use crate::runtime::spec::{self, BindMount, ContainerSpec};
 use crate::runtime::{Containerd, ImageRef};
 
@@ -90,9 +90,35 @@ pub async fn bring_up(
         .image_ref
         .parse()
         .map_err(|e| Failure(format!("pull {}: {e}", plan.runtime.image_ref)))?;
-    let pull = h.puller.ensure(&reference, &Credentials::Anonymous, None);
-    let image = tokio::time::timeout(h.cfg.pull_timeout, pull)
-        .await
+    // Counted only when a pull really happens (an image present is not one).
+    let pulled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let counted = {
+        let (pulled, metrics) = (Arc::clone(&pulled), Arc::clone(&h.cfg.metrics));
+        let progress: ProgressFn = Arc::new(move |event| {
+            if let PullEvent::Resolved { bytes, .. } = event {
+                pulled.store(true, std::sync::atomic::Ordering::Relaxed);
+                metrics.pull_bytes.inc_by(bytes);
+            }
+        });
+        progress
+    };
+    let pull = h
+        .puller
+        .ensure(&reference, &Credentials::Anonymous, Some(counted));
+    let image = tokio::time::timeout(h.cfg.pull_timeout, pull).await;
+    if pulled.load(std::sync::atomic::Ordering::Relaxed) {
+        let result = if matches!(image, Ok(Ok(_))) {
+            "ok"
+        } else {
+            "failed"
+        };
+        h.cfg
+            .metrics
+            .pulls
+            .get_or_create(&crate::telemetry::ResultLabel { result })
+            .inc();
+    }
+    let image = image
         .map_err(|_| {
             Failure(format!(
                 "pull {reference}: not done after {} (pull-timeout)",

@@ -89,6 +89,8 @@ pub struct ExecutorConfig {
     pub default_subnet: Option<Subnet>,
     /// How long each container's log shim keeps its rotated files.
     pub log_retention: crate::logs::Retention,
+    /// Passes and pulls are counted here.
+    pub metrics: Arc<crate::telemetry::AgentMetrics>,
 }
 
 /// Handle to a running executor.
@@ -453,6 +455,12 @@ impl Executor {
         self.apply_firewall().await;
         self.sync_networks_with(&desired).await;
         self.publish_status();
+        self.h.cfg.metrics.reconcile_passes.inc();
+        self.h
+            .cfg
+            .metrics
+            .reconcile_seconds
+            .observe(started.elapsed().as_secs_f64());
         // What bench/control reads: the pass itself, bring-ups excluded.
         tracing::debug!(
             target: "zattera::pass",

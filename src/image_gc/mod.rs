@@ -50,6 +50,7 @@ pub struct ImageGc {
     pub record: PathBuf,
     /// The disk-pressure notice for `status` (empty without pressure).
     pub notices: watch::Sender<Vec<String>>,
+    pub metrics: std::sync::Arc<crate::telemetry::AgentMetrics>,
 }
 
 impl ImageGc {
@@ -66,6 +67,7 @@ impl ImageGc {
             tick.tick().await;
             match self.pass(&mut last_used).await {
                 Ok(r) => {
+                    self.metrics.gc_run("image", r.bytes_freed);
                     if !r.removed.is_empty() {
                         tracing::info!(
                             removed = ?r

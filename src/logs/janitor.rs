@@ -13,12 +13,22 @@ use crate::runtime::{Containerd, containers};
 pub const EVERY: Duration = Duration::from_secs(3600);
 
 /// Sweeps `dir` every `every` until the task is dropped.
-pub async fn run(ctd: Containerd, dir: PathBuf, caps: Retention, every: Duration) {
+pub async fn run(
+    ctd: Containerd,
+    dir: PathBuf,
+    caps: Retention,
+    every: Duration,
+    metrics: std::sync::Arc<crate::telemetry::AgentMetrics>,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        match once(&ctd, dir.clone(), caps).await {
+        let swept = once(&ctd, dir.clone(), caps).await;
+        if let Ok(s) = &swept {
+            metrics.gc_run("log", s.bytes_freed);
+        }
+        match swept {
             Ok(s) if s.removed + s.compressed > 0 || !s.errors.is_empty() => tracing::info!(
                 removed = s.removed,
                 bytes_freed = s.bytes_freed,

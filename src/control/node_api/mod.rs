@@ -20,6 +20,7 @@
 
 pub mod exec;
 pub mod logs;
+pub mod observe;
 pub mod proxy;
 pub mod snapshot;
 pub mod top;
@@ -96,9 +97,17 @@ pub struct NodeApi {
     tls: tokio::sync::watch::Receiver<Arc<rustls::ServerConfig>>,
     node: Option<NodeContext>,
     controls: ControlIds,
+    metrics: Arc<crate::telemetry::AgentMetrics>,
 }
 
 impl NodeApi {
+    /// Calls are counted into `metrics` (by method and code).
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<crate::telemetry::AgentMetrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     /// Binds `addr` with the node certificate; clients must present one of
     /// the cluster CA, naming a node in `controls`. Without `node` (no
     /// runtime) every method declines.
@@ -153,6 +162,7 @@ impl NodeApi {
             tls,
             node,
             controls,
+            metrics: Arc::default(),
         })
     }
 
@@ -167,6 +177,7 @@ impl NodeApi {
             // within 30 s, and its streams end.
             .http2_keepalive_interval(Some(Duration::from_secs(15)))
             .http2_keepalive_timeout(Some(Duration::from_secs(15)))
+            .layer(observe::ObserveLayer(self.metrics))
             .add_service(AgentLocalServiceServer::new(Service {
                 node: self.node,
                 controls: self.controls,
