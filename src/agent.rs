@@ -183,8 +183,15 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     );
     let admin_task = tokio::spawn(admin::serve(
         listener,
-        handle.status.clone(),
-        vec![notices_rx, disk_notices_rx],
+        admin::Admin {
+            status: handle.status.clone(),
+            notices: vec![notices_rx, disk_notices_rx],
+            node: Some(admin::ops::Node {
+                ctd: ctd.clone(),
+                data_dir: config.data_dir.clone(),
+                cgroup_parent: cgroup_parent.clone(),
+            }),
+        },
     ));
     if let Some(renewer) = renewer {
         tokio::spawn(renewer.run());

@@ -4,6 +4,7 @@ mod docs;
 mod doctor;
 mod image;
 mod join;
+mod ops;
 mod pull_progress;
 mod run;
 mod status;
@@ -90,6 +91,14 @@ enum Command {
     /// Manage images in the agent's containerd namespace.
     #[command(subcommand)]
     Image(image::ImageCommand),
+    /// Print an instance's output (compressed rotations included).
+    Logs(ops::LogsArgs),
+    /// List the processes of an instance.
+    Top(ops::TopArgs),
+    /// CPU, memory and network of running instances.
+    Stats(ops::StatsArgs),
+    /// The images in the agent's namespace: size, users, last use.
+    Images(ops::ImagesArgs),
     /// Enroll this node with a control plane.
     Join(join::JoinArgs),
     /// Snapshot and restore volumes in S3 without a control plane.
@@ -123,6 +132,10 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Run(args) => run::run(g.load(Some(&args))?).await?,
         Command::Status(args) => status::run(&g.load(None)?, &args).await?,
         Command::Image(cmd) => image::run(&g.load(None)?, cmd).await?,
+        Command::Logs(args) => ops::logs(&g.load(None)?, &args).await?,
+        Command::Top(args) => ops::top(&g.load(None)?, &args).await?,
+        Command::Stats(args) => ops::stats(&g.load(None)?, &args).await?,
+        Command::Images(args) => ops::images(&g.load(None)?, &args).await?,
         Command::Join(args) => join::run(&g.load(None)?, args).await?,
         Command::Volume(cmd) => volume::run(&g.load(None)?, cmd).await?,
         Command::Doctor(args) => return doctor::run(g, &args).await,

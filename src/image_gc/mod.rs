@@ -60,7 +60,7 @@ impl ImageGc {
 
     /// Passes until the task is dropped.
     pub async fn run(self) {
-        let mut last_used = load(&self.record);
+        let mut last_used = load_record(&self.record);
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -151,7 +151,8 @@ impl ImageGc {
     }
 }
 
-fn load(path: &Path) -> BTreeMap<String, SystemTime> {
+/// The last-use record at `path` (empty when absent or unreadable).
+pub fn load_record(path: &Path) -> BTreeMap<String, SystemTime> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return BTreeMap::new();
     };
@@ -198,8 +199,8 @@ mod tests {
         let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let record = BTreeMap::from([("a".to_owned(), t)]);
         save(&path, &record);
-        assert_eq!(load(&path), record);
+        assert_eq!(load_record(&path), record);
         std::fs::write(&path, "garbage").unwrap();
-        assert!(load(&path).is_empty());
+        assert!(load_record(&path).is_empty());
     }
 }

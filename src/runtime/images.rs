@@ -210,6 +210,8 @@ pub struct LocalImage {
     pub chain_id: Digest,
     /// Whether that snapshot exists (unpacked for overlayfs).
     pub unpacked: bool,
+    /// The layers' size as stored (compressed).
+    pub layer_bytes: u64,
 }
 
 /// Looks an image up by name; `None` when there is no record.
@@ -271,11 +273,17 @@ pub async fn get_local(
         .pop()
         .ok_or_else(|| bad("image has no layers".into()))?;
     let unpacked = unpack::snapshot_exists(ctd, chain_id.as_str()).await?;
+    let layer_bytes = manifest
+        .layers()
+        .iter()
+        .map(oci_spec::image::Descriptor::size)
+        .sum();
     Ok(Some(LocalImage {
         name: name.clone(),
         target,
         config,
         chain_id,
         unpacked,
+        layer_bytes,
     }))
 }

@@ -1,7 +1,13 @@
 //! The local admin socket (`<run dir>/agent.sock`, root only): how
-//! `zattera-agent status` and `zattera-netns` read the running agent's live
-//! state. One request line in, one JSON document out, then the connection
-//! closes, so `socat` or `nc -U` work as clients too.
+//! `zattera-agent status`, `logs`, `top`, `stats`, `images` and
+//! `zattera-netns` read the running agent's live state. One request line in
+//! (`status`, or a verb and a JSON argument: `logs {"target":…}`), one JSON
+//! document out (a JSON line per log line for `logs`, until the history
+//! ends or, with `follow`, the client goes), then the connection closes, so
+//! `socat` or `nc -U` work as clients too.
+
+pub mod ops;
+pub mod target;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -40,52 +46,66 @@ pub fn bind(run_dir: &Path) -> std::io::Result<UnixListener> {
 /// expiry, disk pressure).
 pub type Notices = Vec<watch::Receiver<Vec<String>>>;
 
-/// Serves requests until the task is dropped. `notices` are shown with the
-/// status.
-pub async fn serve(
-    listener: UnixListener,
-    status: watch::Receiver<Arc<StatusSnapshot>>,
-    notices: Notices,
-) {
+/// What the admin socket answers from.
+#[derive(Debug, Clone)]
+pub struct Admin {
+    pub status: watch::Receiver<Arc<StatusSnapshot>>,
+    /// Shown with the status.
+    pub notices: Notices,
+    /// For `logs`, `top`, `stats` and `images`; `None` answers only `status`.
+    pub node: Option<ops::Node>,
+}
+
+/// Serves requests until the task is dropped.
+pub async fn serve(listener: UnixListener, admin: Admin) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (status, notices) = (status.clone(), notices.clone());
+        let admin = admin.clone();
         tokio::spawn(async move {
-            if let Err(e) =
-                tokio::time::timeout(REQUEST_TIMEOUT, answer(stream, status, notices)).await
-            {
-                tracing::debug!(error = %e, "admin request timed out");
+            if let Err(e) = answer(stream, admin).await {
+                tracing::debug!(error = %e, "admin request failed");
             }
         });
     }
 }
 
-async fn answer(
-    stream: UnixStream,
-    status: watch::Receiver<Arc<StatusSnapshot>>,
-    notices: Notices,
-) -> std::io::Result<()> {
+async fn answer(stream: UnixStream, admin: Admin) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    // A request is one short line; a caller cannot make us buffer more.
-    BufReader::new(read.take(MAX_REQUEST))
-        .read_line(&mut line)
-        .await?;
-    let body = match line.trim() {
-        "status" => {
-            let mut snapshot = StatusSnapshot::clone(&status.borrow());
-            snapshot.notices = notices.iter().flat_map(|n| n.borrow().clone()).collect();
-            serde_json::to_vec(&snapshot).map_err(std::io::Error::other)?
-        }
-        other => serde_json::to_vec(
-            &serde_json::json!({ "error": format!("unknown request {other:?}; try \"status\"") }),
-        )
-        .map_err(std::io::Error::other)?,
+    // A request is one short line; a caller cannot make us buffer more, nor
+    // hold a task by never sending it.
+    tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        BufReader::new(read.take(MAX_REQUEST)).read_line(&mut line),
+    )
+    .await
+    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+    let (verb, arg) = line.trim().split_once(' ').unwrap_or((line.trim(), ""));
+    let snapshot = || {
+        let mut snapshot = StatusSnapshot::clone(&admin.status.borrow());
+        snapshot.notices = admin
+            .notices
+            .iter()
+            .flat_map(|n| n.borrow().clone())
+            .collect();
+        snapshot
     };
-    write.write_all(&body).await?;
-    write.write_all(b"\n").await?;
+    if verb == "status" {
+        let body = serde_json::to_vec(&snapshot()).map_err(std::io::Error::other)?;
+        write.write_all(&body).await?;
+        write.write_all(b"\n").await?;
+        return write.shutdown().await;
+    }
+    let Some(node) = &admin.node else {
+        return ops::refuse(
+            &mut write,
+            &format!("unknown request {verb:?}; try \"status\""),
+        )
+        .await;
+    };
+    ops::answer(node, &snapshot(), verb, arg, &mut write).await?;
     write.shutdown().await
 }
 
