@@ -190,6 +190,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 ctd: ctd.clone(),
                 data_dir: config.data_dir.clone(),
                 cgroup_parent: cgroup_parent.clone(),
+                run_dir: config.run_dir.clone(),
             }),
         },
     ));

@@ -119,8 +119,93 @@ async fn logs_top_stats_and_images_answer_from_the_running_agent() {
         assert_eq!(image["owned"], true);
         assert!(ok(&cli(&agent, &["images"])).starts_with("IMAGE"));
 
+        // exec: both streams apart and the exit code passed through.
+        let out = cli(&agent, &["exec", "talk.prod.p", "--", "sh", "-c", "echo hi; echo err >&2; exit 3"]);
+        assert_eq!(out.status.code(), Some(3), "{out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");
+        // exec -i: stdin reaches the process, and its end ends it.
+        let mut cat = Command::new(BIN)
+            .args(["--config", "/dev/null", "--run-dir"])
+            .arg(agent.run_dir())
+            .args(["exec", "-i", &assignment, "--", "cat"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut cat.stdin.take().unwrap(), b"through stdin\n").unwrap();
+        let out = cat.wait_with_output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "through stdin\n");
+        exec_it_in_tmux(&agent);
+
         agent.kill9();
         support::purge_namespace(&ctd).await;
     })
     .await;
+}
+
+/// `exec -it` in a tmux pane: `stty size` is the pane's size, a resize
+/// reaches the process, and `exit 3` is the command's exit code.
+fn exec_it_in_tmux(agent: &AgentProc) {
+    let server = format!("zt-test-{}", std::process::id());
+    let tmux = |args: &[&str]| {
+        let out = Command::new("tmux")
+            .args(["-L", &server])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "tmux {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let code_file = agent.run_dir().join("exec-code");
+    let command = format!(
+        "{BIN} --config /dev/null --run-dir {} exec -it talk.prod.p -- sh; echo EXIT=$? > {}; sleep 60",
+        agent.run_dir().display(),
+        code_file.display()
+    );
+    tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        "zt",
+        "-x",
+        "100",
+        "-y",
+        "30",
+        &command,
+    ]);
+    let pane = |want: &str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = tmux(&["capture-pane", "-p", "-t", "zt"]);
+            if text.contains(want) {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {want:?} in the pane:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    tmux(&["send-keys", "-t", "zt", "stty size", "Enter"]);
+    pane("30 100");
+    tmux(&["resize-window", "-t", "zt", "-x", "120", "-y", "40"]);
+    std::thread::sleep(Duration::from_millis(500));
+    tmux(&["send-keys", "-t", "zt", "clear; stty size", "Enter"]);
+    pane("40 120");
+    tmux(&["send-keys", "-t", "zt", "exit 3", "Enter"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !code_file.exists() {
+        assert!(Instant::now() < deadline, "exec -it did not end");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = Command::new("tmux")
+        .args(["-L", &server, "kill-server"])
+        .output();
+    assert_eq!(
+        std::fs::read_to_string(&code_file).unwrap().trim(),
+        "EXIT=3"
+    );
 }

@@ -6,6 +6,7 @@
 //! ends or, with `follow`, the client goes), then the connection closes, so
 //! `socat` or `nc -U` work as clients too.
 
+pub mod frames;
 pub mod ops;
 pub mod target;
 
@@ -73,12 +74,14 @@ pub async fn serve(listener: UnixListener, admin: Admin) {
 
 async fn answer(stream: UnixStream, admin: Admin) -> std::io::Result<()> {
     let (read, mut write) = stream.into_split();
+    let mut reader = BufReader::new(read);
     let mut line = String::new();
     // A request is one short line; a caller cannot make us buffer more, nor
-    // hold a task by never sending it.
+    // hold a task by never sending it. What follows it (exec frames) stays
+    // in `reader`.
     tokio::time::timeout(
         REQUEST_TIMEOUT,
-        BufReader::new(read.take(MAX_REQUEST)).read_line(&mut line),
+        (&mut reader).take(MAX_REQUEST).read_line(&mut line),
     )
     .await
     .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
@@ -105,7 +108,11 @@ async fn answer(stream: UnixStream, admin: Admin) -> std::io::Result<()> {
         )
         .await;
     };
-    ops::answer(node, &snapshot(), verb, arg, &mut write).await?;
+    if verb == "exec" {
+        ops::exec(node, &snapshot(), arg, reader, &mut write).await?;
+    } else {
+        ops::answer(node, &snapshot(), verb, arg, &mut write).await?;
+    }
     write.shutdown().await
 }
 

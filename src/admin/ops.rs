@@ -10,10 +10,12 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
+use super::frames::{self, Frame};
 use super::target;
 use crate::executor::status::StatusSnapshot;
 use crate::proto::v1::{LogQuery, LogSelector, LogSource};
 use crate::runtime::containers::{self, TaskState};
+use crate::runtime::exec_session::{self, ExecEvent, SessionRequest};
 use crate::runtime::{Containerd, ImageRef, images, stats};
 
 /// What these requests read.
@@ -23,6 +25,8 @@ pub struct Node {
     pub data_dir: PathBuf,
     /// The executor's cgroup parent (`<parent>/<container id>`).
     pub cgroup_parent: String,
+    /// Where exec FIFOs go (`<run dir>/exec`).
+    pub run_dir: PathBuf,
 }
 
 #[derive(Debug, Deserialize)]
@@ -283,4 +287,124 @@ async fn images_of(node: &Node) -> Result<serde_json::Value, String> {
         });
     }
     serde_json::to_value(out).map_err(|e| e.to_string())
+}
+
+#[derive(Debug, Deserialize)]
+struct ExecArgs {
+    target: String,
+    #[serde(default)]
+    command: Vec<String>,
+    #[serde(default)]
+    tty: bool,
+    cols: Option<u16>,
+    rows: Option<u16>,
+}
+
+/// What the client's frames ask of the session besides stdin.
+enum Control {
+    Resize(u16, u16),
+    StdinEnd,
+    Gone,
+}
+
+/// `exec {…}`: a process in the instance, its I/O framed ([`frames`]) on
+/// this connection until it exits; a client that goes away kills it.
+pub(super) async fn exec<W: AsyncWrite + Unpin>(
+    node: &Node,
+    status: &StatusSnapshot,
+    arg: &str,
+    mut reader: tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    out: &mut W,
+) -> std::io::Result<()> {
+    let fail = |e: String| Frame::Error(e);
+    let req: ExecArgs = match serde_json::from_str(arg) {
+        Ok(r) => r,
+        Err(e) => return frames::write(out, &fail(format!("exec: {e}"))).await,
+    };
+    let instance = match target::resolve(status, &req.target) {
+        Ok(a) if !a.container_id.is_empty() => a,
+        Ok(a) => return frames::write(out, &fail(format!("{}: no container yet", a.id))).await,
+        Err(e) => return frames::write(out, &fail(e)).await,
+    };
+    let session_req = SessionRequest {
+        args: if req.command.is_empty() {
+            vec!["/bin/sh".to_owned()]
+        } else {
+            req.command
+        },
+        tty: req.tty,
+        size: req
+            .cols
+            .zip(req.rows)
+            .map(|(c, r)| (u32::from(c), u32::from(r))),
+    };
+    let started = exec_session::start(
+        &node.ctd,
+        &instance.container_id,
+        &node.run_dir.join("exec"),
+        &session_req,
+    )
+    .await;
+    let (mut session, mut events) = match started {
+        Ok(s) => s,
+        Err(e) => return frames::write(out, &fail(e.to_string())).await,
+    };
+    // The client's frames on their own task: stdin goes straight to the
+    // process (a process that does not read slows the client, not the
+    // output); the rest comes here.
+    let stdin = session.take_stdin();
+    let (control_tx, mut control) = tokio::sync::mpsc::channel::<Control>(4);
+    let frames_in = tokio::spawn(async move {
+        let mut stdin = stdin;
+        loop {
+            let next = match frames::read(&mut reader).await {
+                Ok(Some(Frame::Stdin(bytes))) => {
+                    if let Some(tx) = &stdin
+                        && tx.send(bytes).await.is_err()
+                    {
+                        stdin = None;
+                    }
+                    continue;
+                }
+                Ok(Some(Frame::Resize { cols, rows })) => Control::Resize(cols, rows),
+                Ok(Some(Frame::StdinEnd)) => {
+                    stdin = None;
+                    Control::StdinEnd
+                }
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => Control::Gone,
+            };
+            let gone = matches!(next, Control::Gone);
+            if control_tx.send(next).await.is_err() || gone {
+                return;
+            }
+        }
+    });
+    let result = loop {
+        tokio::select! {
+            c = control.recv() => match c {
+                Some(Control::Resize(cols, rows)) => session.resize(cols.into(), rows.into()).await,
+                Some(Control::StdinEnd) => session.close_stdin().await,
+                // Dropping the session kills the process.
+                Some(Control::Gone) | None => break Ok(()),
+            },
+            e = events.recv() => {
+                let frame = match e {
+                    Some(ExecEvent::Stdout(b)) => Frame::Stdout(b),
+                    Some(ExecEvent::Stderr(b)) => Frame::Stderr(b),
+                    Some(ExecEvent::Exited(code)) => Frame::Exit(i32::try_from(code).unwrap_or(i32::MAX)),
+                    None => break Ok(()),
+                };
+                let last = matches!(frame, Frame::Exit(_));
+                if let Err(e) = frames::write(out, &frame).await {
+                    break Err(e);
+                }
+                if last {
+                    break Ok(());
+                }
+            }
+        }
+    };
+    frames_in.abort();
+    result
 }

@@ -93,6 +93,8 @@ enum Command {
     Image(image::ImageCommand),
     /// Print an instance's output (compressed rotations included).
     Logs(ops::LogsArgs),
+    /// Run a command in an instance (-it: a terminal, stdin attached).
+    Exec(ops::ExecArgs),
     /// List the processes of an instance.
     Top(ops::TopArgs),
     /// CPU, memory and network of running instances.
@@ -133,6 +135,7 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Status(args) => status::run(&g.load(None)?, &args).await?,
         Command::Image(cmd) => image::run(&g.load(None)?, cmd).await?,
         Command::Logs(args) => ops::logs(&g.load(None)?, &args).await?,
+        Command::Exec(args) => return ops::exec(&g.load(None)?, &args).await,
         Command::Top(args) => ops::top(&g.load(None)?, &args).await?,
         Command::Stats(args) => ops::stats(&g.load(None)?, &args).await?,
         Command::Images(args) => ops::images(&g.load(None)?, &args).await?,

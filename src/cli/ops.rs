@@ -212,3 +212,155 @@ fn table(titles: &[String], rows: &[Vec<String>]) -> String {
     }
     out
 }
+
+#[derive(Debug, Args)]
+pub struct ExecArgs {
+    /// Keep stdin open and send it to the process.
+    #[arg(short, long)]
+    interactive: bool,
+    /// A terminal for the process (raw mode here, resized with this one).
+    #[arg(short, long)]
+    tty: bool,
+    /// Assignment id, container id, or app.env.project
+    target: String,
+    /// The command and its arguments [default: /bin/sh]
+    #[arg(last = true)]
+    command: Vec<String>,
+}
+
+/// The terminal as it was, put back on drop (also on an error path).
+struct RawMode(rustix::termios::Termios);
+
+impl RawMode {
+    fn enter() -> Option<Self> {
+        let stdin = std::io::stdin();
+        let before = rustix::termios::tcgetattr(&stdin).ok()?;
+        let mut raw = before.clone();
+        raw.make_raw();
+        rustix::termios::tcsetattr(&stdin, rustix::termios::OptionalActions::Now, &raw).ok()?;
+        Some(Self(before))
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        let _ = rustix::termios::tcsetattr(
+            std::io::stdin(),
+            rustix::termios::OptionalActions::Now,
+            &self.0,
+        );
+    }
+}
+
+fn terminal_size() -> Option<(u16, u16)> {
+    let w = rustix::termios::tcgetwinsize(std::io::stdin()).ok()?;
+    (w.ws_col > 0 && w.ws_row > 0).then_some((w.ws_col, w.ws_row))
+}
+
+/// `exec [-it] TARGET -- CMD...`: the process's exit code is ours.
+pub async fn exec(config: &Config, args: &ExecArgs) -> Result<std::process::ExitCode> {
+    use zattera_agent::admin::frames::{self, Frame};
+    let path = zattera_agent::admin::socket_path(&config.run_dir);
+    let stream = tokio::net::UnixStream::connect(&path)
+        .await
+        .with_context(|| {
+            format!(
+                "no agent answers at {} (is it running? --run-dir)",
+                path.display()
+            )
+        })?;
+    let size = if args.tty { terminal_size() } else { None };
+    let request = serde_json::json!({
+        "target": args.target,
+        "command": args.command,
+        "tty": args.tty,
+        "cols": size.map(|s| s.0),
+        "rows": size.map(|s| s.1),
+    });
+    let (mut read, mut write) = stream.into_split();
+    write
+        .write_all(format!("exec {request}\n").as_bytes())
+        .await?;
+
+    // One writer: stdin and resizes both go through it.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(16);
+    tokio::spawn(async move {
+        while let Some(f) = rx.recv().await {
+            if frames::write(&mut write, &f).await.is_err() {
+                return;
+            }
+        }
+        // Kept open until the process is done: a closed socket means gone.
+        let _open = write;
+        std::future::pending::<()>().await;
+    });
+    let raw = if args.tty { RawMode::enter() } else { None };
+    if args.interactive {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let mut stdin = tokio::io::stdin();
+            let mut buf = vec![0u8; 32 * 1024];
+            loop {
+                match stdin.read(&mut buf).await {
+                    Ok(0) | Err(_) => {
+                        let _ = tx.send(Frame::StdinEnd).await;
+                        return;
+                    }
+                    Ok(n) => {
+                        if tx.send(Frame::Stdin(buf[..n].to_vec())).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    } else {
+        tx.send(Frame::StdinEnd).await.ok();
+    }
+    if args.tty {
+        let tx = tx.clone();
+        if let Ok(mut winch) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::window_change())
+        {
+            tokio::spawn(async move {
+                while winch.recv().await.is_some() {
+                    if let Some((cols, rows)) = terminal_size()
+                        && tx.send(Frame::Resize { cols, rows }).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+    let code = loop {
+        match frames::read(&mut read).await? {
+            Some(Frame::Stdout(b)) => {
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                out.write_all(&b)?;
+                out.flush()?;
+            }
+            Some(Frame::Stderr(b)) => {
+                use std::io::Write;
+                let mut err = std::io::stderr().lock();
+                err.write_all(&b)?;
+                err.flush()?;
+            }
+            Some(Frame::Exit(code)) => break code,
+            Some(Frame::Error(e)) => {
+                drop(raw);
+                bail!("{e}");
+            }
+            Some(_) => {}
+            None => {
+                drop(raw);
+                bail!("the agent ended the exec without an exit code");
+            }
+        }
+    };
+    drop(raw);
+    // A blocking stdin read would hold the runtime's shutdown: leave now.
+    std::process::exit(code.clamp(0, 255));
+}
