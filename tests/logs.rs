@@ -72,6 +72,32 @@ fn wait_for_the_end(live: &Path, within: Duration) -> Vec<files::LogFile> {
     }
 }
 
+/// `zattera-agent logs -f` of the container until the spewer's last line:
+/// the numbers it printed.
+fn follow_to_the_end(agent: &AgentProc, cid: &str) -> std::thread::JoinHandle<Vec<u64>> {
+    let mut child = std::process::Command::new(support::agent::BIN)
+        .args(["--config", "/dev/null", "--run-dir"])
+        .arg(agent.run_dir())
+        .args(["logs", "-f", "--tail", "1", cid])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for line in std::io::BufReader::new(out).lines() {
+            let line = line.unwrap();
+            if line.starts_with("spew end ") {
+                break;
+            }
+            seen.push(spew_number(&line).unwrap());
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        seen
+    })
+}
+
 fn age(path: &Path, by: Duration) {
     std::fs::File::options()
         .write(true)
@@ -245,8 +271,25 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
         agent.start();
         let ids = agent.wait_all(1, "HEALTHY");
         let cid = ids.values().next().unwrap().clone();
+        // `logs -f` from the start: every line, across every rotation.
+        let follow = follow_to_the_end(&agent, &cid);
         let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
         let mine = wait_for_the_end(&live, Duration::from_secs(90));
+        let followed = follow.join().unwrap();
+        eprintln!(
+            "logs -f saw {} lines, {:?}..",
+            followed.len(),
+            followed.first()
+        );
+        assert!(
+            followed.windows(2).all(|w| w[1] == w[0] + 1),
+            "logs -f lost or reordered lines across rotations"
+        );
+        assert!(
+            followed.len() > 200_000,
+            "only {} lines followed",
+            followed.len()
+        );
 
         let mut seqs: BTreeMap<u64, u64> = BTreeMap::new();
         for f in &mine {

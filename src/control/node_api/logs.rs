@@ -251,6 +251,23 @@ struct Offset {
     path: PathBuf,
     file: Option<std::fs::File>,
     consumed: u64,
+    /// The rotation number the held file gets when the shim rotates it.
+    seq: u64,
+}
+
+/// The live file at `live`, open, with the rotation number it will get:
+/// the next one free when it was opened (retried if a rotation came
+/// between the two).
+fn open_live(live: &Path) -> Option<(std::fs::File, u64)> {
+    for _ in 0..10 {
+        let file = std::fs::File::open(live).ok()?;
+        let seq = files::next_seq(live);
+        let again = std::fs::File::open(live).ok()?;
+        if same_file(&file, &again) {
+            return Some((file, seq));
+        }
+    }
+    None
 }
 
 /// The newest `limit` lines of one stream within `window`, oldest first,
@@ -264,14 +281,16 @@ fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLin
             path: live.clone(),
             file: None,
             consumed: 0,
+            seq: 0,
         };
         for path in files::of_container(live) {
             let is_live = &path == live;
             let reader: Box<dyn BufRead + Send> = if is_live {
-                let Ok(f) = std::fs::File::open(&path) else {
+                let Some((f, seq)) = open_live(&path) else {
                     continue;
                 };
                 offset.file = f.try_clone().ok();
+                offset.seq = seq;
                 Box::new(BufReader::new(f))
             } else {
                 match files::open(&path) {
@@ -397,9 +416,10 @@ impl Follower {
         }
     }
 
-    /// New complete lines since the last call. When another file has taken
-    /// the name (a rotation), the old one is read to its end, then the new
-    /// one from its start.
+    /// New complete lines since the last call. When the shim has rotated
+    /// (once or more since the last look), the held file is read to its
+    /// end, then every rotation after it in order (raw, or compressed by
+    /// now), then the new live file from its start.
     fn poll(&mut self, window: Window) -> Vec<LogLine> {
         let mut out = Vec::new();
         loop {
@@ -415,10 +435,41 @@ impl Follower {
             {
                 return out;
             }
-            self.at.file = Some(current);
+            // Renamed away: nothing more is written to it; what came after
+            // the last read is its tail.
+            self.drain(window, &mut out);
+            let Some((file, seq)) = open_live(&self.at.path) else {
+                return out;
+            };
+            if self.at.file.is_some() {
+                for n in self.at.seq + 1..seq {
+                    self.read_rotated(n, window, &mut out);
+                }
+            }
+            self.at.file = Some(file);
+            self.at.seq = seq;
             self.at.consumed = 0;
             self.rest.clear();
         }
+    }
+
+    /// A whole rotation of this file, by its number (gone to retention:
+    /// nothing).
+    fn read_rotated(&mut self, n: u64, window: Window, out: &mut Vec<LogLine>) {
+        let raw = files::rotated(&self.at.path, n);
+        let reader: Box<dyn BufRead + Send> = match std::fs::File::open(&raw) {
+            Ok(f) => Box::new(BufReader::new(f)),
+            Err(_) => match files::open(&PathBuf::from(format!("{}.zst", raw.display()))) {
+                Ok(r) => r,
+                Err(_) => return,
+            },
+        };
+        let (asm, id) = (&mut self.asm, &self.instance_id);
+        read_lines(reader, |l| {
+            if let Some(line) = asm.take(l, window, id) {
+                out.push(line);
+            }
+        });
     }
 
     fn drain(&mut self, window: Window, out: &mut Vec<LogLine>) {
@@ -602,6 +653,16 @@ mod tests {
         write_lines(&path, &[(8, "stdout", "F", "six")]);
         let got: Vec<String> = f.poll(all).into_iter().map(|l| l.line).collect();
         assert_eq!(got, ["finished", "tail of the old file", "six"]);
+        // Two rotations between two looks, the second already compressed:
+        // nothing of the middle file is skipped.
+        write_lines(&path, &[(9, "stdout", "F", "seven")]);
+        std::fs::rename(&path, files::rotated(&path, 3)).unwrap();
+        write_lines(&path, &[(10, "stdout", "F", "eight")]);
+        std::fs::rename(&path, files::rotated(&path, 4)).unwrap();
+        files::compress(&files::rotated(&path, 4)).unwrap();
+        write_lines(&path, &[(11, "stdout", "F", "nine")]);
+        let got: Vec<String> = f.poll(all).into_iter().map(|l| l.line).collect();
+        assert_eq!(got, ["seven", "eight", "nine"]);
     }
 
     #[test]
