@@ -1942,3 +1942,65 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
     })
     .await;
 }
+
+/// An OOM kill under a control plane reaches it on the sync stream as
+/// FAILED "out of memory (limit N MiB)", the restart counted (17.3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oom_kill_reaches_control_as_failed_out_of_memory() {
+    let Some(rig) = support::rig() else { return };
+    support::with_namespace(&rig, "ctl-oom", |ctd, rig| async move {
+        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent = control_plane::ControlledAgent::start(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztlf",
+        )
+        .await;
+        // dd is PID 1 and asks for a 64 MiB buffer under 16.
+        let (a, mut rt) = control_plane::assignment(
+            "oom1",
+            "env",
+            235,
+            "exec dd if=/dev/zero of=/dev/null bs=64M count=1",
+        );
+        rt.spec.as_mut().unwrap().resources = Some(zattera_agent::proto::v1::ResourceLimits {
+            memory_mb: 16,
+            ..Default::default()
+        });
+        cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
+        let failed = InstanceState::Failed as i32;
+        let oom = |restarts: u32| {
+            move |r: &Record| {
+                r.latest_of("oom1").filter(|o| {
+                    o.state == failed
+                        && o.message == "out of memory (limit 16 MiB)"
+                        && o.restarts >= restarts
+                })
+            }
+        };
+        cp.wait_for(
+            "FAILED out of memory on the stream",
+            Duration::from_secs(60),
+            oom(0),
+        )
+        .await;
+        let again = cp
+            .wait_for(
+                "out of memory again, counted",
+                Duration::from_secs(60),
+                oom(1),
+            )
+            .await;
+        assert!(
+            again.restarts >= 1,
+            "{again:?}; agent log:\n{}",
+            agent.log()
+        );
+    })
+    .await;
+}
