@@ -53,11 +53,7 @@ fn wait_for_the_end(live: &Path, within: Duration) -> Vec<files::LogFile> {
     let deadline = Instant::now() + within;
     loop {
         let ended = std::fs::read_to_string(live).is_ok_and(|t| t.contains(" spew end "));
-        let mine: Vec<files::LogFile> = files::list(live.parent().unwrap())
-            .unwrap()
-            .into_iter()
-            .filter(|f| live.file_stem().is_some_and(|s| *s == *f.container_id))
-            .collect();
+        let mine = files::list_container(live);
         let pending = mine
             .iter()
             .any(|f| matches!(f.kind, Kind::Raw(_) | Kind::Partial(_)));

@@ -44,12 +44,18 @@ cleanup() {
   for i in $(ctr -a "$SOCK" -n "$NS" images ls -q 2>/dev/null); do
     ctr -a "$SOCK" -n "$NS" images rm "$i" >/dev/null 2>&1 || true
   done
-  ctr -a "$SOCK" namespaces rm "$NS" >/dev/null 2>&1 || true
+  # containerd's GC frees the content in the background: retry briefly.
+  for _ in 1 2 3 4 5; do
+    ctr -a "$SOCK" namespaces rm "$NS" >/dev/null 2>&1 && break
+    sleep 1
+  done
   nft delete table inet "zattera_${NS//-/_}" 2>/dev/null || true
   for l in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep '^ztbm' || true); do
     ip link delete "$l" 2>/dev/null || true
   done
   for f in "$work"/run/netns/*; do [ -e "$f" ] && umount "$f" 2>/dev/null; done
+  # The netns directory is a mount of its own (shared propagation).
+  umount "$work/run/netns" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT

@@ -40,33 +40,19 @@ pub fn instances(run_dir: &Path) -> Option<Vec<Instance>> {
         .map(|s| s.assignments)
 }
 
-/// The container id a TARGET names: an assignment id, `app.env.project`
-/// (its first instance) or a container id. `Err` lists what exists.
+/// The container id a TARGET names ([`zattera_netns::target`]).
 pub fn resolve(instances: &[Instance], target: &str) -> Result<String, String> {
-    let with_container = || instances.iter().filter(|i| !i.container_id.is_empty());
-    if let Some(i) = with_container().find(|i| i.id == target || i.container_id == target) {
-        return Ok(i.container_id.clone());
-    }
-    if let [app, env, project] = target.split('.').collect::<Vec<_>>()[..] {
-        let mut matching: Vec<&Instance> = with_container()
-            .filter(|i| i.app == app && i.environment == env && i.project == project)
-            .collect();
-        matching.sort_by(|a, b| a.id.cmp(&b.id));
-        if let Some(first) = matching.first() {
-            return Ok(first.container_id.clone());
-        }
-    }
-    let known: Vec<String> = with_container()
-        .map(|i| format!("{} ({}.{}.{})", i.id, i.app, i.environment, i.project))
+    let named: Vec<zattera_netns::target::Named<'_>> = instances
+        .iter()
+        .map(|i| zattera_netns::target::Named {
+            id: &i.id,
+            project: &i.project,
+            app: &i.app,
+            environment: &i.environment,
+            container_id: &i.container_id,
+        })
         .collect();
-    Err(format!(
-        "no instance {target:?}; the agent runs: {}",
-        if known.is_empty() {
-            "nothing".to_owned()
-        } else {
-            known.join(", ")
-        }
-    ))
+    zattera_netns::target::resolve(&named, target).map(|n| instances[n].container_id.clone())
 }
 
 #[cfg(test)]

@@ -75,6 +75,7 @@ pub mod nsfile;
 pub mod ports;
 pub mod subnet;
 pub mod sysctl;
+pub mod target;
 pub mod vip;
 
 pub use attach::{Attachment, Repaired};

@@ -77,6 +77,17 @@ async fn ask(
     Ok(())
 }
 
+/// [`ask`] for a request answered by one document.
+async fn ask_one(config: &Config, request: &str) -> Result<Value> {
+    let mut answer = Value::Null;
+    ask(config, request, |v| {
+        answer = v;
+        Ok(())
+    })
+    .await?;
+    Ok(answer)
+}
+
 pub async fn logs(config: &Config, args: &LogsArgs) -> Result<()> {
     let since_secs = args
         .since
@@ -157,12 +168,7 @@ pub async fn stats(config: &Config, args: &StatsArgs) -> Result<()> {
 }
 
 pub async fn images(config: &Config, args: &ImagesArgs) -> Result<()> {
-    let mut answer = Value::Null;
-    ask(config, "images", |v| {
-        answer = v;
-        Ok(())
-    })
-    .await?;
+    let answer = ask_one(config, "images").await?;
     if args.json {
         return super::write_stdout(&(serde_json::to_string_pretty(&answer)? + "\n"));
     }

@@ -112,21 +112,32 @@ pub fn list(dir: &Path) -> io::Result<Vec<LogFile>> {
     Ok(out)
 }
 
-/// The readable files of the container whose live file is `live`, oldest
-/// first, the live file last (when it exists).
-pub fn of_container(live: &Path) -> Vec<PathBuf> {
-    let (Some(dir), Some(cid)) = (
-        live.parent(),
-        live.file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".log")),
-    ) else {
-        return vec![live.to_path_buf()];
+/// The directory and container id of the live file `<dir>/<cid>.log`.
+pub fn split_live(live: &Path) -> Option<(&Path, &str)> {
+    let cid = live.file_name()?.to_str()?.strip_suffix(".log")?;
+    Some((live.parent()?, cid))
+}
+
+/// Every file of the container whose live file is `live`, in order.
+pub fn list_container(live: &Path) -> Vec<LogFile> {
+    let Some((dir, cid)) = split_live(live) else {
+        return Vec::new();
     };
     list(dir)
         .unwrap_or_default()
         .into_iter()
         .filter(|f| f.container_id == cid)
+        .collect()
+}
+
+/// The readable files of the container whose live file is `live`, oldest
+/// first, the live file last (when it exists).
+pub fn of_container(live: &Path) -> Vec<PathBuf> {
+    if split_live(live).is_none() {
+        return vec![live.to_path_buf()];
+    }
+    list_container(live)
+        .into_iter()
         .filter(|f| f.is_rotated() || f.kind == Kind::Live)
         .map(|f| f.path)
         .collect()
@@ -134,18 +145,8 @@ pub fn of_container(live: &Path) -> Vec<PathBuf> {
 
 /// The `seq` of the next rotation of `live`: one past every one in use.
 pub fn next_seq(live: &Path) -> u64 {
-    let Some(cid) = live
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_suffix(".log"))
-    else {
-        return 1;
-    };
-    let dir = live.parent().unwrap_or(Path::new("."));
-    list(dir)
-        .unwrap_or_default()
+    list_container(live)
         .iter()
-        .filter(|f| f.container_id == cid)
         .filter_map(|f| match f.kind {
             Kind::Raw(n) | Kind::Compressed(n) | Kind::Partial(n) => Some(n),
             _ => None,

@@ -168,19 +168,7 @@ fn remove(f: &LogFile, done: &mut Swept) {
 /// The paths [`expired`] picks among the files of the container whose live
 /// file is `live` (the log shim's own check after a rotation).
 pub fn expired_of_container(live: &Path, caps: Retention, now: SystemTime) -> Vec<PathBuf> {
-    let (Some(dir), Some(cid)) = (
-        live.parent(),
-        live.file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".log")),
-    ) else {
-        return Vec::new();
-    };
-    let mine: Vec<LogFile> = files::list(dir)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|f| f.container_id == cid)
-        .collect();
+    let mine = files::list_container(live);
     expired(&mine, caps, now)
         .into_iter()
         .map(|f| f.path.clone())
