@@ -83,10 +83,7 @@ async fn unused_images_go_oldest_first_and_pressure_is_reported() {
     .to_vec();
     agent.write_manifest(
         "svc.toml",
-        &format!(
-            "[app]\nname = \"svc\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
-             [env.prod]\ncommand = \"sleep 1000000\"\n"
-        ),
+        &support::agent::app_manifest("svc", "sleep 1000000"),
     );
     agent.start();
     let cid = agent.wait_all(1, "HEALTHY").into_values().next().unwrap();

@@ -37,13 +37,15 @@ fn ok(out: &std::process::Output) -> String {
 async fn logs_top_stats_and_images_answer_from_the_running_agent() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "operator", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztle", "234-234");
         agent.write_manifest(
             "talk.toml",
-            &format!(
-                "[app]\nname = \"talk\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
-                 [env.prod]\ncommand = \"i=0; while true; do echo line $i; echo oops $i >&2; i=$((i+1)); sleep 0.2; done\"\n"
+            &support::agent::app_manifest(
+                "talk",
+                "i=0; while true; do echo line $i; echo oops $i >&2; i=$((i+1)); sleep 0.2; done",
             ),
         );
         agent.start();
@@ -58,15 +60,24 @@ async fn logs_top_stats_and_images_answer_from_the_running_agent() {
             let lines: Vec<&str> = stdout.lines().collect();
             assert!(!lines.is_empty() && lines.len() <= 4, "{target}: {lines:?}");
             assert!(lines.iter().all(|l| l.starts_with("line ")), "{lines:?}");
-            assert!(String::from_utf8_lossy(&out.stderr).contains("oops "), "{out:?}");
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("oops "),
+                "{out:?}"
+            );
         }
         let all = ok(&cli(&agent, &["logs", "talk.prod.p"]));
         assert!(all.starts_with("line 0\n"), "{all}");
         let recent = ok(&cli(&agent, &["logs", "talk.prod.p", "--since", "1s"]));
-        assert!(recent.lines().count() < all.lines().count(), "--since kept everything");
+        assert!(
+            recent.lines().count() < all.lines().count(),
+            "--since kept everything"
+        );
         let nobody = cli(&agent, &["logs", "nobody"]);
         assert!(!nobody.status.success());
-        assert!(String::from_utf8_lossy(&nobody.stderr).contains("talk.prod.p"), "{nobody:?}");
+        assert!(
+            String::from_utf8_lossy(&nobody.stderr).contains("talk.prod.p"),
+            "{nobody:?}"
+        );
 
         // logs -f: new lines keep coming.
         let mut follow = Command::new(BIN)
@@ -78,7 +89,11 @@ async fn logs_top_stats_and_images_answer_from_the_running_agent() {
             .spawn()
             .unwrap();
         let mut reader = std::io::BufReader::new(follow.stdout.take().unwrap());
-        let number = |l: &str| l.trim().strip_prefix("line ").and_then(|n| n.parse::<u64>().ok());
+        let number = |l: &str| {
+            l.trim()
+                .strip_prefix("line ")
+                .and_then(|n| n.parse::<u64>().ok())
+        };
         let mut first = String::new();
         reader.read_line(&mut first).unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -99,15 +114,20 @@ async fn logs_top_stats_and_images_answer_from_the_running_agent() {
         assert!(top.contains("sh -c"), "{top}");
 
         // stats: the instance, with memory.
-        let stats: serde_json::Value = serde_json::from_str(&ok(&cli(&agent, &["stats", "--json"]))).unwrap();
+        let stats: serde_json::Value =
+            serde_json::from_str(&ok(&cli(&agent, &["stats", "--json"]))).unwrap();
         let row = &stats.as_array().unwrap()[0];
         assert_eq!(row["id"], assignment.as_str());
         assert!(row["memory_bytes"].as_u64().unwrap() > 0, "{row}");
         let table = ok(&cli(&agent, &["stats", "talk.prod.p"]));
-        assert!(table.starts_with("INSTANCE") && table.contains(&assignment), "{table}");
+        assert!(
+            table.starts_with("INSTANCE") && table.contains(&assignment),
+            "{table}"
+        );
 
         // images: the one in use, its size and its user.
-        let images: serde_json::Value = serde_json::from_str(&ok(&cli(&agent, &["images", "--json"]))).unwrap();
+        let images: serde_json::Value =
+            serde_json::from_str(&ok(&cli(&agent, &["images", "--json"]))).unwrap();
         let image = images
             .as_array()
             .unwrap()
@@ -120,7 +140,17 @@ async fn logs_top_stats_and_images_answer_from_the_running_agent() {
         assert!(ok(&cli(&agent, &["images"])).starts_with("IMAGE"));
 
         // exec: both streams apart and the exit code passed through.
-        let out = cli(&agent, &["exec", "talk.prod.p", "--", "sh", "-c", "echo hi; echo err >&2; exit 3"]);
+        let out = cli(
+            &agent,
+            &[
+                "exec",
+                "talk.prod.p",
+                "--",
+                "sh",
+                "-c",
+                "echo hi; echo err >&2; exit 3",
+            ],
+        );
         assert_eq!(out.status.code(), Some(3), "{out:?}");
         assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
         assert_eq!(String::from_utf8_lossy(&out.stderr), "err\n");

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use support::agent::AgentProc;
-use support::{TEST_IMAGE, rig, with_namespace};
+use support::{rig, with_namespace};
 use zattera_agent::runtime::import_archive;
 
 /// Every family the README documents (counters without `_total`).
@@ -97,16 +97,15 @@ async fn metrics_are_served_parsed_labelled_and_move() {
         return;
     }
     with_namespace(&rig, "telemetry", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
         let port = free_port();
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztld", "233-233");
         agent.run_args = vec!["--metrics-listen".into(), port.to_string()];
         agent.write_manifest(
             "svc.toml",
-            &format!(
-                "[app]\nname = \"svc\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
-                 [env.prod]\ncommand = \"sleep 1000000\"\n"
-            ),
+            &support::agent::app_manifest("svc", "sleep 1000000"),
         );
         agent.start();
         let ids = agent.wait_all(1, "HEALTHY");
@@ -115,21 +114,39 @@ async fn metrics_are_served_parsed_labelled_and_move() {
         let first = scrape(port);
         for f in FAMILIES {
             let on_v1 = !std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-            let per_instance = f.starts_with("zattera_instance_") && f != "zattera_instance_restarts";
+            let per_instance =
+                f.starts_with("zattera_instance_") && f != "zattera_instance_restarts";
             // Instance figures come with the sampler's samples; PSI only on cgroup v2.
             if per_instance || (on_v1 && f == "zattera_instance_pressure_seconds") {
                 continue;
             }
-            assert!(first.contains_key(f), "{f} missing; families: {:?}", first.keys());
+            assert!(
+                first.contains_key(f),
+                "{f} missing; families: {:?}",
+                first.keys()
+            );
         }
         assert_eq!(first["zattera_reconcile_passes"]["type"], "counter");
-        assert_eq!(first["zattera_reconcile_duration_seconds"]["type"], "histogram");
         assert_eq!(
-            value(&first, "zattera_assignments", "zattera_assignments", &[("state", "HEALTHY")]),
+            first["zattera_reconcile_duration_seconds"]["type"],
+            "histogram"
+        );
+        assert_eq!(
+            value(
+                &first,
+                "zattera_assignments",
+                "zattera_assignments",
+                &[("state", "HEALTHY")]
+            ),
             Some(1.0)
         );
         assert_eq!(
-            value(&first, "zattera_assignments", "zattera_assignments", &[("state", "FAILED")]),
+            value(
+                &first,
+                "zattera_assignments",
+                "zattera_assignments",
+                &[("state", "FAILED")]
+            ),
             Some(0.0),
             "every state has a series"
         );
@@ -138,7 +155,10 @@ async fn metrics_are_served_parsed_labelled_and_move() {
             ("zattera_image_pulls", vec![("result", "ok")]),
             ("zattera_image_pulls", vec![("result", "failed")]),
             ("zattera_vip_connections", vec![]),
-            ("zattera_node_api_calls", vec![("method", "QueryLogs"), ("code", "OK")]),
+            (
+                "zattera_node_api_calls",
+                vec![("method", "QueryLogs"), ("code", "OK")],
+            ),
         ] {
             assert_eq!(
                 value(&first, family, &format!("{family}_total"), &labels),
@@ -152,27 +172,51 @@ async fn metrics_are_served_parsed_labelled_and_move() {
                 &first,
                 "zattera_instance_restarts",
                 "zattera_instance_restarts_total",
-                &[("assignment", &assignment), ("app", "svc"), ("environment", "prod"), ("project", "p")]
+                &[
+                    ("assignment", &assignment),
+                    ("app", "svc"),
+                    ("environment", "prod"),
+                    ("project", "p")
+                ]
             ),
             Some(0.0)
         );
         // The log janitor and the image collector ran once at start.
         for kind in ["log", "image"] {
             assert!(
-                value(&first, "zattera_gc_runs", "zattera_gc_runs_total", &[("kind", kind)]) >= Some(1.0),
+                value(
+                    &first,
+                    "zattera_gc_runs",
+                    "zattera_gc_runs_total",
+                    &[("kind", kind)]
+                ) >= Some(1.0),
                 "gc {kind}"
             );
         }
 
         // DNS asked on the gateway of the bridge the agent made.
         let gateway = "10.201.233.1";
-        let before = value(&first, "zattera_dns_answers", "zattera_dns_answers_total", &[("answer", "NXDOMAIN")])
-            .unwrap_or(0.0);
+        let before = value(
+            &first,
+            "zattera_dns_answers",
+            "zattera_dns_answers_total",
+            &[("answer", "NXDOMAIN")],
+        )
+        .unwrap_or(0.0);
         let dig = std::process::Command::new("dig")
-            .args(["+tries=1", "+time=2", &format!("@{gateway}"), "nobody.internal", "A"])
+            .args([
+                "+tries=1",
+                "+time=2",
+                &format!("@{gateway}"),
+                "nobody.internal",
+                "A",
+            ])
             .output()
             .unwrap();
-        assert!(String::from_utf8_lossy(&dig.stdout).contains("NXDOMAIN"), "{dig:?}");
+        assert!(
+            String::from_utf8_lossy(&dig.stdout).contains("NXDOMAIN"),
+            "{dig:?}"
+        );
 
         // Instance figures arrive with the sampler's next sample (15 s).
         let deadline = Instant::now() + Duration::from_secs(40);
@@ -187,7 +231,11 @@ async fn metrics_are_served_parsed_labelled_and_move() {
             if memory.is_some_and(|b| b > 0.0) {
                 break m;
             }
-            assert!(Instant::now() < deadline, "no instance memory: {:?}", m.get("zattera_instance_memory_bytes"));
+            assert!(
+                Instant::now() < deadline,
+                "no instance memory: {:?}",
+                m.get("zattera_instance_memory_bytes")
+            );
             tokio::time::sleep(Duration::from_secs(1)).await;
         };
         for f in [
@@ -198,22 +246,53 @@ async fn metrics_are_served_parsed_labelled_and_move() {
             assert!(later.contains_key(f), "{f} missing");
         }
         let passes = |m: &BTreeMap<String, Value>| {
-            value(m, "zattera_reconcile_passes", "zattera_reconcile_passes_total", &[]).unwrap()
+            value(
+                m,
+                "zattera_reconcile_passes",
+                "zattera_reconcile_passes_total",
+                &[],
+            )
+            .unwrap()
         };
-        assert!(passes(&later) > passes(&first), "reconcile passes did not move");
-        let after = value(&later, "zattera_dns_answers", "zattera_dns_answers_total", &[("answer", "NXDOMAIN")])
-            .unwrap();
+        assert!(
+            passes(&later) > passes(&first),
+            "reconcile passes did not move"
+        );
+        let after = value(
+            &later,
+            "zattera_dns_answers",
+            "zattera_dns_answers_total",
+            &[("answer", "NXDOMAIN")],
+        )
+        .unwrap();
         assert!(after >= before + 1.0, "NXDOMAIN {before} -> {after}");
         assert!(
-            value(&later, "zattera_dns_queries", "zattera_dns_queries_total", &[("type", "A")]) >= Some(1.0)
+            value(
+                &later,
+                "zattera_dns_queries",
+                "zattera_dns_queries_total",
+                &[("type", "A")]
+            ) >= Some(1.0)
         );
         assert!(
-            value(&later, "zattera_log_disk_bytes", "zattera_log_disk_bytes", &[]) >= Some(0.0)
+            value(
+                &later,
+                "zattera_log_disk_bytes",
+                "zattera_log_disk_bytes",
+                &[]
+            ) >= Some(0.0)
         );
 
         // Anything else than GET /metrics.
         let other = std::process::Command::new("curl")
-            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &format!("http://127.0.0.1:{port}/")])
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                &format!("http://127.0.0.1:{port}/"),
+            ])
             .output()
             .unwrap();
         assert_eq!(String::from_utf8_lossy(&other.stdout), "404");

@@ -49,6 +49,19 @@ pub struct ImagesArgs {
     json: bool,
 }
 
+/// The running agent's admin socket.
+async fn connect(config: &Config) -> Result<tokio::net::UnixStream> {
+    let path = zattera_agent::admin::socket_path(&config.run_dir);
+    tokio::net::UnixStream::connect(&path)
+        .await
+        .with_context(|| {
+            format!(
+                "no agent answers at {} (is it running? --run-dir)",
+                path.display()
+            )
+        })
+}
+
 /// Sends one request; every answer line goes to `each` until the agent
 /// ends the answer. `{"error": …}` is the agent refusing.
 async fn ask(
@@ -56,15 +69,7 @@ async fn ask(
     request: &str,
     mut each: impl FnMut(Value) -> Result<()>,
 ) -> Result<()> {
-    let path = zattera_agent::admin::socket_path(&config.run_dir);
-    let mut stream = tokio::net::UnixStream::connect(&path)
-        .await
-        .with_context(|| {
-            format!(
-                "no agent answers at {} (is it running? --run-dir)",
-                path.display()
-            )
-        })?;
+    let mut stream = connect(config).await?;
     stream.write_all(format!("{request}\n").as_bytes()).await?;
     let mut lines = BufReader::new(stream).lines();
     while let Some(line) = lines.next_line().await? {
@@ -115,14 +120,9 @@ pub async fn logs(config: &Config, args: &LogsArgs) -> Result<()> {
 }
 
 pub async fn top(config: &Config, args: &TopArgs) -> Result<()> {
-    let mut answer = Value::Null;
-    ask(
+    let answer = ask_one(
         config,
         &format!("top {}", serde_json::json!({ "target": args.target })),
-        |v| {
-            answer = v;
-            Ok(())
-        },
     )
     .await?;
     let titles: Vec<String> = serde_json::from_value(answer["titles"].clone()).unwrap_or_default();
@@ -132,14 +132,9 @@ pub async fn top(config: &Config, args: &TopArgs) -> Result<()> {
 }
 
 pub async fn stats(config: &Config, args: &StatsArgs) -> Result<()> {
-    let mut answer = Value::Null;
-    ask(
+    let answer = ask_one(
         config,
         &format!("stats {}", serde_json::json!({ "target": args.target })),
-        |v| {
-            answer = v;
-            Ok(())
-        },
     )
     .await?;
     if args.json {
@@ -266,15 +261,7 @@ fn terminal_size() -> Option<(u16, u16)> {
 /// `exec [-it] TARGET -- CMD...`: the process's exit code is ours.
 pub async fn exec(config: &Config, args: &ExecArgs) -> Result<std::process::ExitCode> {
     use zattera_agent::admin::frames::{self, Frame};
-    let path = zattera_agent::admin::socket_path(&config.run_dir);
-    let stream = tokio::net::UnixStream::connect(&path)
-        .await
-        .with_context(|| {
-            format!(
-                "no agent answers at {} (is it running? --run-dir)",
-                path.display()
-            )
-        })?;
+    let stream = connect(config).await?;
     let size = if args.tty { terminal_size() } else { None };
     let request = serde_json::json!({
         "target": args.target,

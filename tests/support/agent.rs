@@ -278,6 +278,16 @@ impl AgentProc {
     }
 }
 
+/// A standalone manifest: app `app` of project `p`, one `prod` instance of
+/// the busybox test image running `command`.
+pub fn app_manifest(app: &str, command: &str) -> String {
+    format!(
+        "[app]\nname = \"{app}\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{}\"\n\
+         [env.prod]\ncommand = \"{command}\"\n",
+        super::TEST_IMAGE
+    )
+}
+
 /// The status row of `app`, first by id.
 pub fn row<'a>(status: &'a serde_json::Value, app: &str) -> Option<&'a serde_json::Value> {
     status["assignments"]
