@@ -120,7 +120,7 @@ pub fn run(args: &ShimArgs) -> io::Result<()> {
     for pipe in [&stdout, &stderr] {
         let _ = nix::fcntl::fcntl(
             pipe,
-            nix::fcntl::FcntlArg::F_SETPIPE_SZ(i32::try_from(READ_BYTES).unwrap_or(i32::MAX)),
+            nix::fcntl::FcntlArg::F_SETPIPE_SZ(i32::try_from(PIPE_BYTES).unwrap_or(i32::MAX)),
         );
     }
     // Ready: the runc shim starts the task once fd 5 is closed.
@@ -172,8 +172,13 @@ fn copy_lines(mut input: impl Read, stream: &str, out: &Mutex<RotatingFile>) -> 
     write_batch(out, &batch)
 }
 
-/// What one read takes from the pipe (the pipe is made this large too).
-const READ_BYTES: usize = 1 << 20;
+/// What one read takes from the pipe at most: every line of a read gets
+/// its time, so a smaller read keeps the times close to when lines were
+/// written (about 6 ms at 20 MiB/s) at the cost of a few more syscalls.
+const READ_BYTES: usize = 128 << 10;
+/// How much the pipe holds (F_SETPIPE_SZ; 1 MiB is what an unprivileged
+/// process may ask for by default).
+const PIPE_BYTES: usize = 1 << 20;
 
 /// Turns a stream's bytes into CRI lines: `<time> <stream> F <line>`, and
 /// `P` for each [`MAX_LINE`] chunk of a longer line. Bytes are copied once,
