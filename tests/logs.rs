@@ -298,25 +298,8 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
         agent.start();
         let ids = agent.wait_all(1, "HEALTHY");
         let cid = ids.values().next().unwrap().clone();
-        // `logs -f` from the start: every line, across every rotation.
-        let follow = follow_to_the_end(&agent, &cid);
         let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
         let mine = wait_for_the_end(&live, Duration::from_secs(90));
-        let followed = follow.join().unwrap();
-        eprintln!(
-            "logs -f saw {} lines, {:?}..",
-            followed.len(),
-            followed.first()
-        );
-        assert!(
-            followed.windows(2).all(|w| w[1] == w[0] + 1),
-            "logs -f lost or reordered lines across rotations"
-        );
-        assert!(
-            followed.len() > 200_000,
-            "only {} lines followed",
-            followed.len()
-        );
 
         let mut seqs: BTreeMap<u64, u64> = BTreeMap::new();
         for f in &mine {
@@ -339,6 +322,50 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
             assert_eq!(spew_number(text), Some(first + i as u64), "{text:?}");
         }
         assert_eq!(last, &format!("spew end {}", first + numbers.len() as u64));
+
+        agent.kill9();
+        support::purge_namespace(&ctd).await;
+    })
+    .await;
+}
+
+/// `zattera-agent logs -f` from the start of a 20 MiB/s writer: every line,
+/// in order, across every rotation (several may come between two looks).
+#[tokio::test]
+async fn logs_follow_reads_every_rotation() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "logs-follow", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlg", "238-238");
+        agent.write_manifest("spew.toml", &spewer(20, 4));
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let cid = ids.values().next().unwrap().clone();
+        let follow = follow_to_the_end(&agent, &cid);
+        let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
+        let mine = wait_for_the_end(&live, Duration::from_secs(90));
+        let rotations = mine
+            .iter()
+            .filter(|f| matches!(f.kind, Kind::Compressed(_)))
+            .count();
+        let followed = follow.join().unwrap();
+        eprintln!(
+            "logs -f saw {} lines from {:?}, {rotations} rotations",
+            followed.len(),
+            followed.first()
+        );
+        assert!(
+            followed.windows(2).all(|w| w[1] == w[0] + 1),
+            "logs -f lost or reordered lines across rotations"
+        );
+        assert!(rotations >= 3, "only {rotations} rotations");
+        assert!(
+            followed.len() > 200_000,
+            "only {} lines followed",
+            followed.len()
+        );
 
         agent.kill9();
         support::purge_namespace(&ctd).await;
