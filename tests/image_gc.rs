@@ -88,6 +88,9 @@ async fn unused_images_go_oldest_first_and_pressure_is_reported() {
     agent.start();
     let cid = agent.wait_all(1, "HEALTHY").into_values().next().unwrap();
     let pid = task_pid(&ctd, &cid).await;
+    // Down while the images come in, so that no pass runs before the store
+    // is measured full; the container keeps running and is adopted.
+    agent.kill9();
 
     // Three unused images, a second apart, and a pinned one: about 37 of
     // 64 MiB, over the high mark once the last is in.
@@ -105,6 +108,8 @@ async fn unused_images_go_oldest_first_and_pressure_is_reported() {
     import_big(&ctd, &rig, dir.path(), &format!("{PINNED}:1"), 1, 8).await;
     let full = Usage::of(&root).unwrap();
     let snapshots_full = support::list_snapshots(&ctd).await.len();
+    assert!(full.percent() > 45.0, "only {:.0}% full", full.percent());
+    agent.start();
     eprintln!(
         "content store: {:.0}% before the images, {:.0}% with them",
         before_any.percent(),
