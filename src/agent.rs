@@ -324,7 +324,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 cgroup_parent: cgroup_parent.clone(),
                 log_dir: config.data_dir.join("logs"),
             };
-            match crate::telemetry::serve::bind(addr).await {
+            match tokio::net::TcpListener::bind(addr).await {
                 Ok(listener) => {
                     tracing::info!(%addr, "metrics at /metrics");
                     let registry = Arc::new(crate::telemetry::registry(&metrics, sources));

@@ -129,7 +129,6 @@ mod tests {
             name: name.into(),
             owned,
             updated: now - age,
-            target: String::new(),
         }
     }
 

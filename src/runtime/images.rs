@@ -154,8 +154,6 @@ pub struct ImageRecord {
     pub owned: bool,
     /// When the record was created or last pointed at a new target.
     pub updated: std::time::SystemTime,
-    /// The target's digest (index or manifest).
-    pub target: String,
 }
 
 /// Every image record of the namespace.
@@ -176,7 +174,6 @@ pub async fn list_images(ctd: &Containerd) -> Result<Vec<ImageRecord>, RuntimeEr
         .map(|i| ImageRecord {
             owned: i.labels.get(OWNED_LABEL).is_some_and(|v| v == "true"),
             updated: at(i.updated_at).max(at(i.created_at)),
-            target: i.target.map(|t| t.digest).unwrap_or_default(),
             name: i.name,
         })
         .collect())

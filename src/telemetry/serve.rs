@@ -15,11 +15,6 @@ use prometheus_client::registry::Registry;
 // What prometheus-client writes: OpenMetrics text (Prometheus reads it).
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Binds `addr`; the listener serves with [`run`].
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
-}
-
 /// Serves scrapes until the task is dropped.
 pub async fn run(listener: tokio::net::TcpListener, registry: Arc<Registry>) {
     loop {
