@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let files = [
         "proto/zattera/cluster/v1/agent.proto",
         "proto/zattera/cluster/v1/routes.proto",
+        "proto/zattera/cluster/v1/mesh.proto",
     ];
     let fds = protox::compile(files, ["proto"])?;
     std::fs::write(out.join("zattera_descriptor.bin"), fds.encode_to_vec())?;

@@ -51,12 +51,6 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             return Ok(());
         }
     };
-    let host_ip = match config.host_ip {
-        std::net::IpAddr::V4(ip) => ip,
-        std::net::IpAddr::V6(ip) => {
-            anyhow::bail!("host-ip {ip}: only IPv4 host addresses are supported")
-        }
-    };
 
     let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
     net_cfg.default_subnet = config.default_subnet;
@@ -105,7 +99,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                             .clone()
                             .unwrap_or_else(|| enrollment.control_addr.clone()),
                         token.clone(),
-                        config.data_dir.clone(),
+                        &config,
                     )
                 }),
                 tls: tls_tx,
@@ -115,6 +109,35 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             Some(registry_rx)
         }
         None => None,
+    };
+    // The mesh is up (from the last peer set) before anything binds on its
+    // address or dials control through it.
+    let mut mesh_ip = None;
+    if let Some((sync, _, _)) = &mut control {
+        mesh_ip = start_mesh(&config, sync, &logger_binary).await?;
+    }
+    if let Some(ip) = mesh_ip
+        && config.host_ip == crate::config::DEFAULT_HOST_IP
+    {
+        // W-3: published ports on the mesh IP, where other nodes dial them.
+        config.host_ip = ip.into();
+    }
+    let host_ip = match config.host_ip {
+        std::net::IpAddr::V4(ip) => ip,
+        std::net::IpAddr::V6(ip) => {
+            anyhow::bail!("host-ip {ip}: only IPv4 host addresses are supported")
+        }
+    };
+    let node_api_listen = match mesh_ip {
+        // The mesh IP and loopback, never every address (AGENT-1).
+        Some(ip) if config.node_api_listen == crate::config::DEFAULT_NODE_API_LISTEN => {
+            let port = config.node_api_listen.port();
+            vec![
+                std::net::SocketAddr::from((ip, port)),
+                std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port)),
+            ]
+        }
+        _ => vec![config.node_api_listen],
     };
     let standalone = config.control.is_none();
     let source = match (&config.control, &config.manifests) {
@@ -268,7 +291,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             // control is away).
             let routes = crate::control::services::spawn(
                 &sync,
-                config.node_api_listen,
+                &node_api_listen,
                 node,
                 controls,
                 Arc::clone(&metrics),
@@ -461,7 +484,7 @@ async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) ->
     let joined = crate::control::join::join(&crate::control::join::JoinOptions::for_this_node(
         addr.to_owned(),
         token.to_owned(),
-        config.data_dir.clone(),
+        config,
     ))
     .await
     .with_context(|| format!("joining {addr} with the configured join-token"))?;
@@ -503,6 +526,55 @@ fn sync_target(config: &Config) -> Result<Option<String>> {
         tracing::info!(join = %given, sync = %target, "syncing with the address the join returned");
     }
     Ok(target)
+}
+
+/// With an enrollment that has the mesh: brings the interface up from the
+/// last peer set, keeps WatchPeers open, and points `sync`'s targets at
+/// the leader it names. Returns the node's mesh IP.
+async fn start_mesh(
+    config: &Config,
+    sync: &mut crate::control::sync::SyncConfig,
+    device_binary: &std::path::Path,
+) -> Result<Option<std::net::Ipv4Addr>> {
+    let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
+        .load_enrollment()
+        .context("the node enrollment")?;
+    if !enrollment.mesh_enabled {
+        return Ok(None);
+    }
+    let mesh_ip: std::net::Ipv4Addr = enrollment
+        .mesh_ip
+        .parse()
+        .map_err(|_| crate::mesh::MeshError::BadMeshIp(enrollment.mesh_ip.clone()))?;
+    let node = crate::mesh::NodeMesh {
+        node_id: sync.node_id.clone(),
+        mesh_ip,
+        key: crate::mesh::load_or_create_key(&config.data_dir)?,
+        interface: config.mesh.interface.clone(),
+        listen_port: config.mesh.listen_port,
+    };
+    let backend = zattera_mesh::Backend::detect(
+        config.mesh.backend,
+        &node.interface,
+        device_binary.to_owned(),
+        config.run_dir.join(format!("mesh-{}.log", node.interface)),
+    )
+    .await;
+    let (targets, targets_rx) =
+        tokio::sync::watch::channel(crate::control::target::Targets::initial(&sync.control_addr));
+    sync.targets = targets_rx;
+    let task = crate::mesh::watch::MeshTask {
+        backend,
+        node,
+        control_addr: sync.control_addr.clone(),
+        tls: sync.tls.clone(),
+        targets,
+        state_file: crate::mesh::peers::path(&config.data_dir),
+        status_file: zattera_mesh::status_path(&config.run_dir),
+    };
+    task.restore().await;
+    task.spawn();
+    Ok(Some(mesh_ip))
 }
 
 /// Feeds the executor from the manifest directory, reloading on changes.

@@ -112,6 +112,20 @@ pub struct Settings {
     /// or `PORT` for loopback; absent (the default): not served.
     #[serde(alias = "metrics_listen")]
     pub metrics_listen: Option<String>,
+    /// The WireGuard mesh interface (default zt0).
+    #[serde(alias = "mesh_interface")]
+    pub mesh_interface: Option<String>,
+    /// UDP port WireGuard listens on (default 51820).
+    #[serde(alias = "mesh_listen_port")]
+    pub mesh_listen_port: Option<u16>,
+    /// `host:port` endpoints other nodes reach this one's WireGuard at, sent
+    /// in the join (default: the address of the default route, at the port).
+    #[serde(alias = "mesh_endpoints")]
+    pub mesh_endpoints: Option<Vec<String>>,
+    /// `auto` (kernel WireGuard when the kernel has it, else userspace),
+    /// `kernel` or `userspace`.
+    #[serde(alias = "mesh_backend")]
+    pub mesh_backend: Option<String>,
 }
 
 impl Settings {
@@ -171,6 +185,10 @@ impl Settings {
             image_gc_pinned: top.image_gc_pinned.or(self.image_gc_pinned),
             image_gc_interval: top.image_gc_interval.or(self.image_gc_interval),
             metrics_listen: top.metrics_listen.or(self.metrics_listen),
+            mesh_interface: top.mesh_interface.or(self.mesh_interface),
+            mesh_listen_port: top.mesh_listen_port.or(self.mesh_listen_port),
+            mesh_endpoints: top.mesh_endpoints.or(self.mesh_endpoints),
+            mesh_backend: top.mesh_backend.or(self.mesh_backend),
         }
     }
 
@@ -245,6 +263,7 @@ impl Settings {
             Some(mb) => mb.saturating_mul(1024 * 1024),
         };
         let image_gc = self.image_gc()?;
+        let mesh = self.mesh()?;
         let metrics_listen = match self.metrics_listen.as_deref().map(str::trim) {
             None | Some("" | "off") => None,
             Some(text) => Some(crate::telemetry::serve::parse_listen(text).ok_or_else(|| {
@@ -255,6 +274,7 @@ impl Settings {
             })?),
         };
         Ok(Config {
+            mesh,
             image_gc,
             metrics_listen,
             log_retention: crate::logs::Retention {
@@ -289,6 +309,54 @@ impl Settings {
 }
 
 impl Settings {
+    fn mesh(&self) -> Result<MeshSettings, ConfigError> {
+        let defaults = MeshSettings::default();
+        let interface = self.mesh_interface.clone().unwrap_or(defaults.interface);
+        if interface.is_empty()
+            || interface.len() > 15
+            || !interface
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(ConfigError::Invalid {
+                key: "mesh-interface",
+                message: format!(
+                    "{interface:?} is not an interface name (1-15 of a-z, 0-9, - and _)"
+                ),
+            });
+        }
+        let endpoints = self
+            .mesh_endpoints
+            .iter()
+            .flatten()
+            .map(|e| {
+                e.trim()
+                    .parse::<SocketAddr>()
+                    .map_err(|_| ConfigError::Invalid {
+                        key: "mesh-endpoints",
+                        message: format!("{e:?} is not IP:PORT"),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let backend = match self.mesh_backend.as_deref() {
+            None => defaults.backend,
+            Some(text) => {
+                text.trim()
+                    .parse()
+                    .map_err(|e: zattera_mesh::Error| ConfigError::Invalid {
+                        key: "mesh-backend",
+                        message: e.to_string(),
+                    })?
+            }
+        };
+        Ok(MeshSettings {
+            interface,
+            listen_port: self.mesh_listen_port.unwrap_or(defaults.listen_port),
+            endpoints,
+            backend,
+        })
+    }
+
     fn image_gc(&self) -> Result<ImageGcConfig, ConfigError> {
         use crate::image_gc::{DEFAULT_EVERY, GcPolicy, Pin};
         let defaults = GcPolicy::default();
@@ -371,6 +439,28 @@ pub struct Config {
     pub image_gc: ImageGcConfig,
     /// Where `/metrics` is served; `None`: nowhere.
     pub metrics_listen: Option<SocketAddr>,
+    pub mesh: MeshSettings,
+}
+
+/// The node's side of the WireGuard mesh, resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MeshSettings {
+    pub interface: String,
+    pub listen_port: u16,
+    /// Empty: found at join time from the default route.
+    pub endpoints: Vec<SocketAddr>,
+    pub backend: zattera_mesh::BackendKind,
+}
+
+impl Default for MeshSettings {
+    fn default() -> Self {
+        Self {
+            interface: "zt0".into(),
+            listen_port: zattera_mesh::DEFAULT_PORT,
+            endpoints: Vec::new(),
+            backend: zattera_mesh::BackendKind::Auto,
+        }
+    }
 }
 
 /// Image garbage collection, resolved.

@@ -15,6 +15,7 @@ pub mod executor;
 pub mod health;
 pub mod image_gc;
 pub mod logs;
+pub mod mesh;
 pub mod metrics;
 pub mod proto;
 pub mod redact;

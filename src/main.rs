@@ -20,6 +20,22 @@ fn main() -> ExitCode {
             }
         };
     }
+    // Started by the agent as the userspace WireGuard device: it outlives
+    // the agent, with no CLI and no async runtime of its own.
+    if let [_, verb, interface] = args.as_slice()
+        && verb == "mesh-device"
+    {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .init();
+        return match zattera_mesh::run_device(interface) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("zattera-agent mesh-device: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let cli = cli::Cli::parse();
     let daemon = cli.is_daemon();
     tracing_subscriber::fmt()

@@ -6,9 +6,13 @@
 
 #[path = "support/control.rs"]
 mod control_plane;
+#[path = "support/mesh_cluster.rs"]
+mod mesh_cluster;
 mod support;
 
 use std::time::Duration;
+
+use futures::FutureExt as _;
 
 use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::agent::KillOnDrop;
@@ -902,4 +906,478 @@ async fn an_assignment_without_a_subnet_gets_the_default_network() {
         );
     })
     .await;
+}
+
+/// One agent of the mesh test, running inside its host's namespace.
+struct MeshNode {
+    ns: String,
+    dir: tempfile::TempDir,
+    child: Option<std::process::Child>,
+    args: Vec<String>,
+}
+
+impl MeshNode {
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("agent.log"))
+            .unwrap();
+        self.child = Some(
+            std::process::Command::new("nsenter")
+                .arg(format!("--net=/run/netns/{}", self.ns))
+                .arg("--")
+                .arg(support::agent::run_bin())
+                .args(&self.args)
+                .env("RUST_LOG", "info")
+                .stdout(std::process::Stdio::null())
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    fn data_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("data")
+    }
+}
+
+impl Drop for MeshNode {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits (up to `secs`) until `ok` holds, else panics naming `what`.
+async fn eventually<F, Fut>(what: &str, secs: u64, mut ok: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !ok().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {secs} s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Three workers and two control hosts on one machine (issue 14): joins,
+/// the mesh, the node API over mesh IPs, a VIP endpoint on another node
+/// reached through WireGuard only, the leader moving, a node joining and
+/// leaving without disturbing the others' sessions, and a SIGKILLed node
+/// whose mesh and containers come back before control answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
+    use mesh_cluster::{Cluster, TestNet, device, forward_from, run_in};
+    use std::net::{Ipv4Addr, SocketAddr};
+    use zattera_agent::proto::cluster::{Endpoint, InternalPort, InternalService, RouteSnapshot};
+    use zattera_agent::proto::v1::{PortSpec, Protocol};
+
+    let Some(rig) = rig() else { return };
+    let bin = std::path::PathBuf::from(support::agent::run_bin());
+    let mut net = TestNet::new("ztm");
+    let underlay = |n: u8| Ipv4Addr::new(10, 203, 77, n);
+    let c1 = net.add_host("c1", underlay(11));
+    let c2 = net.add_host("c2", underlay(12));
+    let mut cluster = Cluster::new(SECRET, &bin);
+    cluster.add_control(
+        "ctl-1",
+        &c1,
+        underlay(11),
+        Ipv4Addr::new(10, 90, 0, 1),
+        "ztmc1",
+        true,
+    );
+    cluster.add_control(
+        "ctl-2",
+        &c2,
+        underlay(12),
+        Ipv4Addr::new(10, 90, 0, 2),
+        "ztmc2",
+        false,
+    );
+
+    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["mesha", "meshb", "meshc", "meshd"]
+        .iter()
+        .map(|t| support::unique_namespace(t))
+        .collect();
+    let mut ctds = Vec::new();
+    for ns in &namespaces {
+        let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.clone())
+            .await
+            .unwrap();
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        ctds.push(ctd);
+    }
+    let token = cluster.ca.token(SECRET);
+    let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
+        let ns = net.add_host(name, underlay(n));
+        let dir = tempfile::tempdir().unwrap();
+        let interface = format!("ztm{name}0");
+        let args: Vec<String> = [
+            "--containerd-address",
+            rig.socket.to_str().unwrap(),
+            "--namespace",
+            namespaces[idx].as_str(),
+            "--config",
+            "/dev/null",
+            "--run-dir",
+            dir.path().join("run").to_str().unwrap(),
+            "--data-dir",
+            dir.path().join("data").to_str().unwrap(),
+            "run",
+            "--bridge-prefix",
+            &format!("ztm{name}"),
+            "--control",
+            &format!("{}:8443", underlay(11)),
+            "--join-token",
+            &token,
+            "--mesh-interface",
+            &interface,
+            "--mesh-endpoint",
+            &format!("{}:51820", underlay(n)),
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let mut m = MeshNode {
+            ns,
+            dir,
+            child: None,
+            args,
+        };
+        m.start();
+        m
+    };
+    let outcome = std::panic::AssertUnwindSafe(async {
+        let a = node("a", 21, 0, &mut net);
+        let mut b = node("b", 22, 1, &mut net);
+        let c = node("c", 23, 2, &mut net);
+        let dump = |m: &MeshNode| format!("--- {} log:\n{}", m.ns, m.log());
+
+        // Every node joins, and syncs with the leader over the mesh.
+        let workers = |n: usize| {
+            let cluster = &cluster;
+            move || async move { cluster.members().iter().filter(|m| !m.is_control).count() >= n }
+        };
+        eventually("three workers joined", 60, workers(3)).await;
+        let id_of = |n: u8| {
+            cluster
+                .members()
+                .into_iter()
+                .find(|m| m.endpoint == format!("{}:51820", underlay(n)))
+                .unwrap()
+        };
+        let (ma, mb, mc) = (id_of(21), id_of(22), id_of(23));
+        for (m, agent) in [(&ma, &a), (&mb, &b), (&mc, &c)] {
+            let id = m.node_id.clone();
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                cluster.wait_for("a sync stream on ctl-1", Duration::from_secs(60), |r| {
+                    (r.session_host_of(&id) == Some("ctl-1")).then_some(())
+                }),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{}", dump(agent)));
+        }
+        let key_path = zattera_agent::mesh::key_path(&a.data_dir());
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&key_path).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o600, "the WireGuard key is private");
+
+        // The mesh forms: traffic between every pair, a handshake on each.
+        let hosts = [
+            (c1.clone(), "ztmc1", Ipv4Addr::new(10, 90, 0, 1)),
+            (c2.clone(), "ztmc2", Ipv4Addr::new(10, 90, 0, 2)),
+            (a.ns.clone(), "ztma0", ma.mesh_ip),
+            (b.ns.clone(), "ztmb0", mb.mesh_ip),
+            (c.ns.clone(), "ztmc0", mc.mesh_ip),
+        ];
+        for (i, (from, _, _)) in hosts.iter().enumerate() {
+            for (_, _, to) in &hosts[i + 1..] {
+                let (from, to) = (from.clone(), to.to_string());
+                eventually(&format!("ping {to} from {from}"), 20, || {
+                    let (from, to) = (from.clone(), to.clone());
+                    async move {
+                        tokio::task::spawn_blocking(move || {
+                            run_in(&from, &["busybox", "ping", "-c1", "-W1", &to]).status.success()
+                        })
+                        .await
+                        .unwrap()
+                    }
+                })
+                .await;
+            }
+        }
+        for (_, iface, _) in &hosts {
+            let d = device(iface).await.unwrap_or_else(|| panic!("no device {iface}"));
+            assert_eq!(d.peers.len(), 4, "{iface}: {d:?}");
+            assert!(
+                d.peers.iter().all(|p| p.since_handshake.is_some()),
+                "{iface}: a peer without a handshake: {d:?}"
+            );
+        }
+
+        // Control reaches each node API at <mesh_ip>:8444, from ctl-1.
+        let api = |m: &mesh_cluster::Member| {
+            let (cluster_ca, m) = (cluster.ca.clone(), m.clone());
+            let c1 = c1.clone();
+            async move {
+                let addr = forward_from(&c1, SocketAddr::from((m.mesh_ip, 8444))).await;
+                let (cert, key) = cluster_ca.node_identity("ctl-1", false);
+                let cfg = zattera_agent::control::tls::node_client(&zattera_agent::control::tls::NodeTls {
+                    key_pem: key.into_bytes(),
+                    cert_pem: cert.into_bytes(),
+                    ca_pem: cluster_ca.pem.clone().into_bytes(),
+                })
+                .unwrap();
+                let name = rustls::pki_types::ServerName::try_from(format!("node-{}", m.node_id)).unwrap();
+                let channel = zattera_agent::control::tls::connect_as(&addr, name, cfg).await.unwrap();
+                zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(channel)
+            }
+        };
+        for m in [&ma, &mb, &mc] {
+            let mut client = api(m).await;
+            client
+                .stats(zattera_agent::proto::v1::StatsQuery::default())
+                .await
+                .unwrap_or_else(|e| panic!("Stats at {}:8444 over the mesh: {e}", m.mesh_ip));
+        }
+
+        // web on B, a client on A; the client reaches web.internal → VIP →
+        // B's published port on B's mesh IP.
+        let (mut web, mut web_rt) = control_plane::assignment("web1", "env-web", 50, "httpd -f -p 80 -h /var/www");
+        web.app_id = "app-web".into();
+        web_rt.env.insert("ZATTERA_ENV".into(), "prod".into());
+        web_rt.spec.as_mut().unwrap().ports = vec![PortSpec {
+            name: "http".into(),
+            container_port: 80,
+            protocol: Protocol::Http as i32,
+            public_l4_port: 0,
+        }];
+        cluster.push_set(&mb.node_id, set_of(1, vec![(web, web_rt)]));
+        let (client_a, mut client_rt) = control_plane::assignment("cli1", "env-cli", 51, "sleep 100000");
+        client_rt.env.insert("ZATTERA_ENV".into(), "prod".into());
+        cluster.push_set(&ma.node_id, set_of(1, vec![(client_a, client_rt)]));
+        let healthy = InstanceState::Healthy as i32;
+        let running = InstanceState::Running as i32;
+        tokio::time::timeout(
+            Duration::from_secs(90),
+            cluster.wait_for("web1 HEALTHY", Duration::from_secs(90), |r| {
+                r.states_on("ctl-1", "web1").contains(&healthy).then_some(())
+            }),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{}", dump(&b)));
+        cluster
+            .wait_for("cli1 RUNNING", Duration::from_secs(90), |r| {
+                r.states_on("ctl-1", "cli1").iter().any(|s| *s == running || *s == healthy).then_some(())
+            })
+            .await;
+        let web_obs = cluster.with(|r| r.latest_of("web1")).unwrap();
+        let host_port = web_obs.mesh_port_bindings["http"];
+        let vip = "10.97.0.9";
+        cluster.push_routes(RouteSnapshot {
+            version: 2,
+            internal_services: vec![InternalService {
+                fqdn: "web.prod.proj.internal.".into(),
+                project_id: "proj".into(),
+                environment_id: "env-web".into(),
+                vip: vip.into(),
+                ports: vec![InternalPort {
+                    name: "http".into(),
+                    port: 80,
+                    protocol: "tcp".into(),
+                    endpoints: vec![Endpoint {
+                        assignment_id: "web1".into(),
+                        node_id: mb.node_id.clone(),
+                        addr: format!("{}:{host_port}", mb.mesh_ip),
+                        healthy: true,
+                        local_hint_node_id_matches: false,
+                    }],
+                }],
+            }],
+            ..RouteSnapshot::default()
+        });
+        // Everything on the test bridge from here on is captured.
+        let pcap = tempfile::NamedTempFile::new().unwrap();
+        let mut capture = std::process::Command::new("tcpdump")
+            .args(["-i", &net.bridge, "-n", "-U", "-w"])
+            .arg(pcap.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("tcpdump (scripts/rig.sh installs it)");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let client_id = cluster.with(|r| r.latest_of("cli1")).unwrap().container_id;
+        let fifo = a.dir.path().join("fifos");
+        let fetch = |ctd: zattera_agent::runtime::Containerd, client: String, fifo: std::path::PathBuf| async move {
+            let out = zattera_agent::runtime::exec::exec(
+                &ctd,
+                &client,
+                &fifo,
+                &zattera_agent::runtime::exec::ExecRequest {
+                    args: vec![
+                        "sh".into(),
+                        "-c".into(),
+                        "printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 3 web.internal 80".into(),
+                    ],
+                    timeout: Duration::from_secs(10),
+                    ..Default::default()
+                },
+            )
+            .await;
+            out.is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("hello from zattera"))
+        };
+        eventually(&format!("web.internal from A's client\n{}\n{}", dump(&a), dump(&b)), 60, || {
+            fetch(ctds[0].clone(), client_id.clone(), fifo.clone())
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(capture.id()).unwrap()),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = capture.wait();
+        let read = |filter: &str| {
+            let out = std::process::Command::new("tcpdump")
+                .args(["-n", "-r"])
+                .arg(pcap.path())
+                .arg(filter)
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect::<Vec<_>>()
+        };
+        let wireguard = read("udp port 51820");
+        let clear = read("ip and not (udp src port 51820 and udp dst port 51820)");
+        eprintln!("capture: {} WireGuard packets, {} others in clear", wireguard.len(), clear.len());
+        assert!(!wireguard.is_empty(), "the capture saw no WireGuard at all");
+        assert!(clear.is_empty(), "traffic in clear between hosts: {clear:#?}");
+
+        // By hand: ZATTERA_MESH_HOLD=SECS keeps the cluster up here.
+        if let Some(secs) = std::env::var("ZATTERA_MESH_HOLD").ok().and_then(|s| s.parse::<u64>().ok()) {
+            eprintln!(
+                "cluster up for {secs} s. Watch it with:\n  zattera-netns --run-dir {} mesh      (host A; B: {})\n  nsenter --net=/run/netns/{} ip route\n  tcpdump -ni {} udp port 51820",
+                a.dir.path().join("run").display(),
+                b.dir.path().join("run").display(),
+                a.ns,
+                net.bridge
+            );
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+        }
+
+        // The leader moves: every stream is on ctl-2 within seconds, and
+        // what the nodes report reaches it.
+        let moved = std::time::Instant::now();
+        cluster.move_leader("ctl-2");
+        for m in [&ma, &mb, &mc] {
+            let id = m.node_id.clone();
+            cluster
+                .wait_for("a sync stream on ctl-2", Duration::from_secs(15), |r| {
+                    (r.session_host_of(&id) == Some("ctl-2")).then_some(())
+                })
+                .await;
+        }
+        let followed = moved.elapsed();
+        eprintln!("every stream followed the leader in {followed:?}");
+        assert!(followed < Duration::from_secs(10), "streams took {followed:?} to follow the leader");
+        cluster
+            .wait_for("web1's state on ctl-2", Duration::from_secs(15), |r| {
+                (!r.states_on("ctl-2", "web1").is_empty()).then_some(())
+            })
+            .await;
+
+        // A new node joins: the others add it and keep their sessions (a
+        // peer re-added would restart its byte counters).
+        let before = device("ztma0").await.unwrap();
+        let d = node("d", 24, 3, &mut net);
+        eventually("a fourth worker joined", 60, workers(4)).await;
+        let md = id_of(24);
+        let d_key = md.public_key.clone();
+        eventually(&format!("A adds D\n{}", dump(&d)), 30, || {
+            let d_key = d_key.clone();
+            async move { device("ztma0").await.is_some_and(|i| i.peers.iter().any(|p| p.public_key == d_key)) }
+        })
+        .await;
+        let after = device("ztma0").await.unwrap();
+        for p in &before.peers {
+            let now = after.peers.iter().find(|q| q.public_key == p.public_key).unwrap();
+            assert!(
+                now.rx_bytes >= p.rx_bytes && now.tx_bytes >= p.tx_bytes,
+                "peer {} was reset: {p:?} then {now:?}",
+                p.public_key
+            );
+        }
+        let (d_ns, d_ip) = (d.ns.clone(), ma.mesh_ip.to_string());
+        eventually("D reaches A", 20, || {
+            let (ns, ip) = (d_ns.clone(), d_ip.clone());
+            async move {
+                tokio::task::spawn_blocking(move || run_in(&ns, &["busybox", "ping", "-c1", "-W1", &ip]).status.success())
+                    .await
+                    .unwrap()
+            }
+        })
+        .await;
+        cluster.remove_member(&md.node_id);
+        eventually("A drops D", 30, || {
+            let d_key = d_key.clone();
+            async move { device("ztma0").await.is_some_and(|i| !i.peers.iter().any(|p| p.public_key == d_key)) }
+        })
+        .await;
+        drop(d);
+
+        // B's agent and its WireGuard device are SIGKILLed; control is away
+        // for B. The mesh comes back from the persisted peer set and web
+        // keeps running: A's client reaches it again before control answers.
+        let web_before = cluster.with(|r| r.latest_of("web1")).unwrap().container_id;
+        if let Some(mut child) = b.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        cluster.set_away(&mb.node_id, true);
+        mesh_cluster::kill_all_in(&b.ns);
+        eventually("B's device gone", 10, || async { device("ztmb0").await.is_none() }).await;
+        b.start();
+        eventually(&format!("B's mesh back\n{}", dump(&b)), 30, || async {
+            device("ztmb0").await.is_some_and(|i| i.peers.len() == 4)
+        })
+        .await;
+        eventually(&format!("web.internal from A after B's restart\n{}", dump(&b)), 60, || {
+            fetch(ctds[0].clone(), client_id.clone(), fifo.clone())
+        })
+        .await;
+        let sessions_before = cluster.with(|r| r.sessions.iter().filter(|(_, n)| *n == mb.node_id).count());
+        cluster.set_away(&mb.node_id, false);
+        let id = mb.node_id.clone();
+        cluster
+            .wait_for("B back on ctl-2", Duration::from_secs(60), |r| {
+                (r.sessions.iter().filter(|(_, n)| *n == id).count() > sessions_before).then_some(())
+            })
+            .await;
+        let web_after = cluster.with(|r| r.latest_of("web1")).unwrap().container_id;
+        assert_eq!(web_before, web_after, "web was adopted, not replaced");
+        drop(a);
+        drop(c);
+    })
+    .catch_unwind()
+    .await;
+    for ctd in &ctds {
+        support::purge_namespace(ctd).await;
+    }
+    drop(cluster);
+    drop(net);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }

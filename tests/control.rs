@@ -55,6 +55,7 @@ fn options(cp: &ControlPlane, token: String, data: &Path) -> JoinOptions {
         data_dir: data.to_owned(),
         node_name: "test-node".into(),
         binary_version: "9.9.9-test".into(),
+        mesh: zattera_agent::control::join::MeshJoin::default(),
     }
 }
 
@@ -843,6 +844,10 @@ async fn route_snapshots_are_persisted_and_served_while_control_is_away() {
     let (data, node_id) = joined(&cp).await;
     let cfg = RoutesConfig {
         control_addr: cp.address(),
+        targets: tokio::sync::watch::channel(zattera_agent::control::target::Targets::initial(
+            &cp.address(),
+        ))
+        .1,
         node_id: node_id.clone(),
         tls: tls::fixed(IdentityDir::new(data.path()).load_tls().unwrap()),
         state_file: data.path().join("node/routes.pb"),

@@ -132,6 +132,7 @@ impl Node {
             data_dir: data.path().to_owned(),
             node_name: "snapshot-node".into(),
             binary_version: "9.9.9-test".into(),
+            mesh: zattera_agent::control::join::MeshJoin::default(),
         })
         .await
         .expect("join");

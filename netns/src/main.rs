@@ -145,6 +145,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The WireGuard mesh: the interface, each peer with its endpoint, latest handshake,
+    /// bytes each way and allowed IPs, and the control leader.
+    ///
+    /// The device is read directly (the kernel's over netlink, a userspace one over its
+    /// UAPI socket); node names and the leader come from <run-dir>/mesh.json, which the
+    /// agent rewrites on every peer set.
+    Mesh {
+        /// The interface [default: the agent's, from mesh.json, else zt0].
+        #[arg(long, value_name = "NAME")]
+        interface: Option<String>,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print a shell completion script (bash, zsh, fish, ...).
     Completions { shell: clap_complete::Shell },
     /// Write the man pages (zattera-netns.1 and one per command) into a directory.
@@ -178,6 +192,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Man { dir } => return docs::man::<Cli>(dir),
         _ => {}
     }
+    if let Command::Mesh { interface, json } = &cli.command {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the runtime")?;
+        return rt
+            .block_on(mesh(&cli.run_dir, interface.as_deref(), *json))
+            .map(|()| ExitCode::SUCCESS);
+    }
     let cfg = config(&cli)?;
     match cli.command {
         // exec replaces this process: no runtime, no threads to leave behind.
@@ -197,7 +220,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     Command::Inspect { network } => inspect(&node, &network).await,
                     Command::Gc { apply, json } => gc(&node, apply, json).await,
                     Command::Dig { name, from, json } => dig(&node, &name, &from, json).await,
-                    Command::Exec { .. } | Command::Completions { .. } | Command::Man { .. } => {
+                    Command::Exec { .. }
+                    | Command::Mesh { .. }
+                    | Command::Completions { .. }
+                    | Command::Man { .. } => {
                         unreachable!("handled above")
                     }
                 }
@@ -466,6 +492,101 @@ fn resolve_target(cfg: &NetConfig, target: &str) -> Result<String> {
         Some(instances) => agent_view::resolve(&instances, target).map_err(anyhow::Error::msg),
         None => Ok(target.to_owned()),
     }
+}
+
+async fn mesh(run_dir: &std::path::Path, interface: Option<&str>, json: bool) -> Result<()> {
+    let status = zattera_mesh::status::MeshStatus::load(&zattera_mesh::status_path(run_dir));
+    let interface = interface
+        .map(str::to_owned)
+        .or_else(|| status.as_ref().map(|s| s.interface.clone()))
+        .unwrap_or_else(|| "zt0".to_owned());
+    let Some(device) = zattera_mesh::inspect(&interface).await? else {
+        bail!("no WireGuard interface {interface} (kernel or userspace) on this host");
+    };
+    let name_of = |key: &str| {
+        status
+            .iter()
+            .flat_map(|s| &s.peers)
+            .find(|p| p.public_key == key)
+            .map(|p| (p.node_id.clone(), p.is_control))
+    };
+    if json {
+        let peers: Vec<serde_json::Value> = device
+            .peers
+            .iter()
+            .map(|p| {
+                let (node, control) = name_of(&p.public_key).unzip();
+                serde_json::json!({
+                    "node_id": node, "is_control": control, "public_key": p.public_key,
+                    "endpoint": p.endpoint, "allowed_ips": p.allowed_ips.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    "latest_handshake_seconds_ago": p.since_handshake.map(|d| d.as_secs_f64()),
+                    "rx_bytes": p.rx_bytes, "tx_bytes": p.tx_bytes, "keepalive": p.keepalive,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "interface": device.interface, "backend": device.backend,
+                "public_key": device.public_key, "listen_port": device.listen_port,
+                "mesh_ip": status.as_ref().map(|s| s.mesh_ip.clone()),
+                "leader_node_id": status.as_ref().map(|s| s.leader_node_id.clone()),
+                "leader_addr": status.as_ref().map(|s| s.leader_addr.clone()),
+                "peer_set_version": status.as_ref().map(|s| s.version),
+                "peers": peers,
+            }))?
+        );
+        return Ok(());
+    }
+    println!(
+        "interface {} ({}), port {}, public key {}{}",
+        device.interface,
+        device.backend,
+        device.listen_port,
+        device.public_key.as_deref().unwrap_or("-"),
+        status
+            .as_ref()
+            .map(|s| format!(", mesh IP {}", s.mesh_ip))
+            .unwrap_or_default()
+    );
+    match &status {
+        Some(s) if !s.leader_node_id.is_empty() => {
+            println!(
+                "leader {} at {} (peer set {})",
+                s.leader_node_id, s.leader_addr, s.version
+            );
+        }
+        Some(s) => println!("leader unknown (election?); dialing {}", s.leader_addr),
+        None => println!(
+            "leader unknown: no {} (is the agent running?)",
+            zattera_mesh::status_path(run_dir).display()
+        ),
+    }
+    println!(
+        "{:<28} {:<22} {:>10} {:>12} {:>12}  ALLOWED IPS",
+        "PEER", "ENDPOINT", "HANDSHAKE", "RX", "TX"
+    );
+    for p in &device.peers {
+        let name = name_of(&p.public_key).map_or_else(
+            || format!("{}…", p.public_key.get(..12).unwrap_or(&p.public_key)),
+            |(n, control)| if control { format!("{n} (control)") } else { n },
+        );
+        println!(
+            "{:<28} {:<22} {:>10} {:>12} {:>12}  {}",
+            name,
+            p.endpoint.map_or_else(|| "-".to_owned(), |e| e.to_string()),
+            p.since_handshake
+                .map_or_else(|| "never".to_owned(), |d| format!("{}s ago", d.as_secs())),
+            p.rx_bytes,
+            p.tx_bytes,
+            p.allowed_ips
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+    }
+    Ok(())
 }
 
 async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {

@@ -16,7 +16,7 @@ pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
     use zattera_agent::control::join::{JoinOptions, join};
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating {}", config.data_dir.display()))?;
-    let opts = JoinOptions::for_this_node(args.control, args.token, config.data_dir.clone());
+    let opts = JoinOptions::for_this_node(args.control, args.token, config);
     let joined = join(&opts).await?;
     println!(
         "joined as node {} (control {}, mesh IP {}); identity in {}",

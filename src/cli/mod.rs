@@ -83,6 +83,8 @@ impl GlobalArgs {
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once per process: the size of the `run` flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Run the agent: converge containerd to the desired set and keep it there.
     Run(run::RunArgs),

@@ -85,6 +85,18 @@ pub struct RunArgs {
     /// Serve Prometheus metrics at /metrics here: HOST:PORT, or PORT for loopback [default: off]
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
+    /// The WireGuard mesh interface [default: zt0]
+    #[arg(long, value_name = "NAME")]
+    mesh_interface: Option<String>,
+    /// UDP port of the node's WireGuard [default: 51820]
+    #[arg(long, value_name = "PORT")]
+    mesh_listen_port: Option<u16>,
+    /// IP:PORT where other nodes reach this node's WireGuard, sent in the join; repeatable [default: the default route's address]
+    #[arg(long = "mesh-endpoint", value_name = "IP:PORT")]
+    mesh_endpoints: Vec<String>,
+    /// auto, kernel or userspace [default: auto: the kernel's WireGuard where it has one]
+    #[arg(long, value_name = "KIND")]
+    mesh_backend: Option<String>,
 }
 
 impl RunArgs {
@@ -115,6 +127,10 @@ impl RunArgs {
                 .then(|| self.image_gc_pinned.clone()),
             image_gc_interval: self.image_gc_interval.clone(),
             metrics_listen: self.metrics_listen.clone(),
+            mesh_interface: self.mesh_interface.clone(),
+            mesh_listen_port: self.mesh_listen_port,
+            mesh_endpoints: (!self.mesh_endpoints.is_empty()).then(|| self.mesh_endpoints.clone()),
+            mesh_backend: self.mesh_backend.clone(),
             ..base
         }
     }

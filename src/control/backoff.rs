@@ -5,7 +5,7 @@ use std::time::Duration;
 
 const INITIAL: Duration = Duration::from_secs(1);
 const CAP: Duration = Duration::from_secs(30);
-const HEALTHY_SESSION: Duration = Duration::from_secs(30);
+pub const HEALTHY_SESSION: Duration = Duration::from_secs(30);
 
 /// Back-off state of one reconnecting stream.
 #[derive(Debug, Clone)]

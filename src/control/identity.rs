@@ -26,6 +26,9 @@ pub struct Enrollment {
     /// `is_control` peers of the join's `initial_peers`.
     #[serde(default)]
     pub control_node_ids: Vec<String>,
+    /// Whether the cluster runs the WireGuard mesh (`JoinResponse.mesh_enabled`).
+    #[serde(default)]
+    pub mesh_enabled: bool,
 }
 
 impl std::fmt::Debug for Enrollment {
@@ -37,6 +40,7 @@ impl std::fmt::Debug for Enrollment {
             .field("control_addr", &self.control_addr)
             .field("registry_addr", &self.registry_addr)
             .field("control_node_ids", &self.control_node_ids)
+            .field("mesh_enabled", &self.mesh_enabled)
             .finish_non_exhaustive()
     }
 }
@@ -231,7 +235,7 @@ fn read(path: &Path) -> Result<Vec<u8>, IdentityError> {
     })
 }
 
-fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
     let tmp = path.with_extension("tmp");
     let io = |p: &Path| {
         let p = p.to_owned();
@@ -268,6 +272,7 @@ mod tests {
             registry_username: "node-n1".into(),
             registry_password: "pw".into(),
             control_node_ids: vec!["c1".into()],
+            mesh_enabled: true,
         };
         let tls = NodeTls {
             key_pem: b"key".to_vec(),

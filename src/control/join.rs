@@ -85,6 +85,8 @@ pub enum JoinError {
     TlsConfig(#[from] TlsError),
     #[error("storing the enrollment: {0}")]
     Store(#[from] IdentityError),
+    #[error("the node's WireGuard key or peers: {0}")]
+    MeshKey(crate::mesh::MeshError),
 }
 
 /// What `join` needs to know.
@@ -97,18 +99,48 @@ pub struct JoinOptions {
     /// Display name for the node record (the host name by default).
     pub node_name: String,
     pub binary_version: String,
+    /// The WireGuard port and endpoints the join announces.
+    pub mesh: MeshJoin,
+}
+
+/// What a join says of the node's WireGuard.
+#[derive(Clone, Debug)]
+pub struct MeshJoin {
+    pub listen_port: u16,
+    /// Empty: the default route's address, at `listen_port`.
+    pub endpoints: Vec<std::net::SocketAddr>,
+}
+
+impl Default for MeshJoin {
+    fn default() -> Self {
+        Self {
+            listen_port: zattera_mesh::DEFAULT_PORT,
+            endpoints: Vec::new(),
+        }
+    }
+}
+
+impl MeshJoin {
+    pub fn from_settings(s: &crate::config::MeshSettings) -> Self {
+        Self {
+            listen_port: s.listen_port,
+            endpoints: s.endpoints.clone(),
+        }
+    }
 }
 
 impl JoinOptions {
     /// This node joining `control` with `token`: named after the host, with
-    /// this binary's version, its identity under `data_dir`.
-    pub fn for_this_node(control: String, token: String, data_dir: PathBuf) -> Self {
+    /// this binary's version, its identity under the data dir of `config`
+    /// and its WireGuard as `config` says.
+    pub fn for_this_node(control: String, token: String, config: &crate::config::Config) -> Self {
         Self {
             control,
             token,
-            data_dir,
+            data_dir: config.data_dir.clone(),
             node_name: host_name(),
             binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+            mesh: MeshJoin::from_settings(&config.mesh),
         }
     }
 }
@@ -147,6 +179,19 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
             cause: e.to_string(),
         })?;
     let (_, disk_total) = host::disk(&opts.data_dir);
+    let wg_key = crate::mesh::load_or_create_key(&opts.data_dir).map_err(JoinError::MeshKey)?;
+    let endpoints: Vec<String> = if opts.mesh.endpoints.is_empty() {
+        crate::mesh::default_endpoint(opts.mesh.listen_port)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    } else {
+        opts.mesh
+            .endpoints
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
     let request = JoinRequest {
         token_secret: token.secret.clone(),
         node_name: opts.node_name.clone(),
@@ -159,6 +204,9 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         binary_version: opts.binary_version.clone(),
         csr_pem: csr.into_bytes(),
         existing_node_id,
+        wireguard_public_key: wg_key.public().to_base64(),
+        wireguard_listen_port: u32::from(opts.mesh.listen_port),
+        public_endpoints: endpoints,
         ..JoinRequest::default()
     };
     let mut request = tonic::Request::new(request);
@@ -216,7 +264,20 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
             .filter(|p| p.is_control && !p.node_id.is_empty())
             .map(|p| p.node_id.clone())
             .collect(),
+        mesh_enabled: resp.mesh_enabled,
     };
+    if resp.mesh_enabled {
+        let mesh_ip = enrollment.mesh_ip.parse::<std::net::Ipv4Addr>();
+        if mesh_ip.is_err() {
+            return Err(bad(format!(
+                "mesh_enabled, but mesh_ip {:?} is not an IPv4 address",
+                enrollment.mesh_ip
+            )));
+        }
+        let initial = resp.initial_peers.clone().unwrap_or_default();
+        crate::mesh::peers::store(&crate::mesh::peers::path(&opts.data_dir), &initial)
+            .map_err(JoinError::MeshKey)?;
+    }
     let node_tls = NodeTls {
         key_pem: key.serialize_pem().into_bytes(),
         cert_pem: resp.node_cert_pem,

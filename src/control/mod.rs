@@ -12,6 +12,7 @@
 //! - [`services`]: starts those two beside the sync stream.
 
 pub mod backoff;
+pub mod follow;
 pub mod host;
 pub mod identity;
 pub mod join;
@@ -21,5 +22,6 @@ pub mod renew;
 pub mod routes;
 pub mod services;
 pub mod sync;
+pub mod target;
 pub mod tls;
 pub mod vip;

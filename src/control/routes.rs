@@ -10,7 +10,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use prost::Message;
 use rustls::ClientConfig;
@@ -19,13 +18,15 @@ use tokio::sync::watch;
 use crate::proto::cluster::route_service_client::RouteServiceClient;
 use crate::proto::cluster::{RouteSnapshot, WatchRoutesRequest};
 
-use super::backoff::Backoff;
+use super::follow;
+use super::target::{Dialer, Targets};
 use super::tls::{self, TlsError};
 
 /// What the route client needs.
 #[derive(Debug, Clone)]
 pub struct RoutesConfig {
     pub control_addr: String,
+    pub targets: watch::Receiver<Targets>,
     pub node_id: String,
     pub tls: tls::CurrentTls,
     /// Where the last snapshot is kept, e.g. `<data>/node/routes.pb`.
@@ -101,60 +102,44 @@ pub fn spawn(
     cfg: RoutesConfig,
     out: watch::Sender<Option<Arc<RouteSnapshot>>>,
 ) -> Result<tokio::task::JoinHandle<()>, TlsError> {
-    let client = tls::node_client(&cfg.tls.borrow())?;
+    tls::node_client(&cfg.tls.borrow())?;
     tls::server_name_of(&cfg.control_addr)?;
-    Ok(tokio::spawn(run(cfg, client, out)))
+    Ok(tokio::spawn(run(cfg, out)))
 }
 
-async fn run(
-    cfg: RoutesConfig,
-    client: ClientConfig,
-    out: watch::Sender<Option<Arc<RouteSnapshot>>>,
-) {
-    let mut have = 0;
+async fn run(cfg: RoutesConfig, out: watch::Sender<Option<Arc<RouteSnapshot>>>) {
     match load(&cfg.state_file) {
         Ok(Some(snapshot)) => {
-            have = snapshot.version;
-            tracing::info!(version = have, "serving the persisted route snapshot");
+            tracing::info!(
+                version = snapshot.version,
+                "serving the persisted route snapshot"
+            );
             out.send_replace(Some(Arc::new(snapshot)));
         }
         Ok(None) => {}
         Err(e) => tracing::warn!(error = %e, "persisted route snapshot ignored"),
     }
-    let mut backoff = Backoff::default();
-    let (mut client, mut renewals) = (client, cfg.tls.clone());
-    loop {
-        let started = Instant::now();
-        tokio::select! {
-            r = session(&cfg, client.clone(), &mut have, &out) => {
-                if let Err(e) = r {
-                    tracing::warn!(control = %cfg.control_addr, error = %e, "route watch failed");
-                }
-                tokio::time::sleep(backoff.next_wait(started.elapsed())).await;
-            }
-            // A renewed identity: watch again with it, at once.
-            () = tls::renewed(&mut renewals) => {
-                match tls::node_client(&renewals.borrow_and_update()) {
-                    Ok(c) => client = c,
-                    Err(e) => tracing::error!(error = %e, "renewed identity unusable for the route watch"),
-                }
-            }
-        }
-    }
+    let cfg = Arc::new(cfg);
+    let dialer = Dialer::new(cfg.targets.clone());
+    follow::keep_open("route watch", cfg.tls.clone(), dialer, |target, client| {
+        session(Arc::clone(&cfg), target, client, out.clone())
+    })
+    .await;
 }
 
 async fn session(
-    cfg: &RoutesConfig,
+    cfg: Arc<RoutesConfig>,
+    target: String,
     client: ClientConfig,
-    have: &mut u64,
-    out: &watch::Sender<Option<Arc<RouteSnapshot>>>,
+    out: watch::Sender<Option<Arc<RouteSnapshot>>>,
 ) -> Result<(), RoutesError> {
-    let channel = tls::connect(&cfg.control_addr, client).await?;
+    let channel = tls::connect(&target, client).await?;
+    let have = out.borrow().as_ref().map_or(0, |s| s.version);
     let mut stream = RouteServiceClient::new(channel)
         .max_decoding_message_size(64 * 1024 * 1024)
         .watch_routes(WatchRoutesRequest {
             node_id: cfg.node_id.clone(),
-            have_version: *have,
+            have_version: have,
         })
         .await?
         .into_inner();
@@ -163,7 +148,6 @@ async fn session(
         if let Err(e) = store(&cfg.state_file, &snapshot) {
             tracing::warn!(error = %e, "route snapshot not persisted");
         }
-        *have = snapshot.version;
         tracing::info!(
             version = snapshot.version,
             services = snapshot.internal_services.len(),

@@ -12,11 +12,11 @@ use super::node_api::{NodeApi, NodeContext};
 use super::routes::{self, RoutesConfig};
 use super::sync::SyncConfig;
 
-/// Starts the node API on `listen` (serving `node`) and the route watch for the node `sync`
-/// describes. Neither failing stops the agent: the sync stream matters more.
+/// Starts the node API on each of `listen` (serving `node`) and the route watch for the node
+/// `sync` describes. Neither failing stops the agent: the sync stream matters more.
 pub async fn spawn(
     sync: &SyncConfig,
-    listen: SocketAddr,
+    listen: &[SocketAddr],
     node: NodeContext,
     controls: super::node_api::ControlIds,
     metrics: Arc<crate::telemetry::AgentMetrics>,
@@ -26,22 +26,32 @@ pub async fn spawn(
             "no control-plane node id is known (the join named none and control-node-ids is unset): the node API refuses every caller"
         );
     }
-    match NodeApi::bind_current(listen, sync.tls.clone(), Some(node), controls).await {
-        Ok(api) => {
-            let api = api.with_metrics(metrics);
-            tracing::info!(%listen, "node API listening");
-            tokio::spawn(async move {
-                if let Err(e) = api.serve().await {
-                    tracing::error!(error = %e, "node API stopped");
-                }
-            });
+    for &listen in listen {
+        match NodeApi::bind_current(
+            listen,
+            sync.tls.clone(),
+            Some(node.clone()),
+            controls.clone(),
+        )
+        .await
+        {
+            Ok(api) => {
+                let api = api.with_metrics(Arc::clone(&metrics));
+                tracing::info!(%listen, "node API listening");
+                tokio::spawn(async move {
+                    if let Err(e) = api.serve().await {
+                        tracing::error!(error = %e, "node API stopped");
+                    }
+                });
+            }
+            Err(e) => tracing::error!(error = %e, "node API unavailable"),
         }
-        Err(e) => tracing::error!(error = %e, "node API unavailable"),
     }
 
     let (tx, rx) = watch::channel(None);
     let cfg = RoutesConfig {
         control_addr: sync.control_addr.clone(),
+        targets: sync.targets.clone(),
         node_id: sync.node_id.clone(),
         tls: sync.tls.clone(),
         state_file: super::identity::IdentityDir::new(&sync.data_dir)

@@ -28,6 +28,7 @@ use crate::proto::v1::Assignment;
 use super::backoff::Backoff;
 use super::host::{self, CpuMeter};
 use super::queue::{self, QueueHandle};
+use super::target::{Dialer, Targets};
 use super::tls::{self, CurrentTls, TlsError};
 
 /// The reference's heartbeat interval (wire.md §1.6).
@@ -38,8 +39,10 @@ const OUTGOING: usize = 8;
 /// What a sync client needs.
 #[derive(Debug, Clone)]
 pub struct SyncConfig {
-    /// `host:port` of the control API.
+    /// `host:port` of the control API the join returned.
     pub control_addr: String,
+    /// Where to dial: the leader, followed (see [`super::target`]).
+    pub targets: watch::Receiver<Targets>,
     pub node_id: String,
     /// The node identity; a renewal reconnects with the new one at once.
     pub tls: CurrentTls,
@@ -64,6 +67,7 @@ impl SyncConfig {
         let enrollment = ids.load_enrollment()?;
         Ok(Self {
             control_addr: control_addr.to_owned(),
+            targets: watch::channel(Targets::initial(control_addr)).1,
             node_id: enrollment.node_id,
             tls: tls::fixed(ids.load_tls()?),
             binary_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -123,6 +127,7 @@ async fn run(
     let mut cpu = CpuMeter::default();
     let mut backoff = Backoff::default();
     let mut client = client;
+    let mut dialer = Dialer::new(state.cfg.targets.clone());
     loop {
         // A renewed identity is used from the next session on; one that
         // does not make a client leaves the last good one in use.
@@ -135,21 +140,43 @@ async fn run(
             }
         }
         let started = Instant::now();
-        match state.run((*client).clone(), &mut cpu).await {
+        let target = dialer.target();
+        match state
+            .run(&target, (*client).clone(), &mut cpu, &mut dialer)
+            .await
+        {
             Ok(Ended::Closed) => {
-                tracing::info!(control = %state.cfg.control_addr, "sync stream ended");
+                tracing::info!(control = %target, "sync stream ended");
             }
             Ok(Ended::Renewed) => {
-                tracing::info!(control = %state.cfg.control_addr, "node identity renewed; reconnecting with it");
+                tracing::info!(control = %target, "node identity renewed; reconnecting with it");
+                continue;
+            }
+            Ok(Ended::LeaderMoved) => {
+                tracing::info!(from = %target, "the control leader moved; following it");
+                dialer.reached();
                 continue;
             }
             Err(e) => {
-                tracing::warn!(control = %state.cfg.control_addr, error = %e, "sync session failed");
+                tracing::warn!(control = %target, error = %e, "sync session failed");
             }
         }
-        let wait = backoff.next_wait(started.elapsed());
+        let lasted = started.elapsed();
+        if lasted >= super::backoff::HEALTHY_SESSION {
+            dialer.reached();
+        } else {
+            // Not the leader, or not there: the next try rotates.
+            dialer.missed();
+        }
+        let wait = backoff.next_wait(lasted);
         tracing::info!(wait_ms = wait.as_millis(), "reconnecting to control");
-        tokio::time::sleep(wait).await;
+        // A leader learned meanwhile is dialed at once.
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = dialer.moved_from(&target) => {
+                tracing::info!("the control leader moved; reconnecting at once");
+            }
+        }
     }
 }
 
@@ -169,15 +196,19 @@ enum Ended {
     Closed,
     /// A new identity arrived: reconnect with it, without a back-off.
     Renewed,
+    /// The peer set names another leader: reconnect to it, at once.
+    LeaderMoved,
 }
 
 impl Session {
     async fn run(
         &mut self,
+        target: &str,
         client: ClientConfig,
         cpu: &mut CpuMeter,
+        dialer: &mut Dialer,
     ) -> Result<Ended, SessionError> {
-        let channel = tls::connect(&self.cfg.control_addr, client).await?;
+        let channel = tls::connect(target, client).await?;
         let (out_tx, out_rx) = mpsc::channel::<AgentMessage>(OUTGOING);
         // Queued before the call starts: nothing can overtake the hello.
         out_tx
@@ -194,7 +225,7 @@ impl Session {
             .sync(ReceiverStream::new(out_rx))
             .await?
             .into_inner();
-        tracing::info!(control = %self.cfg.control_addr, node_id = %self.cfg.node_id, "sync stream open");
+        tracing::info!(control = %target, node_id = %self.cfg.node_id, "sync stream open");
 
         let mut renewals = self.cfg.tls.clone();
         let (ack_tx, ack_rx) = mpsc::channel::<u64>(OUTGOING);
@@ -225,6 +256,7 @@ impl Session {
             r = writer => r.map(|()| Ended::Closed),
             r = reader => r.map(|()| Ended::Closed),
             () = tls::renewed(&mut renewals) => Ok(Ended::Renewed),
+            () = dialer.moved_from(target) => Ok(Ended::LeaderMoved),
         }
     }
 

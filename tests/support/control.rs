@@ -75,9 +75,18 @@ impl TestCa {
     /// The control API's certificate (IP SAN 127.0.0.1) and key, the chain
     /// as control sends it: leaf + root.
     pub fn server_identity(&self) -> (String, String) {
+        self.server_identity_for(&["127.0.0.1"])
+    }
+
+    /// [`Self::server_identity`] with the IP SANs `ips` (a control node
+    /// carries its mesh IP).
+    pub fn server_identity_for(&self, ips: &[&str]) -> (String, String) {
         let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+        let names: Vec<String> = std::iter::once("localhost")
+            .chain(ips.iter().copied())
+            .map(str::to_owned)
+            .collect();
+        let mut params = CertificateParams::new(names).unwrap();
         params
             .distinguished_name
             .push(DnType::CommonName, "zattera-control");
