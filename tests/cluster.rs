@@ -1367,8 +1367,29 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             .await;
         let web_after = cluster.with(|r| r.latest_of("web1")).unwrap().container_id;
         assert_eq!(web_before, web_after, "web was adopted, not replaced");
-        drop(a);
+        // With C's agent gone, gc removes its mesh interface.
+        let c_run = c.dir.path().join("run");
+        let c_ns = c.ns.clone();
+        let mut c = c;
+        if let Some(mut child) = c.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let netns_bin = std::path::Path::new(support::agent::BIN).with_file_name("zattera-netns");
+        let gc = run_in(
+            &c_ns,
+            &[netns_bin.to_str().unwrap(), "--run-dir", c_run.to_str().unwrap(), "gc", "--apply"],
+        );
+        let said = String::from_utf8_lossy(&gc.stdout);
+        assert!(
+            gc.status.success() && said.contains("mesh interface ztmc0"),
+            "gc: {gc:?}; {:?}: {:?}",
+            c_run.join("mesh.json"),
+            std::fs::read_to_string(c_run.join("mesh.json"))
+        );
+        eventually("gc removed ztmc0", 10, || async { device("ztmc0").await.is_none() }).await;
         drop(c);
+        drop(a);
     })
     .catch_unwind()
     .await;

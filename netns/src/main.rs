@@ -604,12 +604,25 @@ async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
                 .collect()
         });
     let plan = inventory::plan(&inv, live.as_ref());
+    // The mesh interface is the agent's while it runs; with no agent, the
+    // one its mesh.json names is nobody's.
+    let status_file = node
+        .config()
+        .netns_dir
+        .parent()
+        .map(zattera_mesh::status_path);
+    let mesh = match (&live, &status_file) {
+        (None, Some(path)) => zattera_mesh::status::MeshStatus::load(path).map(|s| s.interface),
+        _ => None,
+    };
     if json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({ "plan": plan, "applied": apply }))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({ "plan": plan, "mesh_interface": mesh, "applied": apply })
+            )?
         );
-    } else if plan.is_empty() {
+    } else if plan.is_empty() && mesh.is_none() {
         println!("nothing to collect");
     } else {
         let verb = if apply { "removing" } else { "would remove" };
@@ -625,12 +638,36 @@ async fn gc(node: &NetNode, apply: bool, json: bool) -> Result<()> {
         if plan.delete_table {
             println!("{verb} nft table inet {}", inv.table);
         }
+        if let Some(m) = &mesh {
+            println!("{verb} mesh interface {m} (no agent answers)");
+        }
         if !apply {
             println!("(run with --apply to remove)");
         }
     }
     if apply {
         inventory::apply(node, &plan).await?;
+        if let (Some(interface), Some(path)) = (&mesh, &status_file) {
+            remove_mesh(interface).await?;
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    Ok(())
+}
+
+/// Removes the mesh interface, whichever backend runs it.
+async fn remove_mesh(interface: &str) -> Result<()> {
+    let userspace = zattera_mesh::userspace::Userspace {
+        interface: interface.to_owned(),
+        device_binary: PathBuf::new(),
+        log: PathBuf::new(),
+    };
+    if !userspace.remove().await? {
+        zattera_mesh::kernel::Kernel {
+            interface: interface.to_owned(),
+        }
+        .remove()
+        .await?;
     }
     Ok(())
 }
