@@ -142,6 +142,7 @@ pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Re
     };
     checks.push(containerd(&config.containerd_address, &config.namespace).await);
     checks.extend(host(&config));
+    checks.push(wireguard(config.mesh.backend));
     Report::new(checks)
 }
 
@@ -378,6 +379,33 @@ fn ip_forwarding() -> Check {
             }
         }
         Err(e) => Check::fail("forwarding", format!("{path}: {e}"), "mount /proc"),
+    }
+}
+
+/// What the mesh would run on; only a cluster with the mesh on needs it, so
+/// at worst a warning.
+fn wireguard(pref: zattera_mesh::BackendKind) -> Check {
+    use zattera_mesh::BackendKind;
+    let kernel = Path::new("/sys/module/wireguard").exists();
+    let tun = Path::new("/dev/net/tun").exists();
+    match (pref, kernel, tun) {
+        (BackendKind::Auto | BackendKind::Kernel, true, _) => {
+            Check::pass("wireguard", "the kernel has WireGuard (module loaded)")
+        }
+        (BackendKind::Auto | BackendKind::Userspace, _, true) => Check::pass(
+            "wireguard",
+            "userspace WireGuard over /dev/net/tun (no kernel module loaded; `modprobe wireguard` is faster)",
+        ),
+        (BackendKind::Kernel, false, _) => Check::warn(
+            "wireguard",
+            "mesh-backend is kernel, but the wireguard module is not loaded",
+            "modprobe wireguard (Linux 5.6+), or set mesh-backend = \"auto\"",
+        ),
+        _ => Check::warn(
+            "wireguard",
+            "neither the wireguard module nor /dev/net/tun: a cluster with the mesh cannot be joined",
+            "modprobe wireguard, or modprobe tun",
+        ),
     }
 }
 

@@ -630,7 +630,7 @@ async fn the_cluster_registry_alone_gets_the_node_credential() {
             username: user.into(),
             password: password.into(),
         });
-        let _agent =
+        let agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcg").await;
         let (api, mut api_rt) = assignment("api", "env", 195, "sleep 3600");
         api_rt.image_ref = api_image;
@@ -638,11 +638,21 @@ async fn the_cluster_registry_alone_gets_the_node_credential() {
         web_rt.image_ref = format!("{relay}/apps/web:1");
         cp.push_set(set_of(1, vec![(api, api_rt), (web, web_rt)]));
         let healthy = InstanceState::Healthy as i32;
-        cp.wait_for("api and web HEALTHY", Duration::from_secs(90), |r| {
-            let up = |id| r.latest_of(id).is_some_and(|o| o.state == healthy);
-            (up("api") && up("web")).then_some(())
-        })
+        let done = tokio::time::timeout(
+            Duration::from_secs(90),
+            cp.wait_for("api and web HEALTHY", Duration::from_secs(120), |r| {
+                let up = |id| r.latest_of(id).is_some_and(|o| o.state == healthy);
+                (up("api") && up("web")).then_some(())
+            }),
+        )
         .await;
+        assert!(
+            done.is_ok(),
+            "api {:?}, web {:?}; agent log:\n{}",
+            cp.with(|r| r.latest_of("api")),
+            cp.with(|r| r.latest_of("web")),
+            agent.log()
+        );
 
         let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
         assert!(

@@ -303,3 +303,50 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
         .statuses;
     assert!(ingests.is_empty(), "partial ingests left: {ingests:?}");
 }
+
+/// Two writers of one blob at once (two images sharing a layer, pulled side
+/// by side): both end with the blob in the store. They used to share the
+/// ingest ref and abort each other's write, in step on every retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_writers_of_one_blob_both_succeed() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "pull-twice", |ctd, _rig| async move {
+        use tokio::io::AsyncWriteExt;
+        use zattera_agent::runtime::descriptor::Descriptor;
+        use zattera_agent::runtime::digest::Digest;
+        let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();
+        let desc = Descriptor {
+            media_type: "application/octet-stream".into(),
+            digest: Digest::of(&data),
+            size: data.len() as u64,
+        };
+        let lease = zattera_agent::runtime::lease::Lease::create(
+            &ctd,
+            "two-writers",
+            std::time::Duration::from_secs(300),
+        )
+        .await
+        .unwrap();
+        // Each source drips its copy in 256 KiB steps, so the writes overlap.
+        let slow = |data: Vec<u8>| {
+            let (mut tx, rx) = tokio::io::duplex(64 << 10);
+            tokio::spawn(async move {
+                for chunk in data.chunks(256 << 10) {
+                    if tx.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            });
+            rx
+        };
+        let (a, b) = tokio::join!(
+            content::ensure_blob(&ctd, &lease, &desc, slow(data.clone())),
+            content::ensure_blob(&ctd, &lease, &desc, slow(data.clone())),
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert!(a ^ b, "exactly one of them writes the blob: {a} {b}");
+        assert!(content::exists(&ctd, &desc.digest).await.unwrap());
+    })
+    .await;
+}

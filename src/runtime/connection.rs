@@ -29,9 +29,15 @@ pub struct Containerd {
     channel: Channel,
     namespace: Namespace,
     socket: PathBuf,
+    /// One writer per blob at a time, across this connection's clones.
+    ingests: super::content::IngestLocks,
 }
 
 impl Containerd {
+    pub(crate) fn ingests(&self) -> &super::content::IngestLocks {
+        &self.ingests
+    }
+
     /// Connects and checks that containerd answers, so that a wrong socket is
     /// reported once, clearly, instead of on the first real call.
     pub async fn connect(socket: &Path, namespace: Namespace) -> Result<Self, RuntimeError> {
@@ -68,6 +74,7 @@ impl Containerd {
             channel,
             namespace,
             socket: socket.to_path_buf(),
+            ingests: super::content::IngestLocks::default(),
         };
         let version = tokio::time::timeout(
             CONNECT_TIMEOUT,
