@@ -187,16 +187,7 @@ fn allowed_ip(n: Net) -> WireguardAllowedIp {
 }
 
 fn peer_status(p: &WireguardPeer) -> PeerStatus {
-    let mut s = PeerStatus {
-        public_key: String::new(),
-        key: None,
-        endpoint: None,
-        allowed_ips: Vec::new(),
-        keepalive: 0,
-        since_handshake: None,
-        rx_bytes: 0,
-        tx_bytes: 0,
-    };
+    let mut s = PeerStatus::named(None, "");
     for a in &p.0 {
         match a {
             WireguardPeerAttribute::PublicKey(k) => {

@@ -103,6 +103,20 @@ fn secs<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Er
 }
 
 impl PeerStatus {
+    /// A peer known by its key only, before its attributes are read.
+    pub fn named(key: Option<PublicKey>, text: &str) -> Self {
+        Self {
+            public_key: key.map_or_else(|| text.to_owned(), |k| k.to_base64()),
+            key,
+            endpoint: None,
+            allowed_ips: Vec::new(),
+            keepalive: 0,
+            since_handshake: None,
+            rx_bytes: 0,
+            tx_bytes: 0,
+        }
+    }
+
     /// Whether the live peer already is what `want` asks for. An endpoint
     /// the device learned by roaming counts when it is one of the candidates.
     pub fn matches(&self, want: &PeerConfig) -> bool {

@@ -150,17 +150,7 @@ pub(crate) fn parse_get(text: &str) -> Result<Inspect, i32> {
             "listen_port" => out.listen_port = v.parse().unwrap_or(0),
             "public_key" => {
                 finish(&mut peer, &mut handshake, &mut out);
-                let key = PublicKey::from_hex(v).ok();
-                peer = Some(PeerStatus {
-                    public_key: key.map_or_else(|| v.to_owned(), |k| k.to_base64()),
-                    key,
-                    endpoint: None,
-                    allowed_ips: Vec::new(),
-                    keepalive: 0,
-                    since_handshake: None,
-                    rx_bytes: 0,
-                    tx_bytes: 0,
-                });
+                peer = Some(PeerStatus::named(PublicKey::from_hex(v).ok(), v));
             }
             _ => {
                 let Some(p) = peer.as_mut() else { continue };

@@ -413,28 +413,50 @@ impl ControlPlane {
         timeout: Duration,
         pred: impl Fn(&Record) -> Option<T>,
     ) -> T {
-        let mut changed = self.shared.changed.subscribe();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            changed.borrow_and_update();
-            if let Some(v) = pred(&self.shared.record.lock().unwrap()) {
-                return v;
-            }
-            if tokio::time::timeout_at(deadline, changed.changed())
-                .await
-                .is_err()
-            {
-                let summary = self.with(|r| {
-                    format!(
-                        "{} joins, sessions {:?}, {} frames, refused {:?}",
-                        r.joins.len(),
-                        r.sessions,
-                        r.frames.len(),
-                        r.refused
-                    )
-                });
-                panic!("timed out after {timeout:?} waiting for {what}; control saw {summary}");
-            }
+        wait_on_record(
+            what,
+            timeout,
+            &self.shared.changed,
+            &self.shared.record,
+            pred,
+            |r| {
+                format!(
+                    "{} joins, sessions {:?}, {} frames, refused {:?}",
+                    r.joins.len(),
+                    r.sessions,
+                    r.frames.len(),
+                    r.refused
+                )
+            },
+        )
+        .await
+    }
+}
+
+/// Waits up to `timeout` for `pred` over `record` to return something,
+/// looking again whenever `changed` is bumped; panics naming `what` and
+/// `summary` of the record.
+pub async fn wait_on_record<R, T>(
+    what: &str,
+    timeout: Duration,
+    changed: &watch::Sender<u64>,
+    record: &Mutex<R>,
+    pred: impl Fn(&R) -> Option<T>,
+    summary: impl Fn(&R) -> String,
+) -> T {
+    let mut changes = changed.subscribe();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        changes.borrow_and_update();
+        if let Some(v) = pred(&record.lock().unwrap()) {
+            return v;
+        }
+        if tokio::time::timeout_at(deadline, changes.changed())
+            .await
+            .is_err()
+        {
+            let summary = summary(&record.lock().unwrap());
+            panic!("timed out after {timeout:?} waiting for {what}; control saw {summary}");
         }
     }
 }

@@ -615,29 +615,23 @@ impl Cluster {
         timeout: Duration,
         pred: impl Fn(&Record) -> Option<T>,
     ) -> T {
-        let mut changed = self.shared.changed.subscribe();
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            changed.borrow_and_update();
-            if let Some(v) = pred(&self.shared.record.lock().unwrap()) {
-                return v;
-            }
-            if tokio::time::timeout_at(deadline, changed.changed())
-                .await
-                .is_err()
-            {
-                let summary = self.with(|r| {
-                    format!(
-                        "{} joins, sessions {:?}, {} frames, peer watches {:?}",
-                        r.joins.len(),
-                        r.sessions,
-                        r.frames.len(),
-                        r.peer_watches
-                    )
-                });
-                panic!("timed out after {timeout:?} waiting for {what}; control saw {summary}");
-            }
-        }
+        crate::control_plane::wait_on_record(
+            what,
+            timeout,
+            &self.shared.changed,
+            &self.shared.record,
+            pred,
+            |r| {
+                format!(
+                    "{} joins, sessions {:?}, {} frames, peer watches {:?}",
+                    r.joins.len(),
+                    r.sessions,
+                    r.frames.len(),
+                    r.peer_watches
+                )
+            },
+        )
+        .await
     }
 }
 
