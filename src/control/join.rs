@@ -203,7 +203,7 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         os_arch: format!("linux/{}", crate::runtime::descriptor::host_architecture()),
         binary_version: opts.binary_version.clone(),
         csr_pem: csr.into_bytes(),
-        existing_node_id,
+        existing_node_id: existing_node_id.clone(),
         wireguard_public_key: wg_key.public().to_base64(),
         wireguard_listen_port: u32::from(opts.mesh.listen_port),
         public_endpoints: endpoints,
@@ -274,9 +274,13 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
                 enrollment.mesh_ip
             )));
         }
-        let initial = resp.initial_peers.clone().unwrap_or_default();
-        crate::mesh::peers::store(&crate::mesh::peers::path(&opts.data_dir), &initial)
-            .map_err(JoinError::MeshKey)?;
+        // A re-join (renewal, restart) keeps the fuller set WatchPeers gave
+        // since: initial_peers names only the control nodes.
+        let peers = crate::mesh::peers::path(&opts.data_dir);
+        if !peers.exists() || existing_node_id != enrollment.node_id {
+            let initial = resp.initial_peers.clone().unwrap_or_default();
+            crate::mesh::peers::store(&peers, &initial).map_err(JoinError::MeshKey)?;
+        }
     }
     let node_tls = NodeTls {
         key_pem: key.serialize_pem().into_bytes(),
