@@ -132,6 +132,7 @@ fn doctor_passes_against_the_rig() {
         "netns",
         "forwarding",
         "disk",
+        "wireguard",
     ] {
         assert_ne!(
             check(&report, name)["verdict"],
@@ -147,7 +148,7 @@ fn doctor_passes_against_the_rig() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(text.lines().count(), 10, "{text}");
+    assert_eq!(text.lines().count(), 11, "{text}");
     assert!(
         text.lines()
             .all(|l| l.starts_with("PASS ") || l.starts_with("WARN ")),
