@@ -3,7 +3,8 @@
 //! The first frame carries `start` (and maybe early stdin); later frames
 //! carry stdin and terminal resizes. When the caller half-closes, stdin is
 //! closed and the process may finish (the safer reading of wire.md; the
-//! reference kills it). When the caller goes away, the process is killed.
+//! reference kills it); on a terminal, where that would hang the terminal
+//! up, stdin stays open and the process ends by itself or with the caller. When the caller goes away, the process is killed.
 //! Output frames follow the process; the last frame has `exited` and the
 //! code. A runtime failure is reported in the last frame, on stderr, with
 //! code 126, and the call still ends OK.
@@ -59,6 +60,7 @@ pub async fn exec(
                 .await;
         }
         Ok((mut session, mut events)) => {
+            let tty = req.tty;
             let mut stdin = session.take_stdin();
             if let Some(tx) = &stdin
                 && !first.stdin.is_empty()
@@ -92,8 +94,14 @@ pub async fn exec(
                             Ok(None) => {
                                 input_open = false;
                                 room = None;
-                                stdin = None;
-                                session.close_stdin().await;
+                                // Closing a terminal's input hangs it up (the
+                                // shim closes the console: SIGHUP, code 129,
+                                // maybe before the output is out). On a
+                                // terminal the caller ends input with ^D.
+                                if !tty {
+                                    stdin = None;
+                                    session.close_stdin().await;
+                                }
                             }
                             // The caller is gone: dropping the session kills.
                             Err(_) => return,
