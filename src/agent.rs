@@ -82,11 +82,15 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     // identity every connection presents.
     let (notices_tx, notices_rx) = tokio::sync::watch::channel(Vec::new());
     let mut renewer = None;
+    let mut mesh_ip = None;
     let cluster_registry = match &mut control {
         Some((sync, _, _)) => {
             let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
                 .load_enrollment()
                 .context("the node enrollment")?;
+            // The mesh is up (from the last peer set) before anything binds
+            // on its address or dials control through it.
+            mesh_ip = start_mesh(&config, &enrollment, sync, &logger_binary).await?;
             let tls = Arc::clone(&sync.tls.borrow());
             let registry = enrollment.cluster_registry(&tls).map(Arc::new);
             let (registry_tx, registry_rx) = tokio::sync::watch::channel(registry);
@@ -110,12 +114,6 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         }
         None => None,
     };
-    // The mesh is up (from the last peer set) before anything binds on its
-    // address or dials control through it.
-    let mut mesh_ip = None;
-    if let Some((sync, _, _)) = &mut control {
-        mesh_ip = start_mesh(&config, sync, &logger_binary).await?;
-    }
     if let Some(ip) = mesh_ip
         && config.host_ip == crate::config::DEFAULT_HOST_IP
     {
@@ -533,12 +531,10 @@ fn sync_target(config: &Config) -> Result<Option<String>> {
 /// the leader it names. Returns the node's mesh IP.
 async fn start_mesh(
     config: &Config,
+    enrollment: &crate::control::identity::Enrollment,
     sync: &mut crate::control::sync::SyncConfig,
     device_binary: &std::path::Path,
 ) -> Result<Option<std::net::Ipv4Addr>> {
-    let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
-        .load_enrollment()
-        .context("the node enrollment")?;
     if !enrollment.mesh_enabled {
         return Ok(None);
     }

@@ -7,7 +7,7 @@
 //! socket only ([`crate::uapi`]); `remove` stops the process that answers
 //! on it (found by the socket's peer credentials).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -190,5 +190,5 @@ pub fn run_device(interface: &str) -> Result<()> {
 
 /// Whether a userspace device for `interface` answers (for detection).
 pub fn socket_exists(interface: &str) -> bool {
-    Path::new(&uapi::socket_path(interface)).exists()
+    uapi::socket_path(interface).exists()
 }

@@ -125,11 +125,6 @@ impl Dialer {
             }
         }
     }
-
-    /// The underlying targets (for the CLI and status).
-    pub fn current(&self) -> Targets {
-        self.targets.borrow().clone()
-    }
 }
 
 #[cfg(test)]
