@@ -160,7 +160,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         pull_timeout: config.pull_timeout,
         standalone,
         source,
-        cluster_registry,
+        cluster_registry: cluster_registry.clone(),
         default_subnet: config.default_subnet,
         log_retention: config.log_retention,
         metrics: Arc::clone(&metrics),
@@ -277,6 +277,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                     busy: Arc::default(),
                     stats: stats_on_close.clone(),
                 },
+                builder: builder(&config, &ctd, sync.tls.clone(), cluster_registry.clone()),
             };
             let controls = crate::control::node_api::control_ids(
                 sync.control_node_ids
@@ -684,4 +685,36 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// The node's builder for RunBuild, or why it has none.
+fn builder(
+    config: &Config,
+    ctd: &Containerd,
+    tls: crate::control::tls::CurrentTls,
+    registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
+) -> Result<crate::control::node_api::build::Builder, String> {
+    let backend = crate::build::choose_backend(&crate::build::Host {
+        settings: &config.build,
+        ctd: Some(ctd.clone()),
+        containerd_address: &config.containerd_address,
+        namespace: config.namespace.as_str(),
+        data_dir: &config.data_dir,
+        run_dir: &config.run_dir,
+    });
+    match &backend {
+        Ok(b) => tracing::info!(backend = b.name(), "builds enabled"),
+        Err(why) => tracing::info!(%why, "no builds on this node"),
+    }
+    let mut pipeline = crate::build::PipelineConfig::new(&config.data_dir);
+    pipeline.node_tls = Some(tls);
+    pipeline.cluster_registry = registry;
+    pipeline.planner.binary.clone_from(&config.build.nixpacks);
+    Ok(crate::control::node_api::build::Builder {
+        pipeline: crate::build::Pipeline {
+            config: pipeline,
+            backend: backend?,
+        },
+        builds: Arc::default(),
+    })
 }

@@ -126,6 +126,23 @@ pub struct Settings {
     /// `kernel` or `userspace`.
     #[serde(alias = "mesh_backend")]
     pub mesh_backend: Option<String>,
+    /// What builds images for RunBuild: `auto` (BuildKit when its daemon
+    /// is installed, else buildah when it is, else none), `buildkit`,
+    /// `buildah` or `off`.
+    #[serde(alias = "build_backend")]
+    pub build_backend: Option<String>,
+    /// The buildkitd binary; buildctl is beside it (default /usr/bin/buildkitd).
+    #[serde(alias = "buildkitd_binary")]
+    pub buildkitd_binary: Option<PathBuf>,
+    /// The BuildKit release the daemon must report (default v0.18.2).
+    #[serde(alias = "buildkit_version")]
+    pub buildkit_version: Option<String>,
+    /// The nixpacks planner (default /usr/lib/zattera/nixpacks).
+    #[serde(alias = "nixpacks_binary")]
+    pub nixpacks_binary: Option<PathBuf>,
+    /// The network of `RUN` steps: `host` (the default) or `none`.
+    #[serde(alias = "build_network")]
+    pub build_network: Option<String>,
 }
 
 impl Settings {
@@ -189,6 +206,11 @@ impl Settings {
             mesh_listen_port: top.mesh_listen_port.or(self.mesh_listen_port),
             mesh_endpoints: top.mesh_endpoints.or(self.mesh_endpoints),
             mesh_backend: top.mesh_backend.or(self.mesh_backend),
+            build_backend: top.build_backend.or(self.build_backend),
+            buildkitd_binary: top.buildkitd_binary.or(self.buildkitd_binary),
+            buildkit_version: top.buildkit_version.or(self.buildkit_version),
+            nixpacks_binary: top.nixpacks_binary.or(self.nixpacks_binary),
+            build_network: top.build_network.or(self.build_network),
         }
     }
 
@@ -264,6 +286,7 @@ impl Settings {
         };
         let image_gc = self.image_gc()?;
         let mesh = self.mesh()?;
+        let build = self.build()?;
         let metrics_listen = match self.metrics_listen.as_deref().map(str::trim) {
             None | Some("" | "off") => None,
             Some(text) => Some(crate::telemetry::serve::parse_listen(text).ok_or_else(|| {
@@ -275,6 +298,7 @@ impl Settings {
         };
         Ok(Config {
             mesh,
+            build,
             image_gc,
             metrics_listen,
             log_retention: crate::logs::Retention {
@@ -309,6 +333,42 @@ impl Settings {
 }
 
 impl Settings {
+    fn build(&self) -> Result<BuildSettings, ConfigError> {
+        let defaults = BuildSettings::default();
+        let backend = match self.build_backend.as_deref().map(str::trim) {
+            None | Some("auto") => BuildBackendKind::Auto,
+            Some("buildkit") => BuildBackendKind::BuildKit,
+            Some("buildah") => BuildBackendKind::Buildah,
+            Some("off" | "none") => BuildBackendKind::Off,
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    key: "build-backend",
+                    message: format!("{other:?} is not auto, buildkit, buildah or off"),
+                });
+            }
+        };
+        let network = match self.build_network.as_deref() {
+            None => defaults.network,
+            Some(text) => text
+                .trim()
+                .parse()
+                .map_err(|message| ConfigError::Invalid {
+                    key: "build-network",
+                    message,
+                })?,
+        };
+        Ok(BuildSettings {
+            backend,
+            buildkitd: self.buildkitd_binary.clone().unwrap_or(defaults.buildkitd),
+            buildkit_version: self
+                .buildkit_version
+                .clone()
+                .unwrap_or(defaults.buildkit_version),
+            nixpacks: self.nixpacks_binary.clone().unwrap_or(defaults.nixpacks),
+            network,
+        })
+    }
+
     fn mesh(&self) -> Result<MeshSettings, ConfigError> {
         let defaults = MeshSettings::default();
         let interface = self.mesh_interface.clone().unwrap_or(defaults.interface);
@@ -440,6 +500,38 @@ pub struct Config {
     /// Where `/metrics` is served; `None`: nowhere.
     pub metrics_listen: Option<SocketAddr>,
     pub mesh: MeshSettings,
+    pub build: BuildSettings,
+}
+
+/// Which backend builds images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildBackendKind {
+    Auto,
+    BuildKit,
+    Buildah,
+    Off,
+}
+
+/// Builds (RunBuild, the `build` command), resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildSettings {
+    pub backend: BuildBackendKind,
+    pub buildkitd: PathBuf,
+    pub buildkit_version: String,
+    pub nixpacks: PathBuf,
+    pub network: crate::build::buildah::BuildNetwork,
+}
+
+impl Default for BuildSettings {
+    fn default() -> Self {
+        Self {
+            backend: BuildBackendKind::Auto,
+            buildkitd: PathBuf::from("/usr/bin/buildkitd"),
+            buildkit_version: crate::build::buildkit::DEFAULT_BUILDKIT_VERSION.into(),
+            nixpacks: PathBuf::from(crate::build::plan::DEFAULT_NIXPACKS_BINARY),
+            network: crate::build::buildah::BuildNetwork::Host,
+        }
+    }
 }
 
 /// The node's side of the WireGuard mesh, resolved.

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod agent;
 pub mod beneath;
+pub mod build;
 pub mod config;
 pub mod control;
 pub mod doctor;

@@ -1075,6 +1075,7 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                     busy: Arc::default(),
                     stats: None,
                 },
+                builder: Err("no builder in this test".into()),
             }),
             control_ids([control_plane::CONTROL_NODE_ID]),
         )

@@ -162,6 +162,7 @@ impl Node {
                     busy: Arc::default(),
                     stats: None,
                 },
+                builder: Err("no builder in this test".into()),
             }),
             control_ids([control_plane::CONTROL_NODE_ID]),
         )

@@ -1,5 +1,6 @@
 //! The command line: global options, one file per command, and `dispatch`.
 
+mod build;
 mod docs;
 mod doctor;
 mod image;
@@ -105,6 +106,8 @@ enum Command {
     Images(ops::ImagesArgs),
     /// Enroll this node with a control plane.
     Join(join::JoinArgs),
+    /// Build an image from a directory with this node's builder (BuildKit or buildah).
+    Build(build::BuildArgs),
     /// Snapshot and restore volumes in S3 without a control plane.
     #[command(subcommand)]
     Volume(volume::VolumeCommand),
@@ -143,6 +146,7 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
         Command::Images(args) => ops::images(&g.load(None)?, &args).await?,
         Command::Join(args) => join::run(&g.load(None)?, args).await?,
         Command::Volume(cmd) => volume::run(&g.load(None)?, cmd).await?,
+        Command::Build(args) => build::run(&g.load(None)?, args).await?,
         Command::Doctor(args) => return doctor::run(g, &args).await,
         Command::Completions(args) => docs::completions(&args)?,
         Command::Man(args) => docs::man(&args)?,

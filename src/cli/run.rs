@@ -97,6 +97,15 @@ pub struct RunArgs {
     /// auto, kernel or userspace [default: auto: the kernel's WireGuard where it has one]
     #[arg(long, value_name = "KIND")]
     mesh_backend: Option<String>,
+    /// What builds images for RunBuild: auto, buildkit, buildah or off [default: auto: BuildKit if installed, else buildah]
+    #[arg(long, value_name = "KIND")]
+    build_backend: Option<String>,
+    /// The buildkitd binary, buildctl beside it [default: /usr/bin/buildkitd]
+    #[arg(long, value_name = "PATH")]
+    buildkitd_binary: Option<PathBuf>,
+    /// The nixpacks planner [default: /usr/lib/zattera/nixpacks]
+    #[arg(long, value_name = "PATH")]
+    nixpacks_binary: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -131,6 +140,9 @@ impl RunArgs {
             mesh_listen_port: self.mesh_listen_port,
             mesh_endpoints: (!self.mesh_endpoints.is_empty()).then(|| self.mesh_endpoints.clone()),
             mesh_backend: self.mesh_backend.clone(),
+            build_backend: self.build_backend.clone(),
+            buildkitd_binary: self.buildkitd_binary.clone(),
+            nixpacks_binary: self.nixpacks_binary.clone(),
             ..base
         }
     }

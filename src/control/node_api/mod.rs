@@ -14,10 +14,12 @@
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
 //! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]),
 //! `SnapshotVolume`, `RestoreVolume` ([`snapshot`]) and `UpgradeBinary`
-//! ([`upgrade`]). The others (builds, `WriteVolumeFile`) answer
+//! ([`upgrade`]), `RunBuild` and `CancelBuild` ([`build`]) on a node with a
+//! builder. The others (`WriteVolumeFile`) answer
 //! UNIMPLEMENTED naming the missing capability,
 //! which is what control expects from a node lacking an RPC.
 
+pub mod build;
 pub mod exec;
 pub mod logs;
 pub mod observe;
@@ -88,6 +90,8 @@ pub struct NodeContext {
     pub node_id: String,
     pub stats: Option<Arc<std::sync::Mutex<crate::metrics::store::Store>>>,
     pub upgrade: upgrade::UpgradeConfig,
+    /// The builder, or why this node has none (UNIMPLEMENTED).
+    pub builder: Result<build::Builder, String>,
 }
 
 /// A bound node API server; [`Self::serve`] runs it.
@@ -299,13 +303,23 @@ impl AgentLocalService for Service {
         &self,
         req: Request<RunBuildRequest>,
     ) -> Result<Response<Self::RunBuildStream>, Status> {
-        self.declined(&req, "image builds (RunBuild)")
+        let node = self.serving(&req, "image builds (RunBuild)")?;
+        let builder = node
+            .builder
+            .as_ref()
+            .map_err(|why| Status::unimplemented(format!("RunBuild: {why}")))?;
+        Ok(Response::new(build::run_build(builder, req.into_inner())?))
     }
     async fn cancel_build(
         &self,
         req: Request<CancelBuildRequest>,
     ) -> Result<Response<CancelBuildResponse>, Status> {
-        self.declined(&req, "image builds (CancelBuild)")
+        let node = self.serving(&req, "image builds (CancelBuild)")?;
+        let builder = node
+            .builder
+            .as_ref()
+            .map_err(|why| Status::unimplemented(format!("CancelBuild: {why}")))?;
+        Ok(Response::new(build::cancel_build(builder, req.get_ref())))
     }
     async fn snapshot_volume(
         &self,

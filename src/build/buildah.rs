@@ -1,0 +1,387 @@
+//! The buildah backend: `buildah bud` (Debian's and Fedora's own package,
+//! so a stock host builds with no daemon), pushed with the node credential
+//! and the cluster CA, or loaded into containerd through the agent's own
+//! importer.
+//!
+//! Storage is the agent's own (`<data-dir>/buildah`), so nothing here ever
+//! touches an operator's buildah or podman images. Each step runs in its
+//! own process group; a cancel sends buildah SIGTERM (it stops its `RUN`
+//! container and removes its working container), then SIGKILL after a
+//! grace.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_util::sync::CancellationToken;
+
+use super::plan::kill_group;
+use super::progress::buildah_line;
+use super::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, RegistryFiles, say};
+use crate::runtime::Containerd;
+
+/// How `RUN` steps reach the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BuildNetwork {
+    /// The host's network, as BuildKit's default.
+    #[default]
+    Host,
+    /// None at all.
+    None,
+}
+
+impl std::str::FromStr for BuildNetwork {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "host" => Ok(Self::Host),
+            "none" => Ok(Self::None),
+            other => Err(format!("{other:?} is not host or none")),
+        }
+    }
+}
+
+impl BuildNetwork {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::None => "none",
+        }
+    }
+}
+
+/// Grace between SIGTERM and SIGKILL on cancel.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+
+#[derive(Debug, Clone)]
+pub struct Buildah {
+    pub binary: PathBuf,
+    /// containers/storage root and run root, the agent's own.
+    pub root: PathBuf,
+    pub runroot: PathBuf,
+    pub network: BuildNetwork,
+    /// Where [`Output::Load`] images go.
+    pub ctd: Option<Containerd>,
+    /// Builds running now. Storage is the agent's alone, so while none
+    /// runs, every working container in it is a leftover of a killed one.
+    active: std::sync::Arc<tokio::sync::Mutex<usize>>,
+}
+
+impl Buildah {
+    pub fn new(data_dir: &Path, run_dir: &Path, ctd: Option<Containerd>) -> Self {
+        Self {
+            binary: PathBuf::from("buildah"),
+            root: data_dir.join("buildah/storage"),
+            runroot: run_dir.join("buildah"),
+            network: BuildNetwork::default(),
+            ctd,
+            active: std::sync::Arc::default(),
+        }
+    }
+
+    fn command(&self) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.binary);
+        cmd.arg("--root")
+            .arg(&self.root)
+            .arg("--runroot")
+            .arg(&self.runroot)
+            .args(["--storage-driver", "overlay"])
+            // The operator's registries.conf may carry unqualified-search
+            // registries; builds name their images in full.
+            .env("BUILDAH_ISOLATION", "oci")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// Runs one buildah step, its output as lines; `Err` is the text of
+    /// its last lines.
+    async fn step(
+        &self,
+        mut cmd: tokio::process::Command,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<(), StepError> {
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| StepError::Failed(format!("{}: {e}", self.binary.display())))?;
+        let pid = child.id();
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(64);
+        let pipes: [Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>; 2] = [
+            child.stdout.take().map(|p| Box::new(p) as _),
+            child.stderr.take().map(|p| Box::new(p) as _),
+        ];
+        for pipe in pipes.into_iter().flatten() {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(pipe).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if tx.send(line).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut last = std::collections::VecDeque::with_capacity(4);
+        let mut open = true;
+        let status = loop {
+            tokio::select! {
+                line = rx.recv(), if open => match line {
+                    Some(line) => {
+                        if let Some(line) = buildah_line(&line) {
+                            if last.len() == 3 {
+                                last.pop_front();
+                            }
+                            last.push_back(line.to_owned());
+                            say(events, Phase::Build, line).await;
+                        }
+                    }
+                    None => open = false,
+                },
+                status = child.wait(), if !open => break status,
+                () = cancel.cancelled() => {
+                    stop(pid, &mut child).await;
+                    return Err(StepError::Canceled);
+                }
+            }
+        };
+        match status {
+            Ok(s) if s.success() => Ok(()),
+            Ok(s) => {
+                let tail: Vec<String> = last.into_iter().collect();
+                let text = tail
+                    .iter()
+                    .rev()
+                    .find(|l| l.starts_with("Error:") || l.starts_with("error"))
+                    .cloned()
+                    .unwrap_or_else(|| tail.join("; "));
+                Err(StepError::Failed(format!(
+                    "{} ({s})",
+                    text.trim_start_matches("Error: ")
+                )))
+            }
+            Err(e) => Err(StepError::Failed(e.to_string())),
+        }
+    }
+
+    /// Removes every working container when no other build runs (one
+    /// cancelled with `--layers` can leave its `RUN` container behind),
+    /// then adds `delta` to the builds running, all under the one lock.
+    async fn sweep_if_alone(&self, running_here: usize, delta: isize) {
+        let mut active = self.active.lock().await;
+        if *active == running_here {
+            let mut cmd = self.command();
+            cmd.args(["rm", "--all"]);
+            let _ = cmd.output().await;
+        }
+        *active = active.saturating_add_signed(delta);
+    }
+
+    async fn remove_local(&self, tag: &str, manifest: bool) {
+        let mut cmd = self.command();
+        if manifest {
+            cmd.args(["manifest", "rm", tag]);
+        } else {
+            cmd.args(["rmi", "-f", tag]);
+        }
+        let _ = cmd.output().await;
+    }
+}
+
+enum StepError {
+    Failed(String),
+    Canceled,
+}
+
+/// SIGTERM to buildah, which stops its `RUN` container and removes its
+/// working container; SIGKILL to the group if it has not exited in time.
+async fn stop(pid: Option<u32>, child: &mut tokio::process::Child) {
+    if let Some(p) = pid.and_then(|p| i32::try_from(p).ok()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    if tokio::time::timeout(STOP_GRACE, child.wait())
+        .await
+        .is_err()
+    {
+        kill_group(pid);
+        let _ = child.wait().await;
+    }
+}
+
+/// A name in buildah's storage for build `id`.
+fn local_tag(id: &str) -> String {
+    let clean: String = id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    format!("localhost/zattera-build/{}:latest", clean.trim_matches('-'))
+}
+
+#[tonic::async_trait]
+impl Backend for Buildah {
+    fn name(&self) -> &'static str {
+        "buildah"
+    }
+
+    async fn build(
+        &self,
+        spec: &BuildSpec,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<Built, BuildError> {
+        self.sweep_if_alone(0, 1).await;
+        let result = self.build_counted(spec, events, cancel).await;
+        let alone = if matches!(result, Err(BuildError::Canceled)) {
+            1
+        } else {
+            usize::MAX
+        };
+        self.sweep_if_alone(alone, -1).await;
+        result
+    }
+}
+
+impl Buildah {
+    async fn build_counted(
+        &self,
+        spec: &BuildSpec,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<Built, BuildError> {
+        let files =
+            RegistryFiles::write(&spec.scratch, &spec.registries).map_err(BuildError::Scratch)?;
+        let tag = local_tag(&spec.id);
+        let several = spec.platforms.len() > 1;
+        let mut bud = self.command();
+        bud.arg("bud")
+            .args(["--isolation", "oci"])
+            .args(["--network", self.network.as_str()])
+            .arg("--layers")
+            .arg("--file")
+            .arg(spec.context.join(&spec.dockerfile))
+            .arg("--platform")
+            .arg(spec.platforms.join(","));
+        for (k, v) in &spec.build_args {
+            bud.arg("--build-arg").arg(format!("{k}={v}"));
+        }
+        bud.arg("--authfile")
+            .arg(&files.authfile)
+            .arg("--cert-dir")
+            .arg(&files.certs);
+        bud.arg(if several { "--manifest" } else { "--tag" })
+            .arg(&tag);
+        bud.arg(&spec.context);
+        let result = self.step(bud, events, cancel).await;
+        if let Err(e) = result {
+            self.remove_local(&tag, several).await;
+            return Err(match e {
+                StepError::Canceled => BuildError::Canceled,
+                StepError::Failed(text) => BuildError::Solve(text),
+            });
+        }
+        let outcome = self
+            .export(spec, &tag, several, &files, events, cancel)
+            .await;
+        self.remove_local(&tag, several).await;
+        outcome
+    }
+}
+
+impl Buildah {
+    async fn export(
+        &self,
+        spec: &BuildSpec,
+        tag: &str,
+        several: bool,
+        files: &RegistryFiles,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<Built, BuildError> {
+        let mut push = self.command();
+        if several {
+            push.args(["manifest", "push", "--all"]);
+        } else {
+            push.arg("push");
+        }
+        match &spec.output {
+            Output::Push { reference } => {
+                let digestfile = spec.scratch.join("digest");
+                push.arg("--digestfile")
+                    .arg(&digestfile)
+                    .arg("--authfile")
+                    .arg(&files.authfile)
+                    .arg("--cert-dir")
+                    .arg(&files.certs);
+                push.arg(tag).arg(format!("docker://{reference}"));
+                say(events, Phase::Build, format!("pushing {reference}")).await;
+                self.step(push, events, cancel).await.map_err(|e| match e {
+                    StepError::Canceled => BuildError::Canceled,
+                    StepError::Failed(text) => BuildError::Push(text),
+                })?;
+                let digest = std::fs::read_to_string(&digestfile)
+                    .map_err(|e| BuildError::Push(format!("no digest written: {e}")))?;
+                Ok(Built {
+                    digest: digest.trim().to_owned(),
+                })
+            }
+            Output::Load { name } => {
+                let ctd = self.ctd.as_ref().ok_or_else(|| {
+                    BuildError::Load("this node has no containerd to load into".into())
+                })?;
+                let archive = spec.scratch.join("image.tar");
+                push.arg(tag)
+                    .arg(format!("oci-archive:{}:{name}", archive.display()));
+                self.step(push, events, cancel).await.map_err(|e| match e {
+                    StepError::Canceled => BuildError::Canceled,
+                    StepError::Failed(text) => BuildError::Load(text),
+                })?;
+                let image: crate::runtime::ImageRef = name
+                    .parse()
+                    .map_err(|e| BuildError::Load(format!("{name}: {e}")))?;
+                let imported = crate::runtime::images::import_archive(ctd, &archive, Some(image))
+                    .await
+                    .map_err(|e| BuildError::Load(e.to_string()))?;
+                let first = imported
+                    .first()
+                    .ok_or_else(|| BuildError::Load("the archive held no image".into()))?;
+                say(
+                    events,
+                    Phase::Build,
+                    format!("loaded {name} into containerd"),
+                )
+                .await;
+                Ok(Built {
+                    digest: first.target.digest.to_string(),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn local_tags_are_valid_lowercase_names() {
+        assert_eq!(
+            local_tag("Bld_01/x"),
+            "localhost/zattera-build/bld_01-x:latest"
+        );
+    }
+}

@@ -1,0 +1,229 @@
+//! The nixpacks planner (BLD-5): for a context without a Dockerfile, the
+//! pinned nixpacks CLI writes `.nixpacks/Dockerfile`.
+//!
+//! The planner is a binary built from the `nixpacks` crate at the pinned
+//! version and shipped with the agent (nothing is downloaded at build
+//! time). It runs on the host, not in a container: as an unprivileged user
+//! that owns the context for the run, with a clean environment, in its own
+//! process group, killed at the deadline. Its output (stdout and stderr
+//! merged) becomes `plan` lines.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_util::sync::CancellationToken;
+
+use super::{BuildError, Events, Phase, say};
+
+/// The planner release the spec pins.
+pub const NIXPACKS_VERSION: &str = "1.41.0";
+/// Where packages install the planner.
+pub const DEFAULT_NIXPACKS_BINARY: &str = "/usr/lib/zattera/nixpacks";
+/// BLD-5's deadline.
+pub const PLAN_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How the planner is run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Planner {
+    pub binary: PathBuf,
+    /// The user (uid = gid) it runs as; it owns the context while it runs.
+    pub uid: u32,
+    pub deadline: Duration,
+}
+
+impl Default for Planner {
+    fn default() -> Self {
+        Self {
+            binary: PathBuf::from(DEFAULT_NIXPACKS_BINARY),
+            uid: 65534,
+            deadline: PLAN_DEADLINE,
+        }
+    }
+}
+
+impl Planner {
+    /// Plans `context` with `hints` (the request's `build_env`, NIXPACKS_*
+    /// settings, given to the planner as `--env`).
+    pub async fn plan(
+        &self,
+        context: &Path,
+        hints: &BTreeMap<String, String>,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<(), BuildError> {
+        if !self.binary.exists() {
+            return Err(BuildError::Plan(format!(
+                "the nixpacks planner is not installed at {} (nixpacks-binary); the packages ship it, \
+                 or build it with `cargo install nixpacks --version {NIXPACKS_VERSION} --locked`",
+                self.binary.display()
+            )));
+        }
+        let _ = std::fs::remove_dir_all(context.join(".nixpacks"));
+        chown_tree(context, self.uid)
+            .map_err(|e| BuildError::Plan(format!("context owner: {e}")))?;
+        let result = self.run(context, hints, events, cancel).await;
+        // The backend reads the context as root; the owner goes back.
+        let _ = chown_tree(context, 0);
+        result?;
+        let dockerfile = context.join(".nixpacks/Dockerfile");
+        if !dockerfile.is_file() {
+            return Err(BuildError::Plan(
+                "nixpacks produced no Dockerfile in .nixpacks".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn run(
+        &self,
+        context: &Path,
+        hints: &BTreeMap<String, String>,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<(), BuildError> {
+        let mut cmd = tokio::process::Command::new(&self.binary);
+        cmd.arg("build")
+            .arg(context)
+            .arg("--out")
+            .arg(context)
+            .args(["--name", "ignored"]);
+        for (k, v) in hints {
+            cmd.arg("--env").arg(format!("{k}={v}"));
+        }
+        cmd.env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .env("HOME", context)
+            .env("NO_COLOR", "1")
+            .current_dir(context)
+            .uid(self.uid)
+            .gid(self.uid)
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| BuildError::Plan(format!("{}: {e}", self.binary.display())))?;
+        let pgid = child.id();
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(64);
+        for pipe in [
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(pipe).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if tx.send(line).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let deadline = tokio::time::sleep(self.deadline);
+        tokio::pin!(deadline);
+        let mut output_open = true;
+        let status = loop {
+            tokio::select! {
+                line = rx.recv(), if output_open => match line {
+                    Some(line) => {
+                        let line = line.trim_end();
+                        if !line.is_empty() {
+                            say(events, Phase::Plan, line).await;
+                        }
+                    }
+                    None => output_open = false,
+                },
+                status = child.wait(), if !output_open => break status,
+                () = &mut deadline => {
+                    kill_group(pgid);
+                    let _ = child.wait().await;
+                    return Err(BuildError::Plan("timed out waiting for exit".into()));
+                }
+                () = cancel.cancelled() => {
+                    kill_group(pgid);
+                    let _ = child.wait().await;
+                    return Err(BuildError::Canceled);
+                }
+            }
+        };
+        let status = status.map_err(|e| BuildError::Plan(e.to_string()))?;
+        match status.code() {
+            Some(0) => Ok(()),
+            Some(code) => Err(BuildError::Plan(format!("exited with code {code}"))),
+            None => Err(BuildError::Plan(format!("{status}"))),
+        }
+    }
+}
+
+/// SIGKILL to the process group led by `pid`.
+pub(crate) fn kill_group(pid: Option<u32>) {
+    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+/// Gives `dir` and everything under it (never following links) to `uid`.
+fn chown_tree(dir: &Path, uid: u32) -> std::io::Result<()> {
+    let id = Some(nix::unistd::Uid::from_raw(uid));
+    let gid = Some(nix::unistd::Gid::from_raw(uid));
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &path,
+            id,
+            gid,
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(std::io::Error::from)?;
+        if std::fs::symlink_metadata(&path)?.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                stack.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn a_missing_planner_names_the_key_and_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let planner = Planner {
+            binary: dir.path().join("absent"),
+            ..Planner::default()
+        };
+        let (tx, _rx) = tokio::sync::mpsc::channel(8);
+        let e = planner
+            .plan(dir.path(), &BTreeMap::new(), &tx, &CancellationToken::new())
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("nixpacks-binary") && text.contains("1.41.0"),
+            "{text}"
+        );
+    }
+}
