@@ -64,6 +64,9 @@ for page in dist/assets/man/*.1; do
   gzip -9n "$page"
 done
 
+say "the nixpacks planner (/usr/lib/zattera/nixpacks)"
+cp "$(bash scripts/nixpacks.sh)" dist/assets/nixpacks
+
 say "packages"
 rm -f dist/*.deb dist/*.rpm
 cargo deb --no-build --no-strip -p zattera-agent -o "dist/zattera-agent_${version}_amd64.deb" >/dev/null
@@ -78,7 +81,7 @@ say "checking $deb"
 lintian --no-tag-display-limit "$deb" | tee dist/lintian.txt >&2 || true
 if grep -q '^E:' dist/lintian.txt; then die "lintian reports errors on $deb"; fi
 files=$(dpkg-deb -c "$deb")
-for f in ./usr/bin/zattera-agent ./usr/bin/zattera-netns ./etc/zattera/agent.toml \
+for f in ./usr/bin/zattera-agent ./usr/bin/zattera-netns ./etc/zattera/agent.toml ./usr/lib/zattera/nixpacks \
   ./usr/lib/systemd/system/zattera-agent.service ./usr/share/man/man1/zattera-agent.1.gz \
   ./usr/share/man/man1/zattera-netns.1.gz ./usr/share/bash-completion/completions/zattera-agent \
   ./usr/share/zsh/vendor-completions/_zattera-agent ./usr/share/fish/vendor_completions.d/zattera-agent.fish; do
