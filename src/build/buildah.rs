@@ -13,10 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_util::sync::CancellationToken;
 
-use super::plan::kill_group;
+use super::child::{merged_lines, stop};
 use super::progress::buildah_line;
 use super::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, RegistryFiles, say};
 use crate::runtime::Containerd;
@@ -109,24 +108,7 @@ impl Buildah {
         let mut child = cmd
             .spawn()
             .map_err(|e| StepError::Failed(format!("{}: {e}", self.binary.display())))?;
-        let pid = child.id();
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(64);
-        let pipes: [Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>; 2] = [
-            child.stdout.take().map(|p| Box::new(p) as _),
-            child.stderr.take().map(|p| Box::new(p) as _),
-        ];
-        for pipe in pipes.into_iter().flatten() {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(pipe).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if tx.send(line).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        drop(tx);
+        let mut rx = merged_lines(&mut child);
         let mut last = std::collections::VecDeque::with_capacity(4);
         let mut open = true;
         let status = loop {
@@ -145,7 +127,9 @@ impl Buildah {
                 },
                 status = child.wait(), if !open => break status,
                 () = cancel.cancelled() => {
-                    stop(pid, &mut child).await;
+                    // buildah stops its RUN container and removes its
+                    // working container on SIGTERM.
+                    stop(&mut child, nix::sys::signal::Signal::SIGTERM, STOP_GRACE).await;
                     return Err(StepError::Canceled);
                 }
             }
@@ -196,24 +180,6 @@ impl Buildah {
 enum StepError {
     Failed(String),
     Canceled,
-}
-
-/// SIGTERM to buildah, which stops its `RUN` container and removes its
-/// working container; SIGKILL to the group if it has not exited in time.
-async fn stop(pid: Option<u32>, child: &mut tokio::process::Child) {
-    if let Some(p) = pid.and_then(|p| i32::try_from(p).ok()) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(p),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-    }
-    if tokio::time::timeout(STOP_GRACE, child.wait())
-        .await
-        .is_err()
-    {
-        kill_group(pid);
-        let _ = child.wait().await;
-    }
 }
 
 /// A name in buildah's storage for build `id`.

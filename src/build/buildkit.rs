@@ -11,11 +11,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde::Deserialize;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use super::plan::kill_group;
+use super::child::{merged_lines, stop};
 use super::progress::{SolveStatus, Vertex, status_lines};
 use super::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, RegistryFiles, say};
 
@@ -377,25 +376,8 @@ impl Backend for BuildKit {
         let mut child = cmd
             .spawn()
             .map_err(|e| BuildError::Solve(format!("{}: {e}", self.buildctl.display())))?;
-        let pid = child.id();
         // rawjson goes to stderr; stdout stays quiet with a metadata file.
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(64);
-        let pipes: [Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>; 2] = [
-            child.stdout.take().map(|p| Box::new(p) as _),
-            child.stderr.take().map(|p| Box::new(p) as _),
-        ];
-        for pipe in pipes.into_iter().flatten() {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(pipe).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if tx.send(line).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        drop(tx);
+        let mut rx = merged_lines(&mut child);
         let mut last_error = String::new();
         let mut open = true;
         let status = loop {
@@ -415,16 +397,8 @@ impl Backend for BuildKit {
                 },
                 status = child.wait(), if !open => break status,
                 () = cancel.cancelled() => {
-                    if let Some(p) = pid.and_then(|p| i32::try_from(p).ok()) {
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(p),
-                            nix::sys::signal::Signal::SIGINT,
-                        );
-                    }
-                    if tokio::time::timeout(Duration::from_secs(15), child.wait()).await.is_err() {
-                        kill_group(pid);
-                        let _ = child.wait().await;
-                    }
+                    // SIGINT: buildctl cancels its session, so the solve.
+                    stop(&mut child, nix::sys::signal::Signal::SIGINT, Duration::from_secs(15)).await;
                     return Err(BuildError::Canceled);
                 }
             }

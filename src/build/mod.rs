@@ -13,6 +13,7 @@
 pub mod buildah;
 pub mod buildkit;
 pub mod builds;
+pub mod child;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
+use super::child::{kill_group, merged_lines};
 use tokio_util::sync::CancellationToken;
 
 use super::{BuildError, Events, Phase, say};
@@ -109,31 +109,7 @@ impl Planner {
             .spawn()
             .map_err(|e| BuildError::Plan(format!("{}: {e}", self.binary.display())))?;
         let pgid = child.id();
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<String>(64);
-        for pipe in [
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncRead + Unpin + Send>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(pipe).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if tx.send(line).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-        drop(tx);
+        let mut rx = merged_lines(&mut child);
         let deadline = tokio::time::sleep(self.deadline);
         tokio::pin!(deadline);
         let mut output_open = true;
@@ -167,16 +143,6 @@ impl Planner {
             Some(code) => Err(BuildError::Plan(format!("exited with code {code}"))),
             None => Err(BuildError::Plan(format!("{status}"))),
         }
-    }
-}
-
-/// SIGKILL to the process group led by `pid`.
-pub(crate) fn kill_group(pid: Option<u32>) {
-    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
-        let _ = nix::sys::signal::killpg(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
     }
 }
 
