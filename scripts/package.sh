@@ -25,7 +25,7 @@ CARGO_RPM_VERSION=0.21.1
 need=()
 # libzstd-dev: the snapshot engine links the system libzstd (Debian policy: no
 # embedded copies).
-for p in protobuf-compiler libzstd-dev pkg-config lintian rpm rpmlint man-db gzip; do
+for p in protobuf-compiler libzstd-dev pkg-config lintian rpm rpmlint man-db gzip binutils; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -65,7 +65,8 @@ for page in dist/assets/man/*.1; do
 done
 
 say "the nixpacks planner (/usr/lib/zattera/nixpacks)"
-cp "$(bash scripts/nixpacks.sh)" dist/assets/nixpacks
+# Stripped, as Debian policy (and lintian) want of an installed binary.
+strip --strip-unneeded -o dist/assets/nixpacks "$(bash scripts/nixpacks.sh)"
 
 say "packages"
 rm -f dist/*.deb dist/*.rpm

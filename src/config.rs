@@ -131,7 +131,7 @@ pub struct Settings {
     /// `buildah` or `off`.
     #[serde(alias = "build_backend")]
     pub build_backend: Option<String>,
-    /// The buildkitd binary; buildctl is beside it (default /usr/bin/buildkitd).
+    /// The buildkitd binary the agent runs (default /usr/bin/buildkitd).
     #[serde(alias = "buildkitd_binary")]
     pub buildkitd_binary: Option<PathBuf>,
     /// The BuildKit release the daemon must report (default v0.18.2).

@@ -1,4 +1,4 @@
-//! The processes a build runs (planner, buildah, buildctl): output merged
+//! The processes a build runs (the planner, buildah): output merged
 //! into lines, and stopping them with a grace.
 
 use std::time::Duration;
@@ -39,7 +39,7 @@ pub fn kill_group(pid: Option<u32>) {
 }
 
 /// `signal` to the child (its own handler cleans up: buildah removes its
-/// working container, buildctl cancels its session), then SIGKILL to its
+/// working container), then SIGKILL to its
 /// group if it has not exited within `grace`.
 pub async fn stop(
     child: &mut tokio::process::Child,

@@ -165,8 +165,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 }
 
 /// The files that give a backend its registries: `<dir>/config.json`
-/// (Docker's format, read by buildah's `--authfile` and by buildctl through
-/// `DOCKER_CONFIG=<dir>`), 0600, and `<dir>/certs/*.crt`, the CAs.
+/// (Docker's format, read by buildah's `--authfile`), 0600, and
+/// `<dir>/certs/*.crt`, the CAs.
 #[derive(Debug, Clone)]
 pub struct RegistryFiles {
     pub dir: PathBuf,

@@ -100,7 +100,7 @@ pub struct RunArgs {
     /// What builds images for RunBuild: auto, buildkit, buildah or off [default: auto: BuildKit if installed, else buildah]
     #[arg(long, value_name = "KIND")]
     build_backend: Option<String>,
-    /// The buildkitd binary, buildctl beside it [default: /usr/bin/buildkitd]
+    /// The buildkitd binary the agent runs for BuildKit builds [default: /usr/bin/buildkitd]
     #[arg(long, value_name = "PATH")]
     buildkitd_binary: Option<PathBuf>,
     /// The nixpacks planner [default: /usr/lib/zattera/nixpacks]

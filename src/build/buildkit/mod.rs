@@ -1,24 +1,35 @@
 //! The BuildKit backend: a buildkitd the agent supervises on the host
 //! with the containerd worker in the agent's own namespace (BLD-6's
-//! containerd equivalent), driven through `buildctl` of the same pinned
-//! release (BLD-8 option b): `--progress rawjson` lines are mapped to log
-//! lines (BLD-10), the metadata file gives the digest (BLD-11), and killing
-//! `buildctl` cancels its session and so the solve (BLD-12).
+//! containerd equivalent), driven by a native client of its control API
+//! (types from `bollard-buildkit-proto`): `Info` for the version pin,
+//! `Solve` with the Dockerfile frontend (BLD-8) and the image exporter
+//! (BLD-9), `Status` mapped to log lines (BLD-10), the exporter response's
+//! digest (BLD-11). The session ([`session`]) sends the context through
+//! `FileSync.DiffCopy` ([`filesync`]) and answers `Auth` with the build's
+//! one credential. Dropping the solve call cancels it in the daemon
+//! (BLD-12).
 
+pub mod filesync;
+pub mod session;
+
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use serde::Deserialize;
+use bollard_buildkit_proto::moby::buildkit::v1::control_client::ControlClient;
+use bollard_buildkit_proto::moby::buildkit::v1::{
+    CacheOptions, Exporter, InfoRequest, SolveRequest, StatusRequest, StatusResponse,
+};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
 
-use super::child::{merged_lines, stop};
-use super::progress::{SolveStatus, Vertex, status_lines};
-use super::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, RegistryFiles, say};
+use crate::build::progress::{SolveStatus, Vertex, status_lines};
+use crate::build::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, say};
 
-/// The release buildkitd and buildctl must report.
+/// The release buildkitd must report.
 pub const DEFAULT_BUILDKIT_VERSION: &str = "v0.18.2";
 /// BLD-6's readiness deadline.
 const READY_DEADLINE: Duration = Duration::from_secs(90);
@@ -28,7 +39,6 @@ const KEEP_STORAGE_MB: u64 = 10 * 1024;
 #[derive(Debug)]
 pub struct BuildKit {
     pub buildkitd: PathBuf,
-    pub buildctl: PathBuf,
     pub version: String,
     pub containerd_address: PathBuf,
     pub namespace: String,
@@ -47,10 +57,8 @@ impl BuildKit {
         data_dir: &Path,
         run_dir: &Path,
     ) -> Self {
-        let buildctl = buildkitd.with_file_name("buildctl");
         Self {
             buildkitd,
-            buildctl,
             version: DEFAULT_BUILDKIT_VERSION.to_owned(),
             containerd_address: containerd_address.to_path_buf(),
             namespace: namespace.to_owned(),
@@ -88,24 +96,35 @@ impl BuildKit {
         text
     }
 
-    /// The version the daemon at the socket reports, if it answers.
+    /// A client of the daemon's control API on its socket (dialled lazily).
+    fn control(&self) -> ControlClient<Channel> {
+        let path = self.socket.clone();
+        let channel = Endpoint::from_static("http://buildkitd.invalid")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_with_connector_lazy(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }));
+        ControlClient::new(channel)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    /// The version the daemon at the socket reports (`Info`), if it answers.
     async fn running_version(&self) -> Option<String> {
-        let out = tokio::process::Command::new(&self.buildctl)
-            .args(["--addr", &self.addr(), "debug", "info"])
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(Duration::from_secs(5), out)
-            .await
-            .ok()?
-            .ok()?;
-        if !out.status.success() {
+        if !self.socket.exists() {
             return None;
         }
-        // "BuildKit: github.com/moby/buildkit v0.18.2 <commit>"
-        String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
-            .find(|w| w.starts_with('v') && w[1..].starts_with(|c: char| c.is_ascii_digit()))
-            .map(str::to_owned)
+        let mut control = self.control();
+        let info = tokio::time::timeout(Duration::from_secs(5), control.info(InfoRequest {}))
+            .await
+            .ok()?
+            .ok()?
+            .into_inner();
+        info.buildkit_version.map(|v| v.version)
     }
 
     /// Makes sure the pinned daemon answers with a config that trusts
@@ -261,59 +280,60 @@ impl BuildKit {
     }
 }
 
-/// One `--progress rawjson` line (Go's `client.SolveStatus`).
-#[derive(Debug, Deserialize, Default)]
-struct RawStatus {
-    #[serde(default)]
-    vertexes: Vec<RawVertex>,
-    #[serde(default)]
-    logs: Vec<RawLog>,
-}
-
-#[derive(Debug, Deserialize)]
-struct RawVertex {
-    #[serde(default)]
-    name: String,
-    #[serde(default)]
-    cached: bool,
-    #[serde(default)]
-    completed: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-struct RawLog {
-    /// base64, as Go marshals `[]byte`.
-    #[serde(default)]
-    data: String,
-}
-
-/// The lines of one rawjson status line.
-fn rawjson_lines(line: &str) -> Vec<String> {
-    use base64::Engine as _;
-    let Ok(raw) = serde_json::from_str::<RawStatus>(line) else {
-        return Vec::new();
-    };
-    let status = SolveStatus {
-        vertexes: raw
+/// The lines of one `Status` update.
+fn update_lines(update: &StatusResponse) -> Vec<String> {
+    status_lines(&SolveStatus {
+        vertexes: update
             .vertexes
-            .into_iter()
+            .iter()
             .map(|v| Vertex {
-                name: v.name,
+                name: v.name.clone(),
                 cached: v.cached,
                 completed: v.completed.is_some(),
             })
             .collect(),
-        logs: raw
-            .logs
-            .into_iter()
-            .filter_map(|l| {
-                base64::engine::general_purpose::STANDARD
-                    .decode(l.data)
-                    .ok()
-            })
-            .collect(),
+        logs: update.logs.iter().map(|l| l.msg.clone()).collect(),
+    })
+}
+
+/// The Solve of `spec` on session `session` (BLD-8, BLD-9).
+fn solve_request(spec: &BuildSpec, reference: &str, session: &str) -> SolveRequest {
+    let mut frontend_attrs = HashMap::from([
+        ("filename".to_owned(), spec.dockerfile.display().to_string()),
+        ("platform".to_owned(), spec.platforms.join(",")),
+    ]);
+    for (k, v) in &spec.build_args {
+        frontend_attrs.insert(format!("build-arg:{k}"), v.clone());
+    }
+    let attrs = match &spec.output {
+        Output::Push { reference } => [
+            ("name", reference.as_str()),
+            ("push", "true"),
+            ("unpack", "true"),
+        ],
+        Output::Load { name } => [
+            ("name", name.as_str()),
+            ("push", "false"),
+            ("unpack", "true"),
+        ],
     };
-    status_lines(&status)
+    SolveRequest {
+        r#ref: reference.to_owned(),
+        session: session.to_owned(),
+        frontend: "dockerfile.v0".into(),
+        frontend_attrs,
+        // Always set: v0.18.2 dereferences it unchecked (a nil pointer
+        // there takes the whole daemon down).
+        cache: Some(CacheOptions::default()),
+        exporters: vec![Exporter {
+            r#type: "image".into(),
+            attrs: attrs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }],
+        ..SolveRequest::default()
+    }
 }
 
 #[tonic::async_trait]
@@ -334,89 +354,77 @@ impl Backend for BuildKit {
             .filter_map(|r| r.ca_pem.as_deref().map(|ca| (r.host.as_str(), ca)))
             .collect();
         self.ensure_daemon(events, &trust).await?;
-        let files =
-            RegistryFiles::write(&spec.scratch, &spec.registries).map_err(BuildError::Scratch)?;
-        let meta = spec.scratch.join("metadata.json");
-        let mut cmd = tokio::process::Command::new(&self.buildctl);
-        cmd.args([
-            "--addr",
-            &self.addr(),
-            "build",
-            "--frontend",
-            "dockerfile.v0",
-        ])
-        .arg("--local")
-        .arg(format!("context={}", spec.context.display()))
-        .arg("--local")
-        .arg(format!("dockerfile={}", spec.context.display()))
-        .arg("--opt")
-        .arg(format!("filename={}", spec.dockerfile.display()))
-        .arg("--opt")
-        .arg(format!("platform={}", spec.platforms.join(",")));
-        for (k, v) in &spec.build_args {
-            cmd.arg("--opt").arg(format!("build-arg:{k}={v}"));
-        }
-        cmd.env("DOCKER_CONFIG", &files.dir);
-        let output = match &spec.output {
-            Output::Push { reference } => {
-                format!("type=image,name={reference},push=true,unpack=true")
+        let control = self.control();
+        // Both local names the frontend asks for are the context (BLD-8),
+        // so `.dockerignore` is the frontend's to apply.
+        let dirs = HashMap::from([
+            ("context".to_owned(), spec.context.clone()),
+            ("dockerfile".to_owned(), spec.context.clone()),
+        ]);
+        let session = session::open(&control, dirs, spec.registries.clone())
+            .map_err(|e| BuildError::Solve(format!("session: {}", e.message())))?;
+        let reference: String = (0..25)
+            .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
+            .collect();
+        let mut solving = control.clone();
+        let request = solve_request(spec, &reference, &session.id);
+        let solve = async move { solving.solve(request).await };
+        tokio::pin!(solve);
+        let mut status_client = control.clone();
+        let status_ref = reference.clone();
+        let (lines_tx, mut lines_rx) = tokio::sync::mpsc::channel::<String>(128);
+        let status_task = tokio::spawn(async move {
+            // The solve registers its ref as it starts: retry briefly.
+            for _ in 0..50 {
+                let stream = status_client
+                    .status(StatusRequest {
+                        r#ref: status_ref.clone(),
+                    })
+                    .await;
+                if let Ok(stream) = stream {
+                    let mut stream = stream.into_inner();
+                    while let Ok(Some(update)) = stream.message().await {
+                        for line in update_lines(&update) {
+                            if lines_tx.send(line).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Output::Load { name } => format!("type=image,name={name},push=false,unpack=true"),
-        };
-        cmd.arg("--output")
-            .arg(output)
-            .arg("--metadata-file")
-            .arg(&meta)
-            .args(["--progress", "rawjson"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| BuildError::Solve(format!("{}: {e}", self.buildctl.display())))?;
-        // rawjson goes to stderr; stdout stays quiet with a metadata file.
-        let mut rx = merged_lines(&mut child);
-        let mut last_error = String::new();
-        let mut open = true;
-        let status = loop {
+        });
+        let mut lines_open = true;
+        let answer = loop {
             tokio::select! {
-                line = rx.recv(), if open => match line {
-                    Some(line) if line.starts_with('{') => {
-                        for l in rawjson_lines(&line) {
-                            say(events, Phase::Build, l).await;
-                        }
-                    }
-                    Some(line) => {
-                        if !line.trim().is_empty() {
-                            line.trim().trim_start_matches("error: ").clone_into(&mut last_error);
-                        }
-                    }
-                    None => open = false,
+                line = lines_rx.recv(), if lines_open => match line {
+                    Some(line) => say(events, Phase::Build, line).await,
+                    None => lines_open = false,
                 },
-                status = child.wait(), if !open => break status,
+                r = &mut solve => break r,
                 () = cancel.cancelled() => {
-                    // SIGINT: buildctl cancels its session, so the solve.
-                    stop(&mut child, nix::sys::signal::Signal::SIGINT, Duration::from_secs(15)).await;
+                    // Dropping the call cancels the solve in the daemon.
+                    status_task.abort();
+                    drop(session);
                     return Err(BuildError::Canceled);
                 }
             }
         };
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => return Err(BuildError::Solve(format!("{last_error} ({s})"))),
-            Err(e) => return Err(BuildError::Solve(e.to_string())),
+        // The last status lines come after the solve answers.
+        if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(5), status_task).await {}
+        while let Ok(line) = lines_rx.try_recv() {
+            say(events, Phase::Build, line).await;
         }
-        let text = std::fs::read_to_string(&meta)
-            .map_err(|e| BuildError::Solve(format!("no metadata from buildctl: {e}")))?;
-        let meta: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| BuildError::Solve(e.to_string()))?;
+        drop(session);
+        let response = answer
+            .map_err(|e| BuildError::Solve(e.message().to_owned()))?
+            .into_inner();
         let digest = ["containerimage.digest", "containerimage.config.digest"]
             .iter()
-            .find_map(|k| meta.get(*k).and_then(|v| v.as_str()))
-            .unwrap_or_default()
-            .to_owned();
+            .find_map(|k| response.exporter_response.get(*k))
+            .cloned()
+            .unwrap_or_default();
         Ok(Built { digest })
     }
 }
@@ -425,12 +433,39 @@ impl Backend for BuildKit {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use bollard_buildkit_proto::moby::buildkit::v1::{Vertex as BkVertex, VertexLog};
 
     #[test]
-    fn rawjson_lines_follow_the_reference_mapping() {
-        let line = r#"{"vertexes":[{"digest":"sha256:1","name":"[1/2] FROM alpine","completed":"2026-01-01T00:00:00Z"},{"digest":"sha256:2","name":"[2/2] RUN build","cached":true},{"digest":"sha256:3","name":"","completed":"2026-01-01T00:00:00Z"}],"statuses":[{"id":"layer","current":5}],"logs":[{"vertex":"sha256:2","stream":1,"data":"Y29tcGlsaW5nLi4uCmxpbmtpbmcuLi4K"},{"vertex":"sha256:2","stream":1,"data":""}],"warnings":[]}"#;
+    fn status_updates_follow_the_reference_mapping() {
+        let done = Some(bollard_buildkit_proto::google::protobuf::Timestamp::default());
+        let update = StatusResponse {
+            vertexes: vec![
+                BkVertex {
+                    name: "[1/2] FROM alpine".into(),
+                    completed: done,
+                    ..BkVertex::default()
+                },
+                BkVertex {
+                    name: "[2/2] RUN build".into(),
+                    cached: true,
+                    ..BkVertex::default()
+                },
+                BkVertex {
+                    completed: done,
+                    ..BkVertex::default()
+                },
+            ],
+            logs: vec![
+                VertexLog {
+                    msg: b"compiling...\nlinking...\n".to_vec(),
+                    ..VertexLog::default()
+                },
+                VertexLog::default(),
+            ],
+            ..StatusResponse::default()
+        };
         assert_eq!(
-            rawjson_lines(line),
+            update_lines(&update),
             [
                 "[1/2] FROM alpine",
                 "CACHED [2/2] RUN build",
@@ -438,7 +473,33 @@ mod tests {
                 "linking..."
             ]
         );
-        assert!(rawjson_lines("not json").is_empty());
+    }
+
+    #[test]
+    fn the_solve_names_the_frontend_the_platforms_and_the_exporter() {
+        let spec = BuildSpec {
+            id: "b".into(),
+            context: PathBuf::from("/ctx"),
+            dockerfile: PathBuf::from(".nixpacks/Dockerfile"),
+            platforms: vec!["linux/amd64".into(), "linux/arm64".into()],
+            build_args: [("V".to_owned(), "1".to_owned())].into_iter().collect(),
+            output: Output::Push {
+                reference: "10.90.0.1:5000/p/a:b".into(),
+            },
+            registries: Vec::new(),
+            scratch: PathBuf::from("/s"),
+        };
+        let req = solve_request(&spec, "r1", "s1");
+        assert_eq!(req.frontend, "dockerfile.v0");
+        assert_eq!(req.frontend_attrs["filename"], ".nixpacks/Dockerfile");
+        assert_eq!(req.frontend_attrs["platform"], "linux/amd64,linux/arm64");
+        assert_eq!(req.frontend_attrs["build-arg:V"], "1");
+        assert_eq!(req.session, "s1");
+        let ex = &req.exporters[0];
+        assert_eq!(ex.r#type, "image");
+        assert_eq!(ex.attrs["push"], "true");
+        assert_eq!(ex.attrs["unpack"], "true");
+        assert_eq!(ex.attrs["name"], "10.90.0.1:5000/p/a:b");
     }
 
     #[test]
@@ -465,6 +526,9 @@ mod tests {
             parsed["registry"]["10.90.0.1:5000"]["ca"][0].as_str(),
             Some("/var/lib/zattera/ca/ca.crt")
         );
-        assert_eq!(bk.buildctl, Path::new("/usr/bin/buildctl"));
+        assert_eq!(
+            parsed["registry"]["10.90.0.1:5000"]["http"].as_bool(),
+            Some(false)
+        );
     }
 }
