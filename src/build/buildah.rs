@@ -309,6 +309,11 @@ impl Buildah {
                     BuildError::Load("this node has no containerd to load into".into())
                 })?;
                 let archive = spec.scratch.join("image.tar");
+                // Uncompressed: the archive is read once, here, and
+                // compressing it would be most of the export's time.
+                if !several {
+                    push.arg("--disable-compression");
+                }
                 push.arg(tag)
                     .arg(format!("oci-archive:{}:{name}", archive.display()));
                 self.step(push, events, cancel).await.map_err(|e| match e {

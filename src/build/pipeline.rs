@@ -30,7 +30,8 @@ pub enum Source {
         url: String,
     },
     Git(GitSource),
-    /// A local directory (the `build` command), copied into the scratch.
+    /// A local directory (the `build` command): built in place with its
+    /// Dockerfile, copied into the scratch for a nixpacks plan.
     Dir(PathBuf),
 }
 
@@ -171,8 +172,19 @@ impl Pipeline {
     ) -> Result<Outcome, BuildError> {
         let scratch =
             Scratch::create(&self.config.data_dir, &req.id).map_err(BuildError::Scratch)?;
-        let context = scratch.0.join("context");
-        self.fetch(req, &scratch.0, &context, events).await?;
+        let context = match &req.source {
+            // A local directory with its Dockerfile is built where it is:
+            // nothing writes into it, and copying it would cost more than
+            // a cached build. A nixpacks plan writes, so it gets a copy.
+            Source::Dir(dir) if Strategy::detect(dir) == Strategy::Dockerfile => dir
+                .canonicalize()
+                .map_err(|e| BuildError::Source(format!("{}: {e}", dir.display())))?,
+            _ => {
+                let context = scratch.0.join("context");
+                self.fetch(req, &scratch.0, &context, events).await?;
+                context
+            }
+        };
         let strategy = Strategy::detect(&context);
         if strategy == Strategy::Nixpacks {
             say(events, Phase::Plan, "no Dockerfile: planning with nixpacks").await;

@@ -211,8 +211,9 @@ impl BuildKit {
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(provision)?)
             .stderr(log)
+            // Its own process group and no kill on drop: the daemon
+            // outlives this process and the next agent adopts it.
             .process_group(0)
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| BuildError::Provision(format!("{}: {e}", self.buildkitd.display())))?;
         if let Some(pid) = child.id() {
