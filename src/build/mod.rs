@@ -215,17 +215,12 @@ pub(crate) async fn say(events: &Events, phase: Phase, line: impl Into<String>) 
     let _ = events.send(Event::log(phase, line.into())).await;
 }
 
-/// Whether `program` is an executable file, by path or on PATH.
+/// Whether `program` is installed: a file at its path, or a name on PATH.
 fn installed(program: &std::path::Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    let is_exec = |p: &std::path::Path| {
-        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
     if program.components().count() > 1 {
-        return is_exec(program);
+        return program.is_file();
     }
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| is_exec(&dir.join(program))))
+    program.to_str().and_then(crate::doctor::on_path).is_some()
 }
 
 /// What [`choose_backend`] needs of the node.

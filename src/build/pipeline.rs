@@ -235,9 +235,6 @@ impl Pipeline {
                 return Err(BuildError::TimedOut(self.config.timeout));
             }
         }?;
-        let scratch_dir = scratch.0.clone();
-        drop(scratch);
-        debug_assert!(!scratch_dir.exists());
         Ok(Outcome {
             digest: built.digest,
             platforms: platforms.clone(),

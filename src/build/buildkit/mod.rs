@@ -281,6 +281,14 @@ impl BuildKit {
     }
 }
 
+/// A session or solve id as BuildKit's clients make them (25 of a-z0-9).
+fn random_id() -> String {
+    const ALPHABET: &[u8; 36] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    (0..25)
+        .map(|_| char::from(ALPHABET[rand::random_range(0..ALPHABET.len())]))
+        .collect()
+}
+
 /// The lines of one `Status` update.
 fn update_lines(update: &StatusResponse) -> Vec<String> {
     status_lines(&SolveStatus {
@@ -364,9 +372,7 @@ impl Backend for BuildKit {
         ]);
         let session = session::open(&control, dirs, spec.registries.clone())
             .map_err(|e| BuildError::Solve(format!("session: {}", e.message())))?;
-        let reference: String = (0..25)
-            .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
-            .collect();
+        let reference = random_id();
         let mut solving = control.clone();
         let request = solve_request(spec, &reference, &session.id);
         let solve = async move { solving.solve(request).await };

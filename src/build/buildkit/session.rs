@@ -65,9 +65,7 @@ pub fn open(
     dirs: HashMap<String, PathBuf>,
     auth: Vec<RegistryAuth>,
 ) -> Result<Session, Status> {
-    let id: String = (0..25)
-        .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rand::random_range(0..36)]))
-        .collect();
+    let id = super::random_id();
     let (ours, theirs) = tokio::io::duplex(1 << 20);
     let (out_tx, out_rx) = mpsc::channel::<BytesMessage>(64);
     let mut req = Request::new(ReceiverStream::new(out_rx));
