@@ -22,6 +22,7 @@ pub mod diff;
 pub mod files;
 pub mod instance;
 pub mod labels;
+pub mod listing;
 pub mod status;
 mod worker;
 
@@ -43,6 +44,7 @@ use zattera_netns::{
 use self::board::Board;
 use self::instance::{Handles, Plan};
 use self::labels::{NamedPort, OwnedContainer};
+use self::listing::Listing;
 use self::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
@@ -138,6 +140,11 @@ pub struct Executor {
     workers: HashMap<String, Worker>,
     board: Board,
     desired_rx: watch::Receiver<Option<AssignmentSet>>,
+    /// This node's part of the last set, selected once per new set: a pass
+    /// over an unchanged set neither copies nor selects it again.
+    desired: Option<Arc<diff::Desired>>,
+    /// The owned containers as last listed (see [`listing`]).
+    listing: Listing,
     errors_rx: watch::Receiver<Vec<SourceError>>,
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
     ctx: Ctx,
@@ -202,6 +209,8 @@ impl Executor {
             workers: HashMap::new(),
             board: Board::new(batches),
             desired_rx,
+            desired: None,
+            listing: Listing::default(),
             errors_rx,
             status_tx,
             ctx,
@@ -234,6 +243,7 @@ impl Executor {
                     if changed.is_err() {
                         break;
                     }
+                    self.select_desired();
                     self.reconcile().await;
                 }
                 _ = self.errors_rx.changed() => self.publish_status(),
@@ -251,13 +261,16 @@ impl Executor {
                             w.send(Cmd::Oom);
                         }
                     }
+                    Some(Ok(TaskEvent::ContainersChanged)) => self.listing.invalidate(),
                     Some(Ok(_)) => {}
                     Some(Err(e)) => {
                         tracing::debug!(error = %e, "task event stream ended; re-subscribing");
+                        self.listing.invalidate();
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         events = Box::pin(events::subscribe(&self.h.ctd));
                     }
                     None => {
+                        self.listing.invalidate();
                         tokio::time::sleep(Duration::from_secs(1)).await;
                         events = Box::pin(events::subscribe(&self.h.ctd));
                     }
@@ -359,10 +372,27 @@ impl Executor {
             .collect())
     }
 
-    /// The desired set for this node (E-4), by assignment id.
-    fn desired(&self) -> Option<diff::Desired> {
-        let set = self.desired_rx.borrow().clone()?;
-        Some(diff::desired_for(set, &self.h.cfg.node_id))
+    /// Selects this node's part of the newest set (E-4), by assignment id.
+    fn select_desired(&mut self) {
+        let set = self.desired_rx.borrow_and_update().clone();
+        self.desired = set.map(|set| Arc::new(diff::desired_for(set, &self.h.cfg.node_id)));
+    }
+
+    /// The desired set for this node, as last selected.
+    fn desired(&self) -> Option<Arc<diff::Desired>> {
+        self.desired.clone()
+    }
+
+    /// The owned containers: the last listing while nothing changed, else a
+    /// new one.
+    async fn listed_owned(&mut self) -> Result<Vec<OwnedContainer>, RuntimeError> {
+        let now = std::time::Instant::now();
+        if let Some(owned) = self.listing.fresh(now) {
+            return Ok(owned.to_vec());
+        }
+        let owned = self.list_owned().await?;
+        self.listing.store(now, owned.clone());
+        Ok(owned)
     }
 
     /// A worker for `start`'s container.
@@ -396,7 +426,7 @@ impl Executor {
             return;
         };
         let started = std::time::Instant::now();
-        let listed = match self.list_owned().await {
+        let listed = match self.listed_owned().await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(error = %e, "reconcile abandoned: cannot list containers");
@@ -434,21 +464,29 @@ impl Executor {
                 None => self.spawn(Start::Remove(r), None),
             }
         }
-        // Every kept container is supervised, with its current spec.
-        let kept: Vec<OwnedContainer> = self.owned.values().cloned().collect();
-        for o in kept {
-            let spec = desired
-                .get(&o.assignment_id)
+        // Every kept container is supervised, with its current spec; a spec
+        // is copied only for a worker that has none yet.
+        let spec_of = |id: &str| {
+            desired
+                .get(id)
                 .and_then(|(_, rt)| rt.as_ref())
-                .and_then(|rt| rt.spec.clone());
+                .and_then(|rt| rt.spec.as_ref())
+        };
+        let mut adopt = Vec::new();
+        for (id, o) in &self.owned {
             match self.workers.get_mut(&o.container_id) {
-                Some(w) if !w.has_spec && spec.is_some() => {
-                    w.has_spec = true;
-                    w.send(Cmd::Spec(spec.map(Box::new)));
+                Some(w) if !w.has_spec => {
+                    if let Some(spec) = spec_of(id) {
+                        w.has_spec = true;
+                        w.send(Cmd::Spec(Some(Box::new(spec.clone()))));
+                    }
                 }
                 Some(_) => {}
-                None => self.spawn(Start::Adopt(o), spec),
+                None => adopt.push((o.clone(), spec_of(id).cloned())),
             }
+        }
+        for (o, spec) in adopt {
+            self.spawn(Start::Adopt(o), spec);
         }
         let runs = self.start_runs(&desired, &mut batch);
         self.board.emit(batch);
@@ -478,26 +516,34 @@ impl Executor {
     /// (E-6) or it is parked (E-9) or fenced (E-10).
     fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) -> usize {
         let mut runs = 0;
-        let busy: BTreeSet<String> = self
-            .workers
-            .values()
-            .filter(|w| w.phase == Phase::Stopping)
-            .map(|w| w.scope.clone())
-            .collect();
-        let active: BTreeSet<String> = self
-            .workers
-            .values()
-            .filter(|w| w.phase != Phase::Stopping)
-            .map(|w| w.assignment_id.clone())
-            .collect();
-        for (id, (a, rt)) in desired {
-            if a.desired != AssignmentDesired::Run as i32
-                || self.owned.contains_key(id)
-                || active.contains(id)
-                || busy.contains(&network_name(&a.project_id, &a.environment_id))
-            {
-                continue;
-            }
+        // Borrowed, not copied: with nothing to start a pass allocates
+        // nothing here.
+        let missing: Vec<(&String, &(Assignment, Option<AssignmentRuntime>))> = {
+            let busy: BTreeSet<&str> = self
+                .workers
+                .values()
+                .filter(|w| w.phase == Phase::Stopping)
+                .map(|w| w.scope.as_str())
+                .collect();
+            let active: BTreeSet<&str> = self
+                .workers
+                .values()
+                .filter(|w| w.phase != Phase::Stopping)
+                .map(|w| w.assignment_id.as_str())
+                .collect();
+            desired
+                .iter()
+                .filter(|(id, (a, _))| {
+                    a.desired == AssignmentDesired::Run as i32
+                        && !self.owned.contains_key(*id)
+                        && !active.contains(id.as_str())
+                        && (busy.is_empty()
+                            || !busy
+                                .contains(network_name(&a.project_id, &a.environment_id).as_str()))
+                })
+                .collect()
+        };
+        for (id, (a, rt)) in missing {
             if self.board.parked(id, &a.config_hash) {
                 continue;
             }
@@ -538,6 +584,10 @@ impl Executor {
             container_id,
             event,
         } = report;
+        // Every report but an observation follows a change to a container.
+        if !matches!(event, Event::Observed(_)) {
+            self.listing.invalidate();
+        }
         match event {
             Event::Observed(obs) => {
                 // A report of a container no longer ours comes too late.

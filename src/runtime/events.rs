@@ -1,6 +1,8 @@
-//! Task lifecycle events from containerd (C-13, L-4): exits and OOM kills in
-//! the agent's namespace. A subscription ends when containerd restarts; the
-//! caller re-subscribes and relies on its poll for exits missed meanwhile.
+//! Lifecycle events from containerd (C-13, L-4): task exits and OOM kills in
+//! the agent's namespace, and that a container was created, updated or
+//! deleted there (so a listing can be kept until one is). A subscription
+//! ends when containerd restarts; the caller re-subscribes and relies on its
+//! poll for what it missed meanwhile.
 
 use containerd_client::events::{TaskExit, TaskOom};
 use containerd_client::services::v1::SubscribeRequest;
@@ -12,6 +14,12 @@ use super::error::RuntimeError;
 
 pub const TOPIC_EXIT: &str = "/tasks/exit";
 pub const TOPIC_OOM: &str = "/tasks/oom";
+/// A container record changed: what a listing of them shows is stale.
+const CONTAINER_TOPICS: [&str; 3] = [
+    "/containers/create",
+    "/containers/update",
+    "/containers/delete",
+];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskEvent {
@@ -23,6 +31,8 @@ pub enum TaskEvent {
     },
     /// The kernel's OOM killer acted in the container.
     OomKilled { container_id: String },
+    /// A container of the namespace was created, updated or deleted.
+    ContainersChanged,
 }
 
 impl TaskEvent {
@@ -32,13 +42,14 @@ impl TaskEvent {
     }
 }
 
-/// Subscribes to exit and OOM events of this namespace. The request is sent
+/// Subscribes to exit, OOM and container events of this namespace. The request is sent
 /// at once from a task of its own: containerd answers a subscription only
 /// with its first event, so awaiting the call here could wait forever.
 pub fn subscribe(ctd: &Containerd) -> impl Stream<Item = Result<TaskEvent, RuntimeError>> + use<> {
     let ns = ctd.namespace().to_string();
     let filters = [TOPIC_EXIT, TOPIC_OOM]
         .iter()
+        .chain(CONTAINER_TOPICS.iter())
         .map(|t| format!("topic==\"{t}\",namespace==\"{ns}\""))
         .collect();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
@@ -84,6 +95,7 @@ fn decode(envelope: containerd_client::types::Envelope) -> Option<Result<TaskEve
                 container_id: e.container_id,
             })
         }),
+        topic if CONTAINER_TOPICS.contains(&topic) => Some(Ok(TaskEvent::ContainersChanged)),
         _ => None,
     }
 }
