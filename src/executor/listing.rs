@@ -40,17 +40,15 @@ impl Listing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::executor::labels::{ASSIGNMENT_ID, MANAGED, ROLE, ROLE_SERVICE};
 
     fn one() -> Vec<OwnedContainer> {
         let c = containerd_client::services::v1::Container {
             id: "c1".into(),
             labels: [
-                (super::super::labels::MANAGED, "true"),
-                (
-                    super::super::labels::ROLE,
-                    super::super::labels::ROLE_SERVICE,
-                ),
-                (super::super::labels::ASSIGNMENT_ID, "a1"),
+                (MANAGED, "true"),
+                (ROLE, ROLE_SERVICE),
+                (ASSIGNMENT_ID, "a1"),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v.to_owned()))

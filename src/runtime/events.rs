@@ -42,9 +42,10 @@ impl TaskEvent {
     }
 }
 
-/// Subscribes to exit, OOM and container events of this namespace. The request is sent
-/// at once from a task of its own: containerd answers a subscription only
-/// with its first event, so awaiting the call here could wait forever.
+/// Subscribes to exit, OOM and container events of this namespace. The
+/// request is sent at once from a task of its own: containerd answers a
+/// subscription only with its first event, so awaiting the call here could
+/// wait forever.
 pub fn subscribe(ctd: &Containerd) -> impl Stream<Item = Result<TaskEvent, RuntimeError>> + use<> {
     let ns = ctd.namespace().to_string();
     let filters = [TOPIC_EXIT, TOPIC_OOM]
