@@ -54,6 +54,7 @@ mod context;
 mod error;
 mod forward;
 mod listener;
+mod mmsg;
 pub mod name;
 pub mod request;
 mod server;
