@@ -1,6 +1,8 @@
 //! Client-side image pull: resolve through the OCI distribution API,
-//! stream blobs into containerd's content store under a lease, then unpack.
-//! containerd 1.6 has no Transfer service, so the agent does this itself.
+//! stream blobs into containerd's content store under a lease (a few layers
+//! at once), and unpack each layer as soon as it and the layers below it are
+//! in, while the rest still download. containerd 1.6 has no Transfer
+//! service, so the agent does this itself.
 //!
 //! The registry protocol (token challenges, basic auth, media-type
 //! negotiation) is `oci-client`'s; what is stored, verified, labelled and
@@ -95,6 +97,7 @@ pub enum PullEvent {
         digest: Digest,
         downloaded: bool,
     },
+    /// The first layer is being unpacked (others may still download).
     Unpacking,
 }
 
@@ -370,15 +373,56 @@ impl Puller {
         let config_bytes = fetch_small_blob(&client, &oref, reference, &config_desc).await?;
         let diff_ids = parse_diff_ids(&config_bytes)
             .map_err(|e| fail(reference, &format!("config {}: {e}", config_desc.digest)))?;
-        futures::stream::iter(layers.iter().cloned().map(|layer| {
-            let client = &client;
-            let oref = &oref;
-            let progress = progress.clone();
-            async move { fetch_layer(ctd, lease, client, oref, reference, &layer, progress).await }
-        }))
-        .buffer_unordered(PARALLEL_LAYERS)
-        .try_collect::<Vec<()>>()
-        .await?;
+        // Each layer is unpacked as soon as it and every layer below it are
+        // in, while the layers above it are still downloading.
+        let mut stack = unpack::LayerStack::new(&layers, &diff_ids)?;
+        let (arrived_tx, mut arrived_rx) = tokio::sync::mpsc::unbounded_channel::<usize>();
+        let unpack_progress = progress.clone();
+        let fetch_all = {
+            let (layers, client, oref) = (&layers, &client, &oref);
+            async move {
+                futures::stream::iter(layers.iter().cloned().enumerate().map(|(i, layer)| {
+                    let progress = progress.clone();
+                    async move {
+                        fetch_layer(ctd, lease, client, oref, reference, &layer, progress).await?;
+                        Ok::<_, RuntimeError>(i)
+                    }
+                }))
+                .buffer_unordered(PARALLEL_LAYERS)
+                .try_for_each(|i| {
+                    // The unpacker only ends early on an error, which ends this too.
+                    let _ = arrived_tx.send(i);
+                    futures::future::ready(Ok(()))
+                })
+                .await
+            }
+        };
+        let unpack_in_order = async {
+            let mut arrived = vec![false; layers.len()];
+            let mut announced = false;
+            while stack.unpacked() < layers.len() {
+                let Some(i) = arrived_rx.recv().await else {
+                    // Every fetch is done: the fetch side's result decides.
+                    break;
+                };
+                arrived[i] = true;
+                while arrived.get(stack.unpacked()).copied().unwrap_or(false) {
+                    if !announced {
+                        if let Some(p) = &unpack_progress {
+                            p(PullEvent::Unpacking);
+                        }
+                        announced = true;
+                    }
+                    stack.unpack_next(ctd, lease).await?;
+                }
+            }
+            Ok::<_, RuntimeError>(())
+        };
+        futures::try_join!(fetch_all, unpack_in_order)?;
+        if stack.unpacked() < layers.len() {
+            return Err(fail(reference, "a layer was fetched but never unpacked"));
+        }
+        let chain_id = stack.top().clone();
         content::ensure_blob(ctd, lease, &config_desc, std::io::Cursor::new(config_bytes)).await?;
         let manifest_labels = content::manifest_gc_labels(&config_desc, &layers);
         content::ensure_blob(
@@ -394,10 +438,6 @@ impl Puller {
             content::add_labels(ctd, &desc.digest, labels).await?;
         }
 
-        if let Some(p) = &progress {
-            p(PullEvent::Unpacking);
-        }
-        let chain_id = unpack::unpack(ctd, lease, &layers, &diff_ids).await?;
         content::add_labels(
             ctd,
             &config_desc.digest,

@@ -63,18 +63,66 @@ pub async fn unpack(
     layers: &[Descriptor],
     diff_ids: &[Digest],
 ) -> Result<Digest, RuntimeError> {
-    if layers.len() != diff_ids.len() {
-        return Err(RuntimeError::Invalid(format!(
-            "manifest has {} layers but the config lists {} diff ids",
-            layers.len(),
-            diff_ids.len()
-        )));
+    let mut stack = LayerStack::new(layers, diff_ids)?;
+    while stack.unpacked() < layers.len() {
+        stack.unpack_next(ctd, lease).await?;
     }
-    if layers.is_empty() {
-        return Err(RuntimeError::Invalid("image has no layers".into()));
+    Ok(stack.top().clone())
+}
+
+/// A layer stack unpacked bottom up, one layer at a time, so that a pull can
+/// unpack each layer as soon as it and the layers below it are in.
+#[derive(Debug)]
+pub struct LayerStack<'a> {
+    layers: &'a [Descriptor],
+    diff_ids: &'a [Digest],
+    chains: Vec<Digest>,
+    next: usize,
+}
+
+impl<'a> LayerStack<'a> {
+    /// Checks that the manifest and the config agree on the layer count.
+    pub fn new(layers: &'a [Descriptor], diff_ids: &'a [Digest]) -> Result<Self, RuntimeError> {
+        if layers.len() != diff_ids.len() {
+            return Err(RuntimeError::Invalid(format!(
+                "manifest has {} layers but the config lists {} diff ids",
+                layers.len(),
+                diff_ids.len()
+            )));
+        }
+        if layers.is_empty() {
+            return Err(RuntimeError::Invalid("image has no layers".into()));
+        }
+        Ok(Self {
+            layers,
+            diff_ids,
+            chains: chain_ids(diff_ids),
+            next: 0,
+        })
     }
-    let chains = chain_ids(diff_ids);
-    for (i, (layer, chain)) in layers.iter().zip(&chains).enumerate() {
+
+    /// How many layers, from the bottom, are unpacked.
+    pub fn unpacked(&self) -> usize {
+        self.next
+    }
+
+    /// The top chain id: the image's snapshot once every layer is unpacked.
+    pub fn top(&self) -> &Digest {
+        // Not empty: `new` refuses an image without layers.
+        &self.chains[self.chains.len() - 1]
+    }
+
+    /// Unpacks the lowest layer not yet unpacked (its blob must be in the
+    /// content store), or only holds its snapshot if it exists already.
+    pub async fn unpack_next(
+        &mut self,
+        ctd: &Containerd,
+        lease: &Lease,
+    ) -> Result<(), RuntimeError> {
+        let i = self.next;
+        let (Some(layer), Some(chain)) = (self.layers.get(i), self.chains.get(i)) else {
+            return Ok(());
+        };
         if snapshot_exists(ctd, chain.as_str()).await? {
             lease
                 .hold(ctd, &format!("snapshots/{SNAPSHOTTER}"), chain.as_str())
@@ -83,15 +131,15 @@ pub async fn unpack(
             let parent = if i == 0 {
                 String::new()
             } else {
-                chains[i - 1].to_string()
+                self.chains[i - 1].to_string()
             };
-            apply_layer(ctd, lease, layer, &diff_ids[i], &parent, chain).await?;
+            apply_layer(ctd, lease, layer, &self.diff_ids[i], &parent, chain).await?;
         }
-        let labels = HashMap::from([(LABEL_UNCOMPRESSED.to_owned(), diff_ids[i].to_string())]);
+        let labels = HashMap::from([(LABEL_UNCOMPRESSED.to_owned(), self.diff_ids[i].to_string())]);
         super::content::add_labels(ctd, &layer.digest, labels).await?;
+        self.next += 1;
+        Ok(())
     }
-    // chains is non-empty because layers is.
-    Ok(chains[chains.len() - 1].clone())
 }
 
 async fn apply_layer(
