@@ -268,5 +268,9 @@ fn report(ours: &[Duration], ctr: &[Duration], create: &[Duration], start: &[Dur
         "ratio agent/ctr: p50 {r50:.2} ({}), p90 {r90:.2}  (goal <= 1.0)",
         if r50 <= 1.0 { "met" } else { "MISSED" }
     );
-    println!("RESULT create_p50_ratio={r50:.3} create_p90_ratio={r90:.3}");
+    println!(
+        "RESULT create_p50_ratio={r50:.3} create_p90_ratio={r90:.3} agent_p50_ms={:.1} ctr_p50_ms={:.1}",
+        ms(pct(ours, 50)),
+        ms(pct(ctr, 50))
+    );
 }

@@ -152,3 +152,7 @@ printf '%-28s %8s %8s %s\n' create-to-running "${create_r50:-n/a}" "${create_r90
   "$(awk -v r="${create_r50:-9}" 'BEGIN {print (r <= 1.0) ? "met" : "MISSED"}')"
 printf '%-28s %8s %8s %s\n' "pull+unpack ~100 MiB" "$pull_r50" "$pull_r90" \
   "$(awk -v r="$pull_r50" 'BEGIN {print (r <= 1.0) ? "met" : "MISSED"}')"
+create_a=$(sed -n 's/^RESULT .*agent_p50_ms=\([0-9.]*\).*/\1/p' "$work/create.out")
+create_c=$(sed -n 's/^RESULT .*ctr_p50_ms=\([0-9.]*\).*/\1/p' "$work/create.out")
+echo "ROW runtime | create to running, one container, p50 ms | ${create_a:-n/a} | ctr run -d | ${create_c:-n/a} | ${create_r50:-n/a} | <= 1.0 | $(awk -v r="${create_r50:-9}" 'BEGIN {print (r <= 1.0) ? "met" : "MISSED"}')"
+echo "ROW runtime | pull + unpack ~100 MiB, 6 layers, p50 ms | $(median <"$work/pull-agent") | ctr image pull | $(median <"$work/pull-ctr") | $pull_r50 | <= 0.8 | $(awk -v r="$pull_r50" 'BEGIN {print (r <= 0.8) ? "met" : "MISSED"}')"
