@@ -51,6 +51,8 @@ cargo build --release -q -p zattera-dns --example serve
 AGENT=$CARGO_TARGET_DIR/release/zattera-agent
 SERVE=$CARGO_TARGET_DIR/release/examples/serve
 
+# shellcheck source=bench/standalone.sh
+. bench/standalone.sh
 work=$(mktemp -d /tmp/ztdb.XXXXXX)
 pids=()
 agent_pid=
@@ -59,28 +61,7 @@ cleanup() {
   [ -f "$work/aardvark/aardvark.pid" ] && kill "$(cat "$work/aardvark/aardvark.pid")" 2>/dev/null || true
   [ -n "$agent_pid" ] && kill -9 "$agent_pid" 2>/dev/null || true
   wait 2>/dev/null || true
-  for c in $(ctr -a "$SOCK" -n "$NS" containers ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" tasks kill -s SIGKILL "$c" >/dev/null 2>&1 || true
-  done
-  sleep 1
-  for c in $(ctr -a "$SOCK" -n "$NS" containers ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" tasks rm -f "$c" >/dev/null 2>&1 || true
-    ctr -a "$SOCK" -n "$NS" containers rm "$c" >/dev/null 2>&1 || true
-  done
-  for i in $(ctr -a "$SOCK" -n "$NS" images ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" images rm "$i" >/dev/null 2>&1 || true
-  done
-  for _ in 1 2 3 4 5; do
-    ctr -a "$SOCK" namespaces rm "$NS" >/dev/null 2>&1 && break
-    sleep 1
-  done
-  nft delete table inet "zattera_${NS//-/_}" 2>/dev/null || true
-  for l in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$PREFIX" || true); do
-    ip link delete "$l" 2>/dev/null || true
-  done
-  for f in "$work"/run/netns/*; do [ -e "$f" ] && umount "$f" 2>/dev/null; done
-  umount "$work/run/netns" 2>/dev/null || true
-  rm -rf "$work"
+  remove_standalone "$NS" "$PREFIX" "$work"
 }
 trap cleanup EXIT
 

@@ -29,34 +29,13 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
 cargo build --release -q --bin zattera-agent
 AGENT=$CARGO_TARGET_DIR/release/zattera-agent
 
+# shellcheck source=bench/standalone.sh
+. bench/standalone.sh
 work=$(mktemp -d /tmp/ztbm.XXXXXX)
 pid=
 cleanup() {
   if [ -n "$pid" ]; then kill -9 "$pid" 2>/dev/null || true; fi
-  for c in $(ctr -a "$SOCK" -n "$NS" containers ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" tasks kill -s SIGKILL "$c" >/dev/null 2>&1 || true
-  done
-  sleep 1
-  for c in $(ctr -a "$SOCK" -n "$NS" containers ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" tasks rm -f "$c" >/dev/null 2>&1 || true
-    ctr -a "$SOCK" -n "$NS" containers rm "$c" >/dev/null 2>&1 || true
-  done
-  for i in $(ctr -a "$SOCK" -n "$NS" images ls -q 2>/dev/null); do
-    ctr -a "$SOCK" -n "$NS" images rm "$i" >/dev/null 2>&1 || true
-  done
-  # containerd's GC frees the content in the background: retry briefly.
-  for _ in 1 2 3 4 5; do
-    ctr -a "$SOCK" namespaces rm "$NS" >/dev/null 2>&1 && break
-    sleep 1
-  done
-  nft delete table inet "zattera_${NS//-/_}" 2>/dev/null || true
-  for l in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep '^ztbm' || true); do
-    ip link delete "$l" 2>/dev/null || true
-  done
-  for f in "$work"/run/netns/*; do [ -e "$f" ] && umount "$f" 2>/dev/null; done
-  # The netns directory is a mount of its own (shared propagation).
-  umount "$work/run/netns" 2>/dev/null || true
-  rm -rf "$work"
+  remove_standalone "$NS" ztbm "$work"
 }
 trap cleanup EXIT
 
