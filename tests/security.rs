@@ -331,6 +331,14 @@ async fn a_container_cannot_unshare_use_keys_or_fork_bomb_the_node() {
         );
         let (_, ok) = sh(&ctd, &bomb, "ztprobe syscall getpid").await;
         assert!(ok.contains("allowed"), "ordinary calls work: {ok}");
+        // An amd64 container has no business in the ia32 compat table: the
+        // filter lists only the image's ABI, so even an allowed call made
+        // through int 0x80 is refused: the kernel kills the process (SIGSYS).
+        let (_, ia32) = sh(&ctd, &bomb, "ztprobe syscall ia32-getpid; echo rc=$?").await;
+        assert!(
+            ia32.contains("rc=159") || ia32.contains("blocked"),
+            "the ia32 ABI is open (want SIGSYS, rc=159): {ia32}"
+        );
 
         // A fork bomb stays inside its pids limit; the node carries on.
         let (_, _) = sh(&ctd, &bomb, "f() { f | f & }; f; sleep 3").await;

@@ -9,8 +9,10 @@
  *       prints "got N bytes from IP:PORT" for every datagram to PORT.
  *   ztprobe syscall NAME
  *       tries one syscall (unshare-user, unshare-net, keyctl, bpf, mount,
- *       init-module, settime, ptrace-attach, perf) and prints
+ *       init-module, settime, ptrace-attach, perf, ia32-getpid) and prints
  *       "allowed" or "blocked: <errno name>"; exit 0 either way.
+ *       ia32-getpid enters the kernel through the 32-bit ABI (int 0x80)
+ *       from a 64-bit process, the door to the ia32 compat syscalls.
  *   ztprobe spew MIB_PER_SEC SECONDS
  *       writes numbered 100-byte lines "spew <n> <3 hex digits> ..." to stdout at that rate
  *       (in 10 ms steps), then "spew end <count>": the log tests' heavy writer.
@@ -158,6 +160,14 @@ static int sys(const char *name) {
     else if (!strcmp(name, "settime")) { struct timespec ts; clock_gettime(CLOCK_REALTIME, &ts); verdict(clock_settime(CLOCK_REALTIME, &ts)); }
     else if (!strcmp(name, "perf")) verdict(syscall(SYS_perf_event_open, NULL, 0, -1, -1, 0));
     else if (!strcmp(name, "getpid")) verdict(getpid());
+#if defined(__x86_64__)
+    else if (!strcmp(name, "ia32-getpid")) {
+        long r; /* 20 is getpid in the i386 table; int 0x80 returns -errno */
+        __asm__ volatile("int $0x80" : "=a"(r) : "a"(20L) : "memory", "r8", "r9", "r10", "r11");
+        if (r < 0) errno = (int)-r;
+        verdict(r < 0 ? -1 : r);
+    }
+#endif
     else { fprintf(stderr, "unknown syscall probe %s\n", name); return 2; }
     return 0;
 }

@@ -248,6 +248,7 @@ pub async fn bring_up(
             pids_limit: i64::from(pids_limit(&h.cfg, &spec_input)),
             netns: attachment.as_ref().map(|a| a.netns_path.clone()),
             cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
+            image_architecture: image.config.architecture().to_string(),
         };
         let oci =
             spec::build(&container_spec).map_err(|e| Failure(format!("create: spec: {e}")))?;

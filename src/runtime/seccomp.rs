@@ -22,6 +22,18 @@
 //!
 //! `clone3` answers ENOSYS, so libc falls back to `clone`, whose flags the
 //! filter can check (clone3 passes them in memory).
+//!
+//! Architectures (a deliberate deviation from Docker, which lists x86_64,
+//! x86 and x32 for every amd64 container): the filter covers the host's
+//! native ABI, plus its 32-bit companion only for an image built for that
+//! companion (`386` on amd64, `arm` on arm64). A syscall through an ABI the
+//! filter does not list kills the process (libseccomp's bad-architecture
+//! action, SIGSYS), so an amd64 image cannot reach the ia32 compat and x32
+//! entry points, a kernel surface with a history of its own bugs.
+//! It is also cheaper: runc compiles the filter with libseccomp on every
+//! start, once per listed architecture; on this project's test machine a
+//! `runc run` of this spec took 32 ms with three architectures and 21 ms
+//! with one (18 ms without a filter).
 
 use oci_spec::OciSpecError;
 use oci_spec::runtime::{
@@ -404,8 +416,9 @@ pub const ALLOWED: &[&str] = &[
 /// query); others change how the kernel treats the process.
 const PERSONALITIES: [u64; 4] = [0x0, 0x8, 0x2_0000, 0xffff_ffff];
 
-/// The profile, for the host's architecture and its 32-bit companions.
-pub fn default_profile() -> Result<LinuxSeccomp, OciSpecError> {
+/// The profile for a container of an image built for `image_architecture`
+/// (the OCI name: `amd64`, `386`, `arm64`, ...).
+pub fn default_profile(image_architecture: &str) -> Result<LinuxSeccomp, OciSpecError> {
     let mut syscalls: Vec<LinuxSyscall> = vec![
         LinuxSyscallBuilder::default()
             .names(ALLOWED.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
@@ -449,17 +462,21 @@ pub fn default_profile() -> Result<LinuxSeccomp, OciSpecError> {
     LinuxSeccompBuilder::default()
         .default_action(LinuxSeccompAction::ScmpActErrno)
         .default_errno_ret(EPERM)
-        .architectures(architectures())
+        .architectures(architectures(std::env::consts::ARCH, image_architecture))
         .syscalls(syscalls)
         .build()
 }
 
-fn architectures() -> Vec<Arch> {
-    match std::env::consts::ARCH {
-        "x86_64" => vec![Arch::ScmpArchX86_64, Arch::ScmpArchX86, Arch::ScmpArchX32],
-        "aarch64" => vec![Arch::ScmpArchAarch64, Arch::ScmpArchArm],
-        "riscv64" => vec![Arch::ScmpArchRiscv64],
-        "powerpc64" => vec![Arch::ScmpArchPpc64le],
+/// The host's native ABI (`host` as Rust names it), and its 32-bit
+/// companion when the image was built for that.
+fn architectures(host: &str, image_architecture: &str) -> Vec<Arch> {
+    match (host, image_architecture) {
+        ("x86_64", "386") => vec![Arch::ScmpArchX86_64, Arch::ScmpArchX86],
+        ("x86_64", _) => vec![Arch::ScmpArchX86_64],
+        ("aarch64", "arm") => vec![Arch::ScmpArchAarch64, Arch::ScmpArchArm],
+        ("aarch64", _) => vec![Arch::ScmpArchAarch64],
+        ("riscv64", _) => vec![Arch::ScmpArchRiscv64],
+        ("powerpc64", _) => vec![Arch::ScmpArchPpc64le],
         _ => vec![Arch::ScmpArchNative],
     }
 }
@@ -470,7 +487,7 @@ mod tests {
 
     #[test]
     fn the_profile_denies_by_default_and_leaves_out_the_dangerous_calls() {
-        let p = default_profile().unwrap();
+        let p = default_profile("amd64").unwrap();
         assert_eq!(p.default_action(), LinuxSeccompAction::ScmpActErrno);
         assert_eq!(p.default_errno_ret(), Some(EPERM));
         let allowed: Vec<&String> = p
@@ -531,5 +548,27 @@ mod tests {
         assert_eq!(names.len(), ALLOWED.len(), "duplicates in the allow-list");
         let json = serde_json::to_value(&p).unwrap();
         assert_eq!(json["defaultAction"], "SCMP_ACT_ERRNO");
+    }
+
+    #[test]
+    fn the_32_bit_abi_is_listed_only_for_a_32_bit_image() {
+        assert_eq!(architectures("x86_64", "amd64"), vec![Arch::ScmpArchX86_64]);
+        assert_eq!(architectures("x86_64", ""), vec![Arch::ScmpArchX86_64]);
+        assert_eq!(
+            architectures("x86_64", "386"),
+            vec![Arch::ScmpArchX86_64, Arch::ScmpArchX86]
+        );
+        assert_eq!(
+            architectures("aarch64", "arm"),
+            vec![Arch::ScmpArchAarch64, Arch::ScmpArchArm]
+        );
+        assert_eq!(
+            architectures("aarch64", "arm64"),
+            vec![Arch::ScmpArchAarch64]
+        );
+        // x32 is never listed.
+        for image in ["amd64", "386", "arm64", "arm", ""] {
+            assert!(!architectures("x86_64", image).contains(&Arch::ScmpArchX32));
+        }
     }
 }

@@ -83,6 +83,9 @@ pub struct ContainerSpec {
     pub netns: Option<PathBuf>,
     /// cgroupfs path, e.g. `/zattera/<namespace>/<id>`.
     pub cgroups_path: PathBuf,
+    /// The image's OCI architecture (`amd64`, `386`, ...): which syscall
+    /// ABIs the seccomp filter lets through (see [`super::seccomp`]).
+    pub image_architecture: String,
 }
 
 /// The process argv from the image's ENTRYPOINT and CMD and the assignment's
@@ -253,7 +256,7 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
         .cgroups_path(c.cgroups_path.clone())
         .masked_paths(default_linux.masked_paths().clone().unwrap_or_default())
         .readonly_paths(default_linux.readonly_paths().clone().unwrap_or_default())
-        .seccomp(super::seccomp::default_profile()?)
+        .seccomp(super::seccomp::default_profile(&c.image_architecture)?)
         .build()?;
 
     let mut mounts = default_mounts()?;
