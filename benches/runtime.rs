@@ -10,6 +10,10 @@
 //!   until `start` returns the task's pid.
 //! - ctr: `ctr --address <sock> -n <ns> run -d <image> <id> sleep 1000`,
 //!   timed from spawn until the process exits (it exits once the task runs).
+//! - runc, the floor: `runc run -d` of the agent's own spec (the same
+//!   [`spec::build`] output, seccomp filter included) on the image's layers
+//!   unpacked once into a plain directory: no containerd, no shim, no
+//!   snapshot, no log shim. Timed from spawn until runc exits.
 //!
 //! Both run `sleep 1000` from `docker.io/zattera/busybox:test`, imported once
 //! into a namespace of our own (`zt-bench-rt-<pid>`). Every round removes its
@@ -68,12 +72,21 @@ async fn run(socket: &Path, images: &Path, rounds: usize) {
     support::purge_namespace(&ctd).await;
     remove_cgroups(ns.as_str());
     match outcome {
-        Ok((ours, ctr, create, start)) => report(&ours, &ctr, &create, &start),
+        Ok(samples) => report(&samples),
         Err(panic) => std::panic::resume_unwind(panic),
     }
 }
 
 type Samples = Vec<Duration>;
+
+#[derive(Default)]
+struct Rounds {
+    ours: Samples,
+    create: Samples,
+    start: Samples,
+    ctr: Samples,
+    runc: Samples,
+}
 
 async fn bench(
     ctd: &Containerd,
@@ -81,45 +94,194 @@ async fn bench(
     images: &Path,
     logs: &Path,
     rounds: usize,
-) -> (Samples, Samples, Samples, Samples) {
-    import_archive(ctd, &images.join("busybox-oci.tar"), None)
+) -> Rounds {
+    let archive = images.join("busybox-oci.tar");
+    import_archive(ctd, &archive, None)
         .await
         .expect("import the test image");
     let agent_binary = PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent"));
-    let (mut ours, mut ctr, mut create, mut start) = (vec![], vec![], vec![], vec![]);
+    let runc = Runc::new(&archive, ctd.namespace().as_str());
+    let mut samples = Rounds::default();
     // One warm-up of each (shim binaries, page cache), not counted.
     agent_once(ctd, &agent_binary, logs, "warm-a").await;
     ctr_once(ctd, socket, "warm-c");
+    runc.run_once("warm-r");
+    runc.remove("warm-r");
     for round in 0..rounds {
         let a = format!("a{round}");
         let c = format!("c{round}");
-        // Alternate who goes first, so neither always follows a teardown.
-        if round % 2 == 0 {
-            let (t, cr, st) = agent_once(ctd, &agent_binary, logs, &a).await;
-            ours.push(t);
-            create.push(cr);
-            start.push(st);
-            ctr.push(ctr_once(ctd, socket, &c));
-        } else {
-            ctr.push(ctr_once(ctd, socket, &c));
-            let (t, cr, st) = agent_once(ctd, &agent_binary, logs, &a).await;
-            ours.push(t);
-            create.push(cr);
-            start.push(st);
+        let b = format!("r{round}");
+        // Rotate who goes first, so none always follows a teardown.
+        for peer in (0..3).map(|i| (i + round) % 3) {
+            match peer {
+                0 => {
+                    let (t, cr, st) = agent_once(ctd, &agent_binary, logs, &a).await;
+                    samples.ours.push(t);
+                    samples.create.push(cr);
+                    samples.start.push(st);
+                }
+                1 => samples.ctr.push(ctr_once(ctd, socket, &c)),
+                _ => samples.runc.push(runc.run_once(&b)),
+            }
         }
         for id in [&a, &c] {
             assert_running(ctd, id).await;
         }
+        runc.assert_running(&b);
         for id in [&a, &c] {
             containers::remove(ctd, id, 9, Duration::from_secs(5))
                 .await
                 .unwrap_or_else(|e| panic!("remove {id}: {e}"));
         }
+        runc.remove(&b);
     }
     for id in ["warm-a", "warm-c"] {
         let _ = containers::remove(ctd, id, 9, Duration::from_secs(5)).await;
     }
-    (ours, ctr, create, start)
+    samples
+}
+
+/// The agent's spec, as [`agent_once`] builds it.
+fn bench_spec(namespace: &str, id: &str, image_env: &[String]) -> ContainerSpec {
+    ContainerSpec {
+        hostname: id.into(),
+        args: vec!["sleep".into(), "1000".into()],
+        env: spec::process_env(id, image_env, []),
+        cwd: "/".into(),
+        // ctr's default: /<namespace>/<id>.
+        cgroups_path: format!("/{namespace}/{id}").into(),
+        image_architecture: "amd64".into(),
+        ..ContainerSpec::default()
+    }
+}
+
+/// Bare runc on the image unpacked into a directory (its own `--root`, so
+/// it never sees another runc's containers).
+struct Runc {
+    dir: tempfile::TempDir,
+    namespace: String,
+    image_env: Vec<String>,
+}
+
+impl Runc {
+    fn new(archive: &Path, namespace: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let image_env = unpack_archive(archive, &dir.path().join("rootfs"));
+        std::fs::create_dir(dir.path().join("state")).unwrap();
+        Runc {
+            dir,
+            namespace: namespace.into(),
+            image_env,
+        }
+    }
+
+    fn runc(&self) -> Command {
+        let mut cmd = Command::new("runc");
+        cmd.arg("--root").arg(self.dir.path().join("state"));
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        cmd
+    }
+
+    fn run_once(&self, id: &str) -> Duration {
+        let bundle = self.dir.path().join(id);
+        std::fs::create_dir(&bundle).unwrap();
+        let mut oci = spec::build(&bench_spec(&self.namespace, id, &self.image_env)).unwrap();
+        oci.set_root(Some(
+            oci_spec::runtime::RootBuilder::default()
+                .path(self.dir.path().join("rootfs"))
+                .readonly(false)
+                .build()
+                .unwrap(),
+        ));
+        oci.save(bundle.join("config.json")).unwrap();
+        // The container inherits runc's stdio: a pipe would never close.
+        let stderr_path = self.dir.path().join(format!("{id}.stderr"));
+        let stderr = std::fs::File::create(&stderr_path).unwrap();
+        let t0 = Instant::now();
+        let status = self
+            .runc()
+            .args(["run", "-d", "--bundle"])
+            .arg(&bundle)
+            .arg(id)
+            .stderr(stderr)
+            .status()
+            .expect("runc (apt install runc)");
+        let elapsed = t0.elapsed();
+        assert!(
+            status.success(),
+            "runc run {id}: {}",
+            std::fs::read_to_string(&stderr_path).unwrap_or_default()
+        );
+        elapsed
+    }
+
+    fn assert_running(&self, id: &str) {
+        let out = self
+            .runc()
+            .args(["state", id])
+            .stdout(Stdio::piped())
+            .output()
+            .unwrap();
+        let state: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        assert_eq!(state["status"], "running", "runc {id}: {state}");
+    }
+
+    fn remove(&self, id: &str) {
+        let _ = self
+            .runc()
+            .args(["delete", "-f", id])
+            .stderr(Stdio::null())
+            .status();
+        let _ = std::fs::remove_dir_all(self.dir.path().join(id));
+        let _ = std::fs::remove_file(self.dir.path().join(format!("{id}.stderr")));
+    }
+}
+
+impl Drop for Runc {
+    fn drop(&mut self) {
+        let state = self.dir.path().join("state");
+        for entry in std::fs::read_dir(&state).into_iter().flatten().flatten() {
+            self.remove(&entry.file_name().to_string_lossy());
+        }
+    }
+}
+
+/// Unpacks the first image of an OCI archive into `rootfs`; returns its Env.
+fn unpack_archive(archive: &Path, rootfs: &Path) -> Vec<String> {
+    let layout = tempfile::tempdir().unwrap();
+    tar::Archive::new(std::fs::File::open(archive).unwrap())
+        .unpack(layout.path())
+        .unwrap();
+    let blob = |digest: &str| {
+        let hex = digest.strip_prefix("sha256:").unwrap();
+        layout.path().join("blobs/sha256").join(hex)
+    };
+    let json = |path: PathBuf| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    };
+    let index = json(layout.path().join("index.json"));
+    let manifest = json(blob(index["manifests"][0]["digest"].as_str().unwrap()));
+    for layer in manifest["layers"].as_array().unwrap() {
+        let file = std::fs::File::open(blob(layer["digest"].as_str().unwrap())).unwrap();
+        let media = layer["mediaType"].as_str().unwrap_or_default();
+        let reader: Box<dyn std::io::Read> = if media.ends_with("gzip") {
+            Box::new(flate2::read::GzDecoder::new(file))
+        } else {
+            Box::new(file)
+        };
+        let mut layer = tar::Archive::new(reader);
+        layer.set_preserve_permissions(true);
+        layer.unpack(rootfs).unwrap();
+    }
+    let config = json(blob(manifest["config"]["digest"].as_str().unwrap()));
+    config["config"]["Env"]
+        .as_array()
+        .map(|env| {
+            env.iter()
+                .filter_map(|e| e.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The agent's path; returns (total, create part, start part).
@@ -136,15 +298,12 @@ async fn agent_once(
         .expect("image lookup")
         .expect("image present");
     let cfg = image.config.config().clone().unwrap_or_default();
-    let c = ContainerSpec {
-        hostname: id.into(),
-        args: vec!["sleep".into(), "1000".into()],
-        env: spec::process_env(id, &cfg.env().clone().unwrap_or_default(), []),
-        cwd: "/".into(),
-        // ctr's default: /<namespace>/<id>.
-        cgroups_path: format!("/{}/{id}", ctd.namespace()).into(),
-        ..ContainerSpec::default()
-    };
+    let mut c = bench_spec(
+        ctd.namespace().as_str(),
+        id,
+        &cfg.env().clone().unwrap_or_default(),
+    );
+    c.image_architecture = image.config.architecture().to_string();
     let labels = HashMap::from([("dev.zattera/managed".to_owned(), "true".to_owned())]);
     containers::create(
         ctd,
@@ -240,10 +399,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
-fn report(ours: &[Duration], ctr: &[Duration], create: &[Duration], start: &[Duration]) {
+fn report(r: &Rounds) {
     println!(
         "== create-to-running, {} interleaved rounds, same image, same containerd",
-        ours.len()
+        r.ours.len()
     );
     println!(
         "{:<44} {:>9} {:>9} {:>9} {:>9}",
@@ -258,19 +417,22 @@ fn report(ours: &[Duration], ctr: &[Duration], create: &[Duration], start: &[Dur
             ms(pct(s, 100))
         );
     };
-    row("agent get_local+create+start (log shim)", ours);
-    row("  of which create (snapshot + record)", create);
-    row("  of which start (task create + start)", start);
-    row("ctr run -d", ctr);
-    let r50 = ms(pct(ours, 50)) / ms(pct(ctr, 50));
-    let r90 = ms(pct(ours, 90)) / ms(pct(ctr, 90));
+    row("agent get_local+create+start (log shim)", &r.ours);
+    row("  of which create (snapshot + record)", &r.create);
+    row("  of which start (task create + start)", &r.start);
+    row("ctr run -d", &r.ctr);
+    row("runc run -d, same spec, plain rootfs (floor)", &r.runc);
+    let r50 = ms(pct(&r.ours, 50)) / ms(pct(&r.ctr, 50));
+    let r90 = ms(pct(&r.ours, 90)) / ms(pct(&r.ctr, 90));
+    let floor50 = ms(pct(&r.ours, 50)) / ms(pct(&r.runc, 50));
     println!(
-        "ratio agent/ctr: p50 {r50:.2} ({}), p90 {r90:.2}  (goal <= 1.0)",
+        "ratio agent/ctr: p50 {r50:.2} ({}), p90 {r90:.2}  (goal <= 1.0); agent/runc p50 {floor50:.2}",
         if r50 <= 1.0 { "met" } else { "MISSED" }
     );
     println!(
-        "RESULT create_p50_ratio={r50:.3} create_p90_ratio={r90:.3} agent_p50_ms={:.1} ctr_p50_ms={:.1}",
-        ms(pct(ours, 50)),
-        ms(pct(ctr, 50))
+        "RESULT create_p50_ratio={r50:.3} create_p90_ratio={r90:.3} agent_p50_ms={:.1} ctr_p50_ms={:.1} runc_p50_ms={:.1} runc_p50_ratio={floor50:.3}",
+        ms(pct(&r.ours, 50)),
+        ms(pct(&r.ctr, 50)),
+        ms(pct(&r.runc, 50))
     );
 }

@@ -4,8 +4,10 @@
 #
 #  1. create-to-running of one container: the agent's library path
 #     (get_local + containers::create + containers::start with the log shim)
-#     vs `ctr run -d`, same busybox test image, ROUNDS rounds (default 20);
-#     the Rust bench target benches/runtime.rs.
+#     vs `ctr run -d`, same busybox test image, and vs the floor: bare
+#     `runc run -d` of the agent's own spec on the image unpacked into a
+#     directory; ROUNDS rounds (default 20); the Rust bench target
+#     benches/runtime.rs.
 #  2. pull + unpack of a ~100 MiB image (busybox + 5 layers of 20 MiB random
 #     data, gzip) from a local docker-registry on 127.0.0.1:
 #     `zattera-agent image pull` vs `ctr image pull --plain-http` (which
@@ -154,5 +156,8 @@ printf '%-28s %8s %8s %s\n' "pull+unpack ~100 MiB" "$pull_r50" "$pull_r90" \
   "$(awk -v r="$pull_r50" 'BEGIN {print (r <= 1.0) ? "met" : "MISSED"}')"
 create_a=$(sed -n 's/^RESULT .*agent_p50_ms=\([0-9.]*\).*/\1/p' "$work/create.out")
 create_c=$(sed -n 's/^RESULT .*ctr_p50_ms=\([0-9.]*\).*/\1/p' "$work/create.out")
+runc_ms=$(sed -n 's/^RESULT .*runc_p50_ms=\([0-9.]*\).*/\1/p' "$work/create.out")
+runc_r=$(sed -n 's/^RESULT .*runc_p50_ratio=\([0-9.]*\).*/\1/p' "$work/create.out")
 echo "ROW runtime | create to running, one container, p50 ms | ${create_a:-n/a} | ctr run -d | ${create_c:-n/a} | ${create_r50:-n/a} | <= 1.0 | $(awk -v r="${create_r50:-9}" 'BEGIN {print (r <= 1.0) ? "met" : "MISSED"}')"
+echo "ROW runtime | create to running, one container, p50 ms | ${create_a:-n/a} | bare runc run -d, same spec (floor) | ${runc_ms:-n/a} | ${runc_r:-n/a} | - | -"
 echo "ROW runtime | pull + unpack ~100 MiB, 6 layers, p50 ms | $(median <"$work/pull-agent") | ctr image pull | $(median <"$work/pull-ctr") | $pull_r50 | <= 0.8 | $(awk -v r="$pull_r50" 'BEGIN {print (r <= 0.8) ? "met" : "MISSED"}')"

@@ -6,7 +6,7 @@
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use zattera_netns::{NetNode, Subnet, network_name};
 
@@ -77,6 +77,62 @@ impl Plan {
 #[derive(Debug, Clone)]
 pub struct Failure(pub String);
 
+/// Wall time of each step of one bring-up, logged at debug under the target
+/// `zattera::bringup` so that a slow start says where its time went. Create
+/// is the rootfs snapshot and the container record; start is a fresh
+/// volume's copy-up, the shim, `runc create` with the log shim and `runc
+/// start` (`containers::start` splits the last two at the same target).
+struct Phases {
+    began: Instant,
+    last: Instant,
+    pull_check: Duration,
+    volumes: Duration,
+    network: Duration,
+    spec: Duration,
+    create: Duration,
+    start: Duration,
+}
+
+impl Phases {
+    fn start() -> Self {
+        let now = Instant::now();
+        Phases {
+            began: now,
+            last: now,
+            pull_check: Duration::ZERO,
+            volumes: Duration::ZERO,
+            network: Duration::ZERO,
+            spec: Duration::ZERO,
+            create: Duration::ZERO,
+            start: Duration::ZERO,
+        }
+    }
+
+    /// The time since the previous lap.
+    fn lap(&mut self) -> Duration {
+        let now = Instant::now();
+        let lap = now - self.last;
+        self.last = now;
+        lap
+    }
+
+    fn log(&self, container: &str) {
+        let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        tracing::debug!(
+            target: "zattera::bringup",
+            container,
+            total_us = us(self.last - self.began),
+            pull_check_us = us(self.pull_check),
+            volumes_us = us(self.volumes),
+            network_us = us(self.network),
+            spec_us = us(self.spec),
+            create_us = us(self.create),
+            start_us = us(self.start),
+            "brought up"
+        );
+    }
+}
+
 /// Brings one instance up. On failure nothing it made is left behind.
 pub async fn bring_up(
     h: &Handles,
@@ -84,6 +140,7 @@ pub async fn bring_up(
     progress: Progress<'_>,
 ) -> Result<OwnedContainer, Failure> {
     let id = plan.assignment_id().to_owned();
+    let mut phases = Phases::start();
     progress(Observation::new(&id, State::Pulling));
     let reference: ImageRef = plan
         .runtime
@@ -135,6 +192,7 @@ pub async fn bring_up(
                 format!("{prefix}{e}")
             })
         })?;
+    phases.pull_check = phases.lap();
 
     let spec_input = plan.runtime.spec.clone().unwrap_or_default();
     let cid = plan.container_id.clone();
@@ -167,6 +225,8 @@ pub async fn bring_up(
         });
     }
 
+    phases.volumes = phases.lap();
+
     // Network: bridge, then this container's namespace and veth.
     let mut attachment = None;
     if let (Some(net), Some(subnet), Some(ip)) = (&h.net, plan.subnet, plan.ip) {
@@ -185,6 +245,7 @@ pub async fn bring_up(
             .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
         attachment = Some(att);
     }
+    phases.network = phases.lap();
     let detach = || async {
         if let (Some(net), Some(_)) = (&h.net, &attachment) {
             let _ = net.detach(&cid, plan.ip).await;
@@ -252,6 +313,7 @@ pub async fn bring_up(
         };
         let oci =
             spec::build(&container_spec).map_err(|e| Failure(format!("create: spec: {e}")))?;
+        phases.spec = phases.lap();
 
         let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
         let mut labels = labels::ownership(&plan.assignment);
@@ -293,6 +355,7 @@ pub async fn bring_up(
         )
         .await
         .map_err(|e| Failure(format!("create: {e}")))?;
+        phases.create = phases.lap();
 
         for (name, dir, inside) in &fresh_volumes {
             let scratch = h.cfg.run_dir.join("scratch");
@@ -322,6 +385,8 @@ pub async fn bring_up(
             let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
             return Err(Failure(format!("start: {e}")));
         }
+        phases.start = phases.lap();
+        phases.log(&cid);
         let container = containerd_client::services::v1::Container {
             id: cid.clone(),
             labels,

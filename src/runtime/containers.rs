@@ -6,7 +6,7 @@
 //! crash at any point.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use containerd_client::services::v1::container::Runtime;
 use containerd_client::services::v1::snapshots::{
@@ -146,6 +146,7 @@ pub async fn start(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, Run
 }
 
 async fn start_task(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, RuntimeError> {
+    let began = Instant::now();
     let rootfs = ctd
         .snapshots()
         .mounts(ctd.request(MountsRequest {
@@ -172,6 +173,7 @@ async fn start_task(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, Ru
         .await
         .map_err(RuntimeError::grpc(format!("create task {id}")))?
         .into_inner();
+    let created_at = Instant::now();
     if let Err(status) = ctd
         .tasks()
         .start(ctd.request(StartRequest {
@@ -184,6 +186,16 @@ async fn start_task(ctd: &Containerd, id: &str, log_uri: &str) -> Result<u32, Ru
         let _ = delete_task(ctd, id).await;
         return Err(RuntimeError::grpc(format!("start task {id}"))(status));
     }
+    // Mounts and task create (the shim, `runc create`, the log shim), then
+    // `runc start`: where a container's start time goes.
+    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    tracing::debug!(
+        target: "zattera::bringup",
+        container = id,
+        task_create_us = us(created_at - began),
+        task_start_us = us(created_at.elapsed()),
+        "task started"
+    );
     Ok(created.pid)
 }
 
