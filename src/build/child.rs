@@ -39,19 +39,140 @@ pub fn kill_group(pid: Option<u32>) {
 }
 
 /// `signal` to the child (its own handler cleans up: buildah removes its
-/// working container), then SIGKILL to its
-/// group if it has not exited within `grace`.
+/// working container), then SIGKILL to its group if it has not exited
+/// within `grace`. Whatever the child had started when the stop began is
+/// then killed too and waited for: a `RUN` step's container runs in a
+/// session of its own, which the group signal does not reach and which
+/// can outlive buildah by a moment (or for good, after a SIGKILL).
 pub async fn stop(
     child: &mut tokio::process::Child,
     signal: nix::sys::signal::Signal,
     grace: Duration,
 ) {
     let pid = child.id();
+    let started: Vec<Proc> = pid
+        .and_then(|p| i32::try_from(p).ok())
+        .map(descendants)
+        .unwrap_or_default();
     if let Some(p) = pid.and_then(|p| i32::try_from(p).ok()) {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), signal);
     }
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
         kill_group(pid);
         let _ = child.wait().await;
+    }
+    for p in started.iter().filter(|p| p.alive()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p.pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let deadline = tokio::time::Instant::now() + LEFTOVER_WAIT;
+    while started.iter().any(Proc::alive) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// How long [`stop`] waits for a killed leftover to be gone.
+const LEFTOVER_WAIT: Duration = Duration::from_secs(5);
+
+/// A process, with its start time so that a reused pid is not taken for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Proc {
+    pid: i32,
+    start: u64,
+}
+
+impl Proc {
+    /// Still there and not yet a zombie.
+    fn alive(&self) -> bool {
+        read_stat(self.pid).is_some_and(|s| s.start == self.start && s.state != 'Z')
+    }
+}
+
+struct Stat {
+    state: char,
+    ppid: i32,
+    start: u64,
+}
+
+/// Fields 3, 4 and 22 of `/proc/<pid>/stat` (after the command name, which
+/// may itself hold spaces and parentheses).
+fn read_stat(pid: i32) -> Option<Stat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat)
+}
+
+fn parse_stat(stat: &str) -> Option<Stat> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        start: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// Every process below `root` now, from one reading of /proc.
+fn descendants(root: i32) -> Vec<Proc> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let all: Vec<(i32, Stat)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| Some((pid, read_stat(pid)?)))
+        .collect();
+    let mut found = Vec::new();
+    let mut parents = vec![root];
+    while let Some(parent) = parents.pop() {
+        for (pid, stat) in all.iter().filter(|(_, s)| s.ppid == parent) {
+            found.push(Proc {
+                pid: *pid,
+                start: stat.start,
+            });
+            parents.push(*pid);
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_are_read_after_a_command_name_with_spaces() {
+        let line =
+            "4242 (buildah (x) y) S 17 4242 4242 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 98765 1 2";
+        let s = parse_stat(line).unwrap();
+        assert_eq!((s.state, s.ppid, s.start), ('S', 17, 98765));
+        assert!(parse_stat("4242 (x) S").is_none());
+    }
+
+    #[tokio::test]
+    async fn stop_kills_what_the_child_started_in_a_session_of_its_own() {
+        // sh starts a grandchild that leaves the group (setsid), as a RUN
+        // step's container does, then waits for it to be killed.
+        let mut cmd = tokio::process::Command::new("sh");
+        cmd.args(["-c", "setsid sleep 300 & echo $! ; wait"])
+            .stdout(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+        let grandchild: i32 = out.next_line().await.unwrap().unwrap().parse().unwrap();
+        let before = read_stat(grandchild).unwrap();
+        stop(
+            &mut child,
+            nix::sys::signal::Signal::SIGTERM,
+            Duration::from_millis(200),
+        )
+        .await;
+        let gone = Proc {
+            pid: grandchild,
+            start: before.start,
+        };
+        assert!(!gone.alive(), "the setsid grandchild outlived the stop");
     }
 }
