@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -62,12 +63,28 @@ def run(name, env, limit, out_dir):
     before = load()
     started = time.monotonic()
     print(f"== {name} (limit {limit} s, load {before})", flush=True)
+    # Its own session, so that a timeout stops the whole benchmark (its
+    # cargo, its bench binary, the agents it started), not just the script:
+    # SIGTERM first, so the scripts' exit traps clean up, then SIGKILL.
+    p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=limit)
-        code, output = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
+        out, err = p.communicate(timeout=limit)
+        code, output = p.returncode, out + err
+    except subprocess.TimeoutExpired:
         code = "timeout"
-        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        out, err = "", ""
+        for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = p.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+        output = (out or "") + (err or "")
     secs = time.monotonic() - started
     after = load()
     with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
