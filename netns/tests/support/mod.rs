@@ -301,10 +301,11 @@ pub fn link_exists(name: &str) -> bool {
 }
 
 /// `nft list ruleset` without any `zattera*`/`zttest*` table: the part of
-/// the host's ruleset the library must never change.
+/// the host's ruleset the library must never change. Stateless (`-s`): the
+/// host's own counters move with any traffic on the machine.
 pub fn foreign_ruleset() -> String {
     let out = Command::new("nft")
-        .args(["list", "ruleset"])
+        .args(["-s", "list", "ruleset"])
         .output()
         .unwrap();
     assert!(out.status.success());
