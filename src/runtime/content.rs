@@ -114,7 +114,16 @@ where
         let mut offset: i64 = 0;
         let mut buf = vec![0u8; CHUNK];
         loop {
-            let n = source.read(&mut buf).await?;
+            // A network source yields a few KiB a read; containerd answers
+            // every message, so each one carries a full chunk.
+            let mut n = 0;
+            while n < buf.len() {
+                let got = source.read(&mut buf[n..]).await?;
+                if got == 0 {
+                    break;
+                }
+                n += got;
+            }
             if n == 0 {
                 break;
             }
