@@ -7,12 +7,14 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use socket2::{Domain, Protocol, Socket, Type};
-use tokio::net::{TcpListener, UdpSocket};
+use tokio::net::TcpListener;
+use tokio::runtime::Handle;
 use tokio::task::JoinSet;
 
 use crate::context::ListenerCtx;
 use crate::error::BindError;
-use crate::{tcp, udp};
+use crate::tcp;
+use crate::udp::UdpWorker;
 
 /// Pending TCP connections the kernel queues for us.
 const TCP_BACKLOG: i32 = 1024;
@@ -20,6 +22,7 @@ const TCP_BACKLOG: i32 = 1024;
 #[derive(Debug)]
 pub(crate) struct Listener {
     pub(crate) ctx: Arc<ListenerCtx>,
+    udp: Vec<UdpWorker>,
     tasks: JoinSet<()>,
 }
 
@@ -40,17 +43,30 @@ impl Listener {
             udp.push(socket);
         }
         let tcp = tcp_listener(addr, freebind).map_err(|source| BindError::Tcp { addr, source })?;
+        let runtime = Handle::try_current().map_err(|e| BindError::Udp {
+            addr,
+            source: io::Error::other(e),
+        })?;
+        // A worker that fails to start drops the ones before it: they stop.
+        let udp = udp
+            .into_iter()
+            .map(|socket| UdpWorker::spawn(socket, Arc::clone(&ctx), runtime.clone()))
+            .collect::<io::Result<Vec<_>>>()
+            .map_err(|source| BindError::Udp { addr, source })?;
         let mut tasks = JoinSet::new();
-        for socket in udp {
-            tasks.spawn(udp::serve(Arc::new(socket), Arc::clone(&ctx)));
-        }
         tasks.spawn(tcp::serve(tcp, Arc::clone(&ctx)));
-        Ok(Self { ctx, tasks })
+        Ok(Self { ctx, udp, tasks })
     }
 
     /// Stops serving and waits until the sockets are really closed, so the
     /// same address can be bound again right away.
     pub(crate) async fn close(mut self) {
+        for worker in &self.udp {
+            worker.stop();
+        }
+        for worker in self.udp.drain(..) {
+            worker.join().await;
+        }
         self.tasks.shutdown().await;
     }
 }
@@ -71,7 +87,11 @@ fn socket(addr: SocketAddr, kind: Type, protocol: Protocol, freebind: bool) -> i
     Ok(socket)
 }
 
-fn udp_socket(addr: SocketAddr, reuse_port: bool, freebind: bool) -> io::Result<UdpSocket> {
+fn udp_socket(
+    addr: SocketAddr,
+    reuse_port: bool,
+    freebind: bool,
+) -> io::Result<std::net::UdpSocket> {
     let s = socket(addr, Type::DGRAM, Protocol::UDP, freebind)?;
     // Only our own sockets share the port; set on a single socket it would
     // let another process silently split our traffic.
@@ -79,7 +99,7 @@ fn udp_socket(addr: SocketAddr, reuse_port: bool, freebind: bool) -> io::Result<
         s.set_reuse_port(true)?;
     }
     s.bind(&addr.into())?;
-    UdpSocket::from_std(s.into())
+    Ok(s.into())
 }
 
 fn tcp_listener(addr: SocketAddr, freebind: bool) -> io::Result<TcpListener> {

@@ -50,7 +50,18 @@ impl RecvBatch {
     /// Takes the datagrams waiting on `fd` without blocking (at least one,
     /// or `WouldBlock`) and returns how many. A datagram whose sender is
     /// not an IP address (cannot happen on an IP socket) is skipped.
+    #[cfg(test)]
     pub(crate) fn recv(&mut self, fd: RawFd) -> io::Result<usize> {
+        self.recv_with(fd, MsgFlags::MSG_DONTWAIT)
+    }
+
+    /// Waits for a datagram on the blocking socket `fd` (up to its receive
+    /// timeout), then takes it and every other one already waiting.
+    pub(crate) fn recv_waiting(&mut self, fd: RawFd) -> io::Result<usize> {
+        self.recv_with(fd, MsgFlags::MSG_WAITFORONE)
+    }
+
+    fn recv_with(&mut self, fd: RawFd, flags: MsgFlags) -> io::Result<usize> {
         self.got.clear();
         let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
         let mut slices: Vec<[IoSliceMut<'_>; 1]> = self
@@ -58,14 +69,8 @@ impl RecvBatch {
             .iter_mut()
             .map(|b| [IoSliceMut::new(b.as_mut_slice())])
             .collect();
-        let results = recvmmsg(
-            fd,
-            &mut headers,
-            slices.iter_mut(),
-            MsgFlags::MSG_DONTWAIT,
-            None,
-        )
-        .map_err(io::Error::from)?;
+        let results =
+            recvmmsg(fd, &mut headers, slices.iter_mut(), flags, None).map_err(io::Error::from)?;
         for (buffer, msg) in results.enumerate() {
             let Some(peer) = msg.address.as_ref().and_then(socket_addr) else {
                 continue;
@@ -88,11 +93,21 @@ impl RecvBatch {
     }
 }
 
-/// Sends `replies` without blocking, in order, as few calls as the kernel
-/// allows; returns how many went out before the socket was full (the
-/// caller sends the rest one by one, waiting). A reply the kernel refuses
-/// for itself (an unreachable peer) is skipped, as a lost datagram.
-pub(crate) fn send_batch(fd: RawFd, replies: &[(Vec<u8>, SocketAddr)]) -> io::Result<usize> {
+/// Sends `replies` in order, as few calls as the kernel allows; returns how
+/// many went out. With `wait` a full socket buffer is waited out (a blocking
+/// socket); without, the count stops where the buffer was full. A reply the
+/// kernel refuses for itself (an unreachable peer) is skipped, as a lost
+/// datagram.
+pub(crate) fn send_batch(
+    fd: RawFd,
+    replies: &[(Vec<u8>, SocketAddr)],
+    wait: bool,
+) -> io::Result<usize> {
+    let flags = if wait {
+        MsgFlags::empty()
+    } else {
+        MsgFlags::MSG_DONTWAIT
+    };
     let mut sent = 0;
     while sent < replies.len() {
         let chunk = &replies[sent..replies.len().min(sent + BATCH)];
@@ -102,14 +117,7 @@ pub(crate) fn send_batch(fd: RawFd, replies: &[(Vec<u8>, SocketAddr)]) -> io::Re
             .iter()
             .map(|(_, peer)| Some(SockaddrStorage::from(*peer)))
             .collect();
-        match sendmmsg(
-            fd,
-            &mut headers,
-            &slices,
-            &addrs,
-            [],
-            MsgFlags::MSG_DONTWAIT,
-        ) {
+        match sendmmsg(fd, &mut headers, &slices, &addrs, [], flags) {
             Ok(results) => {
                 let n = results.count();
                 if n == 0 {
@@ -165,7 +173,7 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
 
         let replies: Vec<_> = (0..40u8).map(|i| (vec![i], got[0].1.peer)).collect();
-        assert_eq!(send_batch(server.as_raw_fd(), &replies).unwrap(), 40);
+        assert_eq!(send_batch(server.as_raw_fd(), &replies, false).unwrap(), 40);
         let mut buf = [0u8; 8];
         for i in 0..40u8 {
             let n = client.recv(&mut buf).unwrap();
