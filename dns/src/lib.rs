@@ -24,6 +24,7 @@
 //! | [`name`] | internal name rules and [`Scope`] |
 //! | [`table`] | the name table and its inputs |
 //! | [`request`] | bytes in, decision out: answer, forward or drop (no I/O) |
+//! | `fast` | the common internal A query answered from the wire bytes |
 //! | `forward` | raw relay to the upstreams over UDP or TCP |
 //! | [`upstream`] | the upstream list from resolv.conf, re-read on change |
 //! | `udp`, `tcp` | receive loops (why not hickory-server: see `udp`) |
@@ -52,6 +53,7 @@
 mod config;
 mod context;
 mod error;
+mod fast;
 mod forward;
 mod listener;
 mod mmsg;

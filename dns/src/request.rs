@@ -10,6 +10,7 @@ use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{DNSClass, RData, Record, RecordType};
 use tracing::debug;
 
+use crate::fast;
 use crate::name::{InternalName, NameClass, Scope};
 use crate::table::NameTable;
 
@@ -21,7 +22,7 @@ pub const TTL: u32 = 5;
 pub const UDP_PAYLOAD: u16 = 1232;
 
 /// Plain DNS over UDP without EDNS (RFC 1035).
-const CLASSIC_UDP: usize = 512;
+pub(crate) const CLASSIC_UDP: usize = 512;
 
 /// A DNS header is 12 bytes; anything shorter has no id to answer to.
 const HEADER_LEN: usize = 12;
@@ -65,6 +66,24 @@ impl Request {
 /// Decides the fate of one packet received by a listener of `scope`
 /// (normalised, see [`Scope`]).
 pub fn respond(packet: &[u8], scope: &Scope, table: &NameTable, transport: Transport) -> Outcome {
+    // Without EDNS (the only queries the shortcut takes) UDP allows 512.
+    let limit = match transport {
+        Transport::Udp => CLASSIC_UDP,
+        Transport::Tcp => usize::from(u16::MAX),
+    };
+    if let Some(answer) = fast::answer_a(packet, scope, table, limit) {
+        return Outcome::Reply(answer);
+    }
+    respond_decoded(packet, scope, table, transport)
+}
+
+/// [`respond`] without the shortcut: every packet decoded by hickory.
+pub(crate) fn respond_decoded(
+    packet: &[u8],
+    scope: &Scope,
+    table: &NameTable,
+    transport: Transport,
+) -> Outcome {
     let Some(header) = packet.get(..HEADER_LEN) else {
         return Outcome::Drop;
     };

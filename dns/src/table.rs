@@ -47,6 +47,11 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// How many addresses the name has.
+    pub(crate) fn len(&self) -> usize {
+        self.addrs.len()
+    }
+
     /// The addresses, starting one further along at every call, so clients
     /// that take the first A record spread over the instances.
     pub(crate) fn rotated(&self) -> impl Iterator<Item = Ipv4Addr> + '_ {
