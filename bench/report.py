@@ -41,7 +41,8 @@ BENCHES = {
 PLOTS = [
     ("converge", "Cold converge time", "ms", ["converge_ms", "converge_ms_ctr"]),
     ("rss", "Agent resident memory", "KiB", ["agent_rss_kib"]),
-    ("cpu-per-pass", "Agent CPU per steady pass", "ms", ["agent_cpu_ms_per_pass"]),
+    ("cpu-per-pass", "Agent CPU per steady pass (window CPU / passes)", "ms", ["agent_cpu_ms_per_pass"]),
+    ("cpu-per-second", "Agent CPU in steady state, per second", "ms", ["agent_cpu_ms_per_s"]),
     ("pass-time", "Steady pass time (p50)", "us", ["pass_p50_us"]),
     ("dns-names", "Resolver peak by table size", "qps", ["dns_qps_by_names"]),
     ("rules", "Rules rebuild by published ports", "ms", ["rules_rebuild_ms"]),

@@ -137,6 +137,8 @@ host_util() {
   echo "$1 $2" | awk -v hz="$HZ" '{b = $3 - $1; i = $4 - $2; printf "%.0f%% %d", (b + i) ? 100 * b / (b + i) : 0, b * 1000 / hz}'
 }
 proc_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# CPU time of every thread of a process in ns (schedstat: finer than ticks).
+proc_cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d", s}'; }
 HZ=$(getconf CLK_TCK)
 CONTAINERD_PID=$(cat "${ZATTERA_RIG_RUN:-/run/zattera-rig}/containerd.pid" 2>/dev/null || echo 0)
 # CPU ms of the runc shims of namespace $1 (with the runc runs they reaped),
@@ -183,19 +185,23 @@ EOF
 # steady passes it logged (target zattera::pass): CPU per pass and the
 # pass's own p50 time.
 growth_sample() { # n dir
-  local c0 c1 l0 rss
+  local c0 c1 w0 w1 l0 rss
   sleep 3
   l0=$(wc -l <"$2/agent.log")
-  c0=$(proc_ticks "$agent_pid")
+  c0=$(proc_cpu_ns "$agent_pid")
+  w0=$(date +%s%N)
   sleep "$GROWTH_SECS"
-  c1=$(proc_ticks "$agent_pid")
+  c1=$(proc_cpu_ns "$agent_pid")
+  w1=$(date +%s%N)
   rss=$(awk '/^VmRSS/ {print $2}' "/proc/$agent_pid/status")
+  # All of the agent's CPU in the window (passes, probes, status, DNS), in
+  # ms per second of wall time and, divided over the window's passes, per pass.
   tail -n +"$((l0 + 1))" "$2/agent.log" | sed 's/\x1b\[[0-9;]*m//g' | sed -n 's/.*reconcile pass.*elapsed_us=\([0-9]*\).*/\1/p; s/.*elapsed_us=\([0-9]*\).*reconcile pass.*/\1/p' \
-    | sort -n | awk -v n="$1" -v rss="$rss" -v c=$(((c1 - c0) * 1000 / HZ)) '
+    | sort -n | awk -v n="$1" -v rss="$rss" -v c="$((c1 - c0))" -v w="$((w1 - w0))" '
       {v[NR] = $1}
       END {
         p50 = NR ? v[int((NR + 1) / 2)] : 0
-        printf "%d %d %d %.1f %d\n", n, rss, NR, NR ? c / NR : 0, p50
+        printf "%d %d %d %.2f %.2f %d\n", n, rss, NR, NR ? c / 1e6 / NR : 0, c / 1e6 / (w / 1e9), p50
       }' >>"$work/growth"
 }
 
@@ -377,11 +383,12 @@ for n in $COUNTS; do
 done
 echo
 echo "growth (round 1 of each count, ${GROWTH_SECS}s window after start-up settled):"
-printf '   %9s %10s %7s %16s %14s\n' instances "RSS KiB" passes "CPU ms per pass" "pass p50 us"
-while read -r n rss passes cpp p50; do
-  printf '   %9s %10s %7s %16s %14s\n' "$n" "$rss" "$passes" "$cpp" "$p50"
+printf '   %9s %10s %7s %16s %14s %14s\n' instances "RSS KiB" passes "CPU ms per pass" "CPU ms per s" "pass p50 us"
+while read -r n rss passes cpp cps p50; do
+  printf '   %9s %10s %7s %16s %14s %14s\n' "$n" "$rss" "$passes" "$cpp" "$cps" "$p50"
   echo "CURVE agent_rss_kib $n $rss KiB" >>"$work/curves"
   echo "CURVE agent_cpu_ms_per_pass $n $cpp ms" >>"$work/curves"
+  echo "CURVE agent_cpu_ms_per_s $n $cps ms" >>"$work/curves"
   echo "CURVE pass_p50_us $n $p50 us" >>"$work/curves"
 done <"$work/growth"
 for n in $COUNTS; do
