@@ -24,6 +24,15 @@ pub enum Error {
         source: rtnetlink::Error,
     },
 
+    #[error(
+        "netlink: no answer to \"{op} {object}\" within {after:?} (the kernel may have dropped it: receive buffer overrun)"
+    )]
+    NetlinkTimeout {
+        op: &'static str,
+        object: String,
+        after: std::time::Duration,
+    },
+
     #[error("cannot open a netlink socket: {source}")]
     NetlinkSocket {
         #[source]

@@ -68,17 +68,22 @@ pub struct Inventory {
     pub table_present: bool,
 }
 
-/// Our bridges only: one link dump and an address query per bridge, for a
-/// caller on a hot path (the executor's pass) that needs no namespaces.
-pub async fn bridges(node: &NetNode) -> Result<Vec<BridgeInfo>> {
-    let links = node.netlink().links().await?;
-    let mut bridges = Vec::new();
-    for link in &links {
-        if let Some(OwnedName::Bridge(subnet)) = node.config().parse_ifname(&link.name) {
-            bridges.push(bridge_info(node, &links, link, subnet).await?);
-        }
-    }
-    Ok(bridges)
+/// The subnets of our bridges that belong to a network (carry a scope), for
+/// a caller on a hot path (the executor's pass, every few seconds): one
+/// dump the kernel filters to bridges, no namespaces entered, no ports or
+/// addresses read.
+pub async fn scoped_bridges(node: &NetNode) -> Result<BTreeSet<Subnet>> {
+    Ok(node
+        .netlink()
+        .bridges()
+        .await?
+        .iter()
+        .filter(|link| owned_scope(link).is_some())
+        .filter_map(|link| match node.config().parse_ifname(&link.name) {
+            Some(OwnedName::Bridge(subnet)) => Some(subnet),
+            _ => None,
+        })
+        .collect())
 }
 
 async fn bridge_info(

@@ -9,6 +9,7 @@
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
+use std::time::Duration;
 
 use futures::TryStreamExt;
 use netlink_packet_route::address::AddressAttribute;
@@ -26,6 +27,44 @@ const ENODEV: i32 = 19;
 const ENOENT: i32 = 2;
 const EADDRNOTAVAIL: i32 = 99;
 const EEXIST: i32 = 17;
+
+/// How long a request may wait for the kernel's answer. When a socket's
+/// receive buffer overruns (hundreds of bring-ups at once), the kernel drops
+/// answers; their requests would otherwise wait forever, and the bring-ups
+/// behind them with them.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Room for the answers of many requests in flight on the shared socket
+/// (the default is ~200 KiB); set with `SO_RCVBUFFORCE`, best effort.
+const RECEIVE_BUFFER: usize = 4 << 20;
+
+/// `request`'s outcome as the kernel gave it, or [`Error::NetlinkTimeout`]
+/// if no answer came within `limit`.
+async fn answered<T>(
+    op: &'static str,
+    object: impl Into<String>,
+    limit: Duration,
+    request: impl Future<Output = Result<T, rtnetlink::Error>>,
+) -> Result<Result<T, rtnetlink::Error>> {
+    tokio::time::timeout(limit, request)
+        .await
+        .map_err(|_| Error::NetlinkTimeout {
+            op,
+            object: object.into(),
+            after: limit,
+        })
+}
+
+/// `request` bounded by [`REQUEST_TIMEOUT`], its error named by `op` and
+/// `object`.
+async fn ask<T>(
+    op: &'static str,
+    object: impl Into<String> + Clone,
+    request: impl Future<Output = Result<T, rtnetlink::Error>>,
+) -> Result<T> {
+    answered(op, object.clone(), REQUEST_TIMEOUT, request)
+        .await?
+        .map_err(|e| Error::netlink(op, object, e))
+}
 
 /// What we read back about one interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,8 +163,18 @@ impl Netlink {
         let runtime = tokio::runtime::Handle::try_current().map_err(|e| Error::NetlinkSocket {
             source: std::io::Error::other(format!("no tokio runtime to drive it: {e}")),
         })?;
-        let (conn, handle, _) =
+        let (mut conn, handle, _) =
             rtnetlink::new_connection().map_err(|source| Error::NetlinkSocket { source })?;
+        {
+            use rtnetlink::sys::AsyncSocket;
+            // Without CAP_NET_ADMIN this fails and the default stays; the
+            // request timeout still bounds what a dropped answer costs.
+            let _ = nix::sys::socket::setsockopt(
+                conn.socket_mut().socket_ref(),
+                nix::sys::socket::sockopt::RcvBufForce,
+                &RECEIVE_BUFFER,
+            );
+        }
         runtime.spawn(conn);
         Ok(Self {
             handle,
@@ -140,7 +189,7 @@ impl Netlink {
             .get()
             .match_name(name.to_owned())
             .execute();
-        match stream.try_next().await {
+        match answered("look up link", name, REQUEST_TIMEOUT, stream.try_next()).await? {
             Ok(msg) => Ok(msg.as_ref().map(Link::from_message)),
             Err(e) if is_not_found(&e) => Ok(None),
             Err(e) => Err(Error::netlink("look up link", name, e)),
@@ -149,14 +198,14 @@ impl Netlink {
 
     pub async fn links(&self) -> Result<Vec<Link>> {
         let _turn = self.dumps.lock().await;
-        self.handle
+        let dump = self
+            .handle
             .link()
             .get()
             .execute()
             .map_ok(|m| Link::from_message(&m))
-            .try_collect()
-            .await
-            .map_err(|e| Error::netlink("list", "links", e))
+            .try_collect();
+        ask("list", "links", dump).await
     }
 
     /// Creates a bridge, down, with hardware address `mac` (a bridge that
@@ -171,22 +220,17 @@ impl Netlink {
             None => builder,
         }
         .build();
-        self.handle
-            .link()
-            .add(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("create bridge", name, e))
+        ask("create bridge", name, self.handle.link().add(msg).execute()).await
     }
 
     pub async fn set_alias(&self, link: &Link, alias: &str) -> Result<()> {
         let msg = LinkUnspec::new_with_index(link.index).alias(alias).build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("set alias of", &link.name, e))
+        ask(
+            "set alias of",
+            &link.name,
+            self.handle.link().set(msg).execute(),
+        )
+        .await
     }
 
     /// Renames a link (it must be down).
@@ -194,12 +238,12 @@ impl Netlink {
         let msg = LinkUnspec::new_with_index(link.index)
             .name(new_name.to_owned())
             .build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("rename", format!("{} -> {new_name}", link.name), e))
+        ask(
+            "rename",
+            format!("{} -> {new_name}", link.name),
+            self.handle.link().set(msg).execute(),
+        )
+        .await
     }
 
     /// Sets a link's hardware address (kept from then on, as at creation).
@@ -207,27 +251,29 @@ impl Netlink {
         let msg = LinkUnspec::new_with_index(index)
             .address(mac.to_vec())
             .build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("set the address of", name, e))
+        ask(
+            "set the address of",
+            name,
+            self.handle.link().set(msg).execute(),
+        )
+        .await
     }
 
     pub async fn set_up(&self, index: u32, name: &str) -> Result<()> {
         let msg = LinkUnspec::new_with_index(index).up().build();
-        self.handle
-            .link()
-            .set(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("bring up", name, e))
+        ask("bring up", name, self.handle.link().set(msg).execute()).await
     }
 
     /// Deletes a link; an absent one is not an error.
     pub async fn delete(&self, index: u32, name: &str) -> Result<()> {
-        match self.handle.link().del(index).execute().await {
+        match answered(
+            "delete",
+            name,
+            REQUEST_TIMEOUT,
+            self.handle.link().del(index).execute(),
+        )
+        .await?
+        {
             Err(e) if !is_not_found(&e) => Err(Error::netlink("delete", name, e)),
             _ => Ok(()),
         }
@@ -247,14 +293,14 @@ impl Netlink {
         name: &str,
     ) -> Result<Vec<netlink_packet_route::address::AddressMessage>> {
         let _turn = self.dumps.lock().await;
-        self.handle
+        let dump = self
+            .handle
             .address()
             .get()
             .set_link_index_filter(index)
             .execute()
-            .try_collect()
-            .await
-            .map_err(|e| Error::netlink("list addresses of", name, e))
+            .try_collect();
+        ask("list addresses of", name, dump).await
     }
 
     pub async fn ipv4_addresses(&self, index: u32, name: &str) -> Result<Vec<(Ipv4Addr, u8)>> {
@@ -280,13 +326,16 @@ impl Netlink {
         ip: Ipv4Addr,
         prefix: u8,
     ) -> Result<()> {
-        self.handle
-            .address()
-            .add(index, ip.into(), prefix)
-            .replace()
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("add address to", format!("{name} ({ip}/{prefix})"), e))
+        ask(
+            "add address to",
+            format!("{name} ({ip}/{prefix})"),
+            self.handle
+                .address()
+                .add(index, ip.into(), prefix)
+                .replace()
+                .execute(),
+        )
+        .await
     }
 
     /// Forgets what the host's neighbour (ARP) cache knows about `ip` on link
@@ -307,7 +356,15 @@ impl Netlink {
         entry
             .attributes
             .push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
-        match self.handle.neighbours().del(entry).execute().await {
+        let request = self.handle.neighbours().del(entry).execute();
+        match answered(
+            "forget the neighbour",
+            ip.to_string(),
+            REQUEST_TIMEOUT,
+            request,
+        )
+        .await?
+        {
             Ok(()) => Ok(()),
             Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code().abs() == ENOENT => Ok(()),
             Err(e) => Err(Error::netlink(
@@ -327,7 +384,8 @@ impl Netlink {
                     | AddressAttribute::Address(std::net::IpAddr::V4(v)) if *v == ip)
             });
             if matches {
-                match self.handle.address().del(m).execute().await {
+                let request = self.handle.address().del(m).execute();
+                match answered("remove address from", name, REQUEST_TIMEOUT, request).await? {
                     Err(e) if !is_not_found(&e) => {
                         return Err(Error::netlink(
                             "remove address from",
@@ -342,14 +400,36 @@ impl Netlink {
         Ok(())
     }
 
+    /// The links a dump filtered by the kernel returns: `filter` is
+    /// `IFLA_MASTER` or an `IFLA_LINKINFO` kind, which the kernel applies
+    /// while it walks its devices, so a node with thousands of veths sends
+    /// only the few that match. A kernel that ignores the filter sends
+    /// every link: callers check what they get.
+    async fn links_where(&self, what: &'static str, filter: LinkAttribute) -> Result<Vec<Link>> {
+        let _turn = self.dumps.lock().await;
+        let mut request = self.handle.link().get();
+        request.message_mut().attributes.push(filter);
+        let dump = request
+            .execute()
+            .map_ok(|m| Link::from_message(&m))
+            .try_collect();
+        ask("list", what, dump).await
+    }
+
+    /// The bridges of this namespace.
+    pub async fn bridges(&self) -> Result<Vec<Link>> {
+        let kind = LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Bridge)]);
+        let mut links = self.links_where("bridges", kind).await?;
+        links.retain(Link::is_bridge);
+        Ok(links)
+    }
+
     /// Links enslaved to the bridge with index `bridge`.
     pub async fn ports_of(&self, bridge: u32) -> Result<Vec<Link>> {
-        Ok(self
-            .links()
-            .await?
-            .into_iter()
-            .filter(|l| l.controller == Some(bridge))
-            .collect())
+        let master = LinkAttribute::Controller(bridge);
+        let mut links = self.links_where("ports of a bridge", master).await?;
+        links.retain(|l| l.controller == Some(bridge));
+        Ok(links)
     }
 
     /// Creates a veth pair in one request: `host` in this namespace, up, as
@@ -376,12 +456,12 @@ impl Netlink {
             .up()
             .set_info_data(InfoData::Veth(InfoVeth::Peer(peer_msg)))
             .build();
-        self.handle
-            .link()
-            .add(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("create veth", format!("{host} <-> {peer}"), e))?;
+        ask(
+            "create veth",
+            format!("{host} <-> {peer}"),
+            self.handle.link().add(msg).execute(),
+        )
+        .await?;
         let link = self
             .link(host)
             .await?
@@ -389,12 +469,12 @@ impl Netlink {
         let msg = LinkBridgePort::new(link.index)
             .append_info_data(InfoBridgePort::HairpinMode(true))
             .build();
-        self.handle
-            .link()
-            .set_port(msg)
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("set hairpin on", host, e))?;
+        ask(
+            "set hairpin on",
+            host,
+            self.handle.link().set_port(msg).execute(),
+        )
+        .await?;
         Ok(link)
     }
 
@@ -402,13 +482,12 @@ impl Netlink {
         let route = RouteMessageBuilder::<Ipv4Addr>::new()
             .gateway(gateway)
             .build();
-        self.handle
-            .route()
-            .add(route)
-            .replace()
-            .execute()
-            .await
-            .map_err(|e| Error::netlink("add default route via", gateway.to_string(), e))
+        ask(
+            "add default route via",
+            gateway.to_string(),
+            self.handle.route().add(route).replace().execute(),
+        )
+        .await
     }
 }
 
@@ -449,4 +528,40 @@ where
         let nl = Netlink::connect()?;
         work(nl).await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request whose answer the kernel dropped never completes; it must
+    /// end in an error that says so, not hang its bring-up.
+    #[tokio::test]
+    async fn an_unanswered_request_times_out_with_a_clear_error() {
+        let never = std::future::pending::<Result<(), rtnetlink::Error>>();
+        let err = answered("create veth", "a <-> b", Duration::from_millis(50), never)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::NetlinkTimeout {
+                    op: "create veth",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("no answer to \"create veth a <-> b\""),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_answered_request_passes_the_kernels_outcome_through() {
+        let ok = async { Ok::<u32, rtnetlink::Error>(7) };
+        assert_eq!(ask("look up link", "x", ok).await.unwrap(), 7);
+    }
 }

@@ -636,6 +636,14 @@ async fn two_hundred_containers_on_one_bridge() {
     }
     let ips: BTreeSet<_> = atts.iter().map(|a| a.ip).collect();
     assert_eq!(ips.len(), 200);
+    // A second bridge with a port of its own: the kernel-filtered dumps
+    // must tell the two apart.
+    let other = Subnet::from_slot(199);
+    node.ensure_network("zt-p-many2", other).await.unwrap();
+    let lone = node
+        .attach("lone", other, ipam.allocate(other, "lone").unwrap())
+        .await
+        .unwrap();
     let ports = node
         .netlink()
         .ports_of(net_index(&node, s).await)
@@ -643,6 +651,34 @@ async fn two_hundred_containers_on_one_bridge() {
         .unwrap();
     assert_eq!(ports.len(), 200);
     assert!(ports.iter().all(|p| p.mtu == net.mtu));
+    let other_ports = node
+        .netlink()
+        .ports_of(net_index(&node, other).await)
+        .await
+        .unwrap();
+    assert_eq!(other_ports.len(), 1);
+    let bridges = node.netlink().bridges().await.unwrap();
+    assert!(bridges.iter().all(|b| b.is_bridge()), "{bridges:?}");
+    for subnet in [s, other] {
+        let name = node.config().bridge_name(subnet);
+        assert!(
+            bridges.iter().any(|b| b.name == name),
+            "{name} not in {bridges:?}"
+        );
+    }
+    assert_eq!(
+        zattera_netns::inventory::scoped_bridges(&node)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|b| [s, other].contains(b))
+            .count(),
+        2
+    );
+    node.detach(&lone.container_id, Some(lone.ip))
+        .await
+        .unwrap();
+    node.remove_network(other).await.unwrap();
     // Spot-check both ends of the range.
     for a in [&atts[0], &atts[199]] {
         assert_eq!(eth0_of(&a.netns_path), a.ip);

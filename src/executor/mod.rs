@@ -846,14 +846,9 @@ impl Executor {
             }
         }
         // Bridges only: the full inventory enters every namespace.
-        let existing: BTreeSet<Subnet> = match zattera_netns::inventory::bridges(&net).await {
-            Ok(bridges) => bridges
-                .iter()
-                .filter(|b| b.scope.is_some())
-                .map(|b| b.subnet)
-                .collect(),
-            Err(_) => self.networks.clone(),
-        };
+        let existing: BTreeSet<Subnet> = zattera_netns::inventory::scoped_bridges(&net)
+            .await
+            .unwrap_or_else(|_| self.networks.clone());
         for subnet in existing.difference(&in_use.keys().copied().collect()) {
             match net.remove_network(*subnet).await {
                 Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),
