@@ -29,7 +29,7 @@ BENCHES = {
     "dns": ({"RUNS": "3", "DURATION": "6"}, 600),
     "executor": ({"COUNTS": "1 10 50 100 200", "ROUNDS": "3", "IDLE_SECS": "30"}, 2400),
     "runtime": ({"ROUNDS": "20", "PULL_ROUNDS": "5"}, 900),
-    "control": ({"IDLE_SECS": "30"}, 900),
+    "control": ({"IDLE_SECS": "30", "CONVERGE_SECS": "540"}, 900),
     "netns": ({}, 900),
     "build": ({"RUNS": "3"}, 1800),
     "snapshot": ({"TREE_MIB": "256"}, 1200),

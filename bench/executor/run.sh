@@ -138,7 +138,7 @@ host_util() {
 }
 proc_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 # CPU time of every thread of a process in ns (schedstat: finer than ticks).
-proc_cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d", s}'; }
+proc_cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%.0f", s}'; } # not %d: mawk caps it at 2^31
 HZ=$(getconf CLK_TCK)
 CONTAINERD_PID=$(cat "${ZATTERA_RIG_RUN:-/run/zattera-rig}/containerd.pid" 2>/dev/null || echo 0)
 # CPU ms of the runc shims of namespace $1 (with the runc runs they reaped),
