@@ -658,7 +658,10 @@ async fn two_hundred_containers_on_one_bridge() {
         .unwrap();
     assert_eq!(other_ports.len(), 1);
     let bridges = node.netlink().bridges().await.unwrap();
-    assert!(bridges.iter().all(|b| b.is_bridge()), "{bridges:?}");
+    assert!(
+        bridges.iter().all(zattera_netns::netlink::Link::is_bridge),
+        "{bridges:?}"
+    );
     for subnet in [s, other] {
         let name = node.config().bridge_name(subnet);
         assert!(
