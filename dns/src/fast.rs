@@ -12,10 +12,9 @@
 use crate::name::{InternalName, NameClass, Scope};
 #[cfg(test)]
 use crate::request::CLASSIC_UDP;
-use crate::request::TTL;
+use crate::request::{HEADER_LEN, TTL};
 use crate::table::NameTable;
 
-const HEADER_LEN: usize = 12;
 /// A name of at most 255 bytes has at most 127 labels; ours have 2 or 4.
 const MAX_LABELS: usize = 4;
 /// Name pointer to offset 12 (the question's name), type A, class IN, the

@@ -25,7 +25,7 @@ pub const UDP_PAYLOAD: u16 = 1232;
 pub(crate) const CLASSIC_UDP: usize = 512;
 
 /// A DNS header is 12 bytes; anything shorter has no id to answer to.
-const HEADER_LEN: usize = 12;
+pub(crate) const HEADER_LEN: usize = 12;
 
 /// How the query arrived, which decides how big an answer may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -197,15 +197,7 @@ impl Netlink {
     }
 
     pub async fn links(&self) -> Result<Vec<Link>> {
-        let _turn = self.dumps.lock().await;
-        let dump = self
-            .handle
-            .link()
-            .get()
-            .execute()
-            .map_ok(|m| Link::from_message(&m))
-            .try_collect();
-        ask("list", "links", dump).await
+        self.dump_links("links", None).await
     }
 
     /// Creates a bridge, down, with hardware address `mac` (a bridge that
@@ -400,15 +392,19 @@ impl Netlink {
         Ok(())
     }
 
-    /// The links a dump filtered by the kernel returns: `filter` is
+    /// A dump of the links, filtered by the kernel when `filter` is given:
     /// `IFLA_MASTER` or an `IFLA_LINKINFO` kind, which the kernel applies
     /// while it walks its devices, so a node with thousands of veths sends
     /// only the few that match. A kernel that ignores the filter sends
-    /// every link: callers check what they get.
-    async fn links_where(&self, what: &'static str, filter: LinkAttribute) -> Result<Vec<Link>> {
+    /// every link: callers of a filtered dump check what they get.
+    async fn dump_links(
+        &self,
+        what: &'static str,
+        filter: Option<LinkAttribute>,
+    ) -> Result<Vec<Link>> {
         let _turn = self.dumps.lock().await;
         let mut request = self.handle.link().get();
-        request.message_mut().attributes.push(filter);
+        request.message_mut().attributes.extend(filter);
         let dump = request
             .execute()
             .map_ok(|m| Link::from_message(&m))
@@ -419,7 +415,7 @@ impl Netlink {
     /// The bridges of this namespace.
     pub async fn bridges(&self) -> Result<Vec<Link>> {
         let kind = LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Bridge)]);
-        let mut links = self.links_where("bridges", kind).await?;
+        let mut links = self.dump_links("bridges", Some(kind)).await?;
         links.retain(Link::is_bridge);
         Ok(links)
     }
@@ -427,7 +423,7 @@ impl Netlink {
     /// Links enslaved to the bridge with index `bridge`.
     pub async fn ports_of(&self, bridge: u32) -> Result<Vec<Link>> {
         let master = LinkAttribute::Controller(bridge);
-        let mut links = self.links_where("ports of a bridge", master).await?;
+        let mut links = self.dump_links("ports of a bridge", Some(master)).await?;
         links.retain(|l| l.controller == Some(bridge));
         Ok(links)
     }

@@ -644,19 +644,10 @@ async fn two_hundred_containers_on_one_bridge() {
         .attach("lone", other, ipam.allocate(other, "lone").unwrap())
         .await
         .unwrap();
-    let ports = node
-        .netlink()
-        .ports_of(net_index(&node, s).await)
-        .await
-        .unwrap();
+    let ports = ports_on(&node, s).await;
     assert_eq!(ports.len(), 200);
     assert!(ports.iter().all(|p| p.mtu == net.mtu));
-    let other_ports = node
-        .netlink()
-        .ports_of(net_index(&node, other).await)
-        .await
-        .unwrap();
-    assert_eq!(other_ports.len(), 1);
+    assert_eq!(ports_on(&node, other).await.len(), 1);
     let bridges = node.netlink().bridges().await.unwrap();
     assert!(
         bridges.iter().all(zattera_netns::netlink::Link::is_bridge),
@@ -696,16 +687,17 @@ async fn two_hundred_containers_on_one_bridge() {
         node.detach(&a.container_id, Some(a.ip)).await.unwrap();
         ipam.release(&a.container_id, a.ip);
     }
-    assert!(
-        node.netlink()
-            .ports_of(net_index(&node, s).await)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    assert!(ports_on(&node, s).await.is_empty());
     assert_eq!(std::fs::read_dir(&w.cfg.netns_dir).unwrap().count(), 0);
     node.remove_network(s).await.unwrap();
     node.remove_rules().await.unwrap();
+}
+
+async fn ports_on(node: &NetNode, s: Subnet) -> Vec<zattera_netns::netlink::Link> {
+    node.netlink()
+        .ports_of(net_index(node, s).await)
+        .await
+        .unwrap()
 }
 
 async fn net_index(node: &NetNode, s: Subnet) -> u32 {
