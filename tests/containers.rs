@@ -368,6 +368,38 @@ async fn stats_see_cpu_and_memory_of_a_busy_container() {
 }
 
 #[tokio::test]
+async fn container_events_name_the_container() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "cevents", |ctd, rig| async move {
+        let mut events = Box::pin(events::subscribe(&ctd));
+        // The first event is the one containerd answers the subscription with.
+        start_busybox(&ctd, &rig, "cevents-1", "sleep 30", &logs_path).await;
+        containers::remove(&ctd, "cevents-1", 9, Duration::from_secs(1))
+            .await
+            .unwrap();
+        let changed = tokio::time::timeout(Duration::from_secs(20), async {
+            let mut changed = Vec::new();
+            while changed.len() < 2 {
+                match events.next().await.expect("stream open").expect("event") {
+                    events::TaskEvent::ContainerChanged { container_id } => {
+                        changed.push(container_id);
+                    }
+                    events::TaskEvent::ContainersChanged => panic!("an event without its id"),
+                    _ => {}
+                }
+            }
+            changed
+        })
+        .await
+        .expect("a create and a delete event within 20 s");
+        assert_eq!(changed, ["cevents-1", "cevents-1"]);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn exit_events_carry_the_exit_code() {
     let Some(rig) = rig() else { return };
     let logs = tempfile::tempdir().unwrap();

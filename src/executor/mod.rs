@@ -44,7 +44,7 @@ use zattera_netns::{
 use self::board::Board;
 use self::instance::{Handles, Plan};
 use self::labels::{NamedPort, OwnedContainer};
-use self::listing::Listing;
+use self::listing::{Listing, Need, Refresh};
 use self::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
@@ -55,6 +55,8 @@ use crate::runtime::pull::{ClusterRegistryWatch, Puller};
 use crate::runtime::{Containerd, RuntimeError};
 
 const TICK: Duration = Duration::from_secs(5);
+/// Stale containers read from containerd at once (see [`listing`]).
+const STALE_READS: usize = 8;
 /// Where a standalone manifest's `resources.pids` travels in the spec.
 pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
 /// Processes per container unless configured (`pids-limit`): contains a
@@ -145,11 +147,19 @@ pub struct Executor {
     desired: Option<Arc<diff::Desired>>,
     /// The owned containers as last listed (see [`listing`]).
     listing: Listing,
+    /// The set the last classification was of, while nothing it depends on
+    /// changed since (see `reconcile`).
+    settled: Option<Arc<diff::Desired>>,
+    /// Refreshes of the listing, read beside the passes.
+    refresh_tx: mpsc::Sender<Refreshed>,
+    refresh_rx: mpsc::Receiver<Refreshed>,
     errors_rx: watch::Receiver<Vec<SourceError>>,
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
     networks: BTreeSet<Subnet>,
+    /// When the bridges were last read and none was left to remove.
+    networks_clean_at: Option<std::time::Instant>,
     networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
     halt_rx: mpsc::Receiver<oneshot::Sender<usize>>,
 }
@@ -182,6 +192,7 @@ impl Executor {
             ..StatusSnapshot::default()
         }));
         let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+        let (refresh_tx, refresh_rx) = mpsc::channel(1);
         let (networks_tx, networks_rx) = watch::channel(Arc::new(Vec::new()));
         let mut puller = Puller::new(ctd.clone(), vec![]);
         if let Some(cluster) = &cfg.cluster_registry {
@@ -211,11 +222,15 @@ impl Executor {
             desired_rx,
             desired: None,
             listing: Listing::default(),
+            settled: None,
+            refresh_tx,
+            refresh_rx,
             errors_rx,
             status_tx,
             ctx,
             reports_rx,
             networks: BTreeSet::new(),
+            networks_clean_at: None,
             networks_tx,
             halt_rx,
         };
@@ -247,7 +262,14 @@ impl Executor {
                     self.reconcile().await;
                 }
                 _ = self.errors_rx.changed() => self.publish_status(),
-                _ = tick.tick() => self.reconcile().await,
+                _ = tick.tick() => {
+                    self.reconcile().await;
+                    self.refresh_listing();
+                }
+                Some(Refreshed { refresh, at, found }) = self.refresh_rx.recv() => {
+                    self.listing.refreshed(refresh, at, found);
+                    self.settled = None;
+                }
                 event = events.next() => match event {
                     Some(Ok(e @ TaskEvent::Exited { .. })) if e.is_init_exit() => {
                         if let TaskEvent::Exited { container_id, .. } = &e
@@ -260,6 +282,9 @@ impl Executor {
                         if let Some(w) = self.workers.get(&container_id) {
                             w.send(Cmd::Oom);
                         }
+                    }
+                    Some(Ok(TaskEvent::ContainerChanged { container_id })) => {
+                        self.listing.changed(&container_id);
                     }
                     Some(Ok(TaskEvent::ContainersChanged)) => self.listing.invalidate(),
                     Some(Ok(_)) => {}
@@ -365,11 +390,35 @@ impl Executor {
     }
 
     async fn list_owned(&self) -> Result<Vec<OwnedContainer>, RuntimeError> {
-        let listed = containers::list(&self.h.ctd, &labels::OWNED_FILTER).await?;
-        Ok(listed
-            .iter()
-            .filter_map(OwnedContainer::from_container)
-            .collect())
+        list_owned(&self.h.ctd).await
+    }
+
+    /// Asks for a refresh of the listing once it is due; the passes go on
+    /// with the old one until the answer comes in.
+    fn refresh_listing(&mut self) {
+        let now = std::time::Instant::now();
+        if !self.listing.refresh_due(now) {
+            return;
+        }
+        let refresh = self.listing.refresh_started();
+        let ctd = self.h.ctd.clone();
+        let tx = self.refresh_tx.clone();
+        tokio::spawn(async move {
+            let found = match list_owned(&ctd).await {
+                Ok(owned) => Some(owned),
+                Err(e) => {
+                    tracing::debug!(error = %e, "refreshing the container listing failed");
+                    None
+                }
+            };
+            let _ = tx
+                .send(Refreshed {
+                    refresh,
+                    at: now,
+                    found,
+                })
+                .await;
+        });
     }
 
     /// Selects this node's part of the newest set (E-4), by assignment id.
@@ -383,16 +432,34 @@ impl Executor {
         self.desired.clone()
     }
 
-    /// The owned containers: the last listing while nothing changed, else a
-    /// new one.
+    /// The owned containers: the last listing with what changed since read
+    /// again, or a new listing (see [`listing`]).
     async fn listed_owned(&mut self) -> Result<Vec<OwnedContainer>, RuntimeError> {
         let now = std::time::Instant::now();
-        if let Some(owned) = self.listing.fresh(now) {
-            return Ok(owned.to_vec());
+        match self.listing.need() {
+            Need::Nothing => {}
+            Need::Some(stale) => {
+                let ctd = &self.h.ctd;
+                let read: Vec<_> = futures::stream::iter(stale)
+                    .map(|id| async move {
+                        let found = containers::get(ctd, &id).await;
+                        (id, found)
+                    })
+                    .buffer_unordered(STALE_READS)
+                    .collect()
+                    .await;
+                for (id, found) in read {
+                    let found = found?;
+                    self.listing
+                        .patch(&id, found.as_ref().and_then(OwnedContainer::from_container));
+                }
+            }
+            Need::All => {
+                let owned = self.list_owned().await?;
+                self.listing.store(now, owned);
+            }
         }
-        let owned = self.list_owned().await?;
-        self.listing.store(now, owned.clone());
-        Ok(owned)
+        Ok(self.listing.owned())
     }
 
     /// A worker for `start`'s container.
@@ -417,6 +484,7 @@ impl Executor {
         }
         let worker = Worker::spawn(self.ctx.clone(), cid.clone(), aid, scope, start, spec);
         self.workers.insert(cid, worker);
+        self.settled = None;
     }
 
     /// One pass: classify what containerd has, stop what leaves, start what
@@ -426,17 +494,55 @@ impl Executor {
             return;
         };
         let started = std::time::Instant::now();
-        let listed = match self.listed_owned().await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(error = %e, "reconcile abandoned: cannot list containers");
-                return;
+        // The same set and listing, and no worker come or gone since the
+        // last pass classified them: it would classify the same.
+        let settled = self
+            .settled
+            .as_ref()
+            .is_some_and(|d| Arc::ptr_eq(d, &desired))
+            && self.listing.need() == Need::Nothing;
+        let removals = if settled {
+            0
+        } else {
+            match self.supervise(&desired).await {
+                Ok(removals) => removals,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconcile abandoned: cannot list containers");
+                    return;
+                }
             }
         };
-        // Classify (E-5); duplicates of one assignment are removed (E-2 deviation).
-        let classified = diff::classify(&desired, listed, self.h.cfg.default_subnet);
         // STOPPED goes out once the removal is done (E-15), with `Down`.
         let mut batch = Vec::new();
+        let runs = self.start_runs(&desired, &mut batch);
+        self.board.emit(batch);
+        self.apply_firewall().await;
+        self.sync_networks_with(&desired).await;
+        self.publish_status();
+        self.h.cfg.metrics.reconcile_passes.inc();
+        self.h
+            .cfg
+            .metrics
+            .reconcile_seconds
+            .observe(started.elapsed().as_secs_f64());
+        // What bench/control reads: the pass itself, bring-ups excluded.
+        tracing::debug!(
+            target: "zattera::pass",
+            elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+            desired = desired.len(),
+            kept = self.owned.len(),
+            removals,
+            runs,
+            "reconcile pass"
+        );
+    }
+
+    /// Classifies the listing (E-5), keeps what stays, has every removal
+    /// stopped and every kept container supervised. The number of removals.
+    async fn supervise(&mut self, desired: &Arc<diff::Desired>) -> Result<usize, RuntimeError> {
+        let listed = self.listed_owned().await?;
+        // Duplicates of one assignment are removed (E-2 deviation).
+        let classified = diff::classify(desired, listed, self.h.cfg.default_subnet);
 
         // A supervised container that vanished from containerd (removed
         // behind our back) is its worker's to find: its poll sees no task,
@@ -455,6 +561,8 @@ impl Executor {
             }
         }
         self.owned = owned;
+        // Until a spawn or a report says otherwise.
+        self.settled = Some(desired.clone());
 
         // STOP: every removal gets (or already has) a worker that removes it.
         let removals = classified.removals.len();
@@ -488,27 +596,7 @@ impl Executor {
         for (o, spec) in adopt {
             self.spawn(Start::Adopt(o), spec);
         }
-        let runs = self.start_runs(&desired, &mut batch);
-        self.board.emit(batch);
-        self.apply_firewall().await;
-        self.sync_networks_with(&desired).await;
-        self.publish_status();
-        self.h.cfg.metrics.reconcile_passes.inc();
-        self.h
-            .cfg
-            .metrics
-            .reconcile_seconds
-            .observe(started.elapsed().as_secs_f64());
-        // What bench/control reads: the pass itself, bring-ups excluded.
-        tracing::debug!(
-            target: "zattera::pass",
-            elapsed_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
-            desired = desired.len(),
-            kept = self.owned.len(),
-            removals,
-            runs,
-            "reconcile pass"
-        );
+        Ok(removals)
     }
 
     /// RUN (E-7): a worker for every desired instance that has neither a
@@ -586,7 +674,8 @@ impl Executor {
         } = report;
         // Every report but an observation follows a change to a container.
         if !matches!(event, Event::Observed(_)) {
-            self.listing.invalidate();
+            self.listing.changed(&container_id);
+            self.settled = None;
         }
         match event {
             Event::Observed(obs) => {
@@ -803,29 +892,16 @@ impl Executor {
             return;
         };
         let default_subnet = self.h.cfg.default_subnet;
+        // Of several holders of one subnet the desired one wins, then a
+        // bring-up, then the last listed: each is looked at only while its
+        // subnet has none yet (cloning a name per container costs a pass
+        // over 1,000 more than the rest of it).
         let mut in_use: BTreeMap<Subnet, (String, String, String)> = BTreeMap::new();
-        for o in self.owned.values() {
-            if let Some(s) = o.subnet {
-                in_use.insert(
-                    s,
-                    (
-                        o.project_id.clone(),
-                        o.environment_name.clone(),
-                        network_name(&o.project_id, &o.environment_id),
-                    ),
-                );
-            }
-        }
-        // A bring-up in flight uses its network already.
-        for w in self.workers.values().filter(|w| w.phase == Phase::Starting) {
-            if let Some((s, project, env)) = &w.network {
-                in_use.insert(*s, (project.clone(), env.clone(), w.scope.clone()));
-            }
-        }
-        for (a, rt) in desired.values() {
+        for (a, rt) in desired.values().rev() {
             if let Some(s) = rt
                 .as_ref()
                 .and_then(|rt| diff::wanted_subnet(rt, default_subnet).ok().flatten())
+                && !in_use.contains_key(&s)
                 && a.desired == AssignmentDesired::Run as i32
                 && self
                     .owned
@@ -845,17 +921,52 @@ impl Executor {
                 );
             }
         }
-        // Bridges only: the full inventory enters every namespace.
-        let existing: BTreeSet<Subnet> = zattera_netns::inventory::scoped_bridges(&net)
-            .await
-            .unwrap_or_else(|_| self.networks.clone());
-        for subnet in existing.difference(&in_use.keys().copied().collect()) {
-            match net.remove_network(*subnet).await {
-                Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),
-                Err(e) => tracing::debug!(%subnet, error = %e, "network not removed yet"),
+        // A bring-up in flight uses its network already.
+        for w in self.workers.values().filter(|w| w.phase == Phase::Starting) {
+            if let Some((s, project, env)) = &w.network {
+                in_use
+                    .entry(*s)
+                    .or_insert_with(|| (project.clone(), env.clone(), w.scope.clone()));
             }
         }
-        self.networks = in_use.keys().copied().collect();
+        for o in self.owned.values().rev() {
+            if let Some(s) = o.subnet {
+                in_use.entry(s).or_insert_with(|| {
+                    (
+                        o.project_id.clone(),
+                        o.environment_name.clone(),
+                        network_name(&o.project_id, &o.environment_id),
+                    )
+                });
+            }
+        }
+        let wanted: BTreeSet<Subnet> = in_use.keys().copied().collect();
+        // The bridges are read again when what is in use changed, when the
+        // last read found some to remove, and at least every MAX_AGE: only
+        // the agent makes them, and only for a network in use.
+        let now = std::time::Instant::now();
+        let checked = wanted == self.networks
+            && self
+                .networks_clean_at
+                .is_some_and(|at| now.saturating_duration_since(at) < listing::MAX_AGE);
+        if !checked {
+            // Bridges only: the full inventory enters every namespace.
+            let existing = zattera_netns::inventory::scoped_bridges(&net).await;
+            self.networks_clean_at = existing
+                .as_ref()
+                .is_ok_and(|e| e.is_subset(&wanted))
+                .then_some(now);
+            for subnet in existing
+                .unwrap_or_else(|_| self.networks.clone())
+                .difference(&wanted)
+            {
+                match net.remove_network(*subnet).await {
+                    Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),
+                    Err(e) => tracing::debug!(%subnet, error = %e, "network not removed yet"),
+                }
+            }
+        }
+        self.networks = wanted;
         // The default network is shared by every project: it has no scope
         // for VIPs or internal names (its containers use the host's DNS).
         in_use.retain(|s, _| Some(*s) != default_subnet);
@@ -995,6 +1106,22 @@ async fn collect_orphan_attachments(net: &NetNode, live: &BTreeSet<String>) {
     if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
         tracing::warn!(error = %e, "leftover attachments not all removed");
     }
+}
+
+/// What a refresh of the listing found (`None`: it failed).
+#[derive(Debug)]
+struct Refreshed {
+    refresh: Refresh,
+    at: std::time::Instant,
+    found: Option<Vec<OwnedContainer>>,
+}
+
+async fn list_owned(ctd: &Containerd) -> Result<Vec<OwnedContainer>, RuntimeError> {
+    let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;
+    Ok(listed
+        .iter()
+        .filter_map(OwnedContainer::from_container)
+        .collect())
 }
 
 /// Beyond the longest grace: the SIGKILL wait and the task deletes.

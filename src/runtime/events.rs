@@ -4,7 +4,9 @@
 //! ends when containerd restarts; the caller re-subscribes and relies on its
 //! poll for what it missed meanwhile.
 
-use containerd_client::events::{TaskExit, TaskOom};
+use containerd_client::events::{
+    ContainerCreate, ContainerDelete, ContainerUpdate, TaskExit, TaskOom,
+};
 use containerd_client::services::v1::SubscribeRequest;
 use futures::{Stream, StreamExt};
 use prost::Message;
@@ -15,11 +17,10 @@ use super::error::RuntimeError;
 pub const TOPIC_EXIT: &str = "/tasks/exit";
 pub const TOPIC_OOM: &str = "/tasks/oom";
 /// A container record changed: what a listing of them shows is stale.
-const CONTAINER_TOPICS: [&str; 3] = [
-    "/containers/create",
-    "/containers/update",
-    "/containers/delete",
-];
+const TOPIC_CREATE: &str = "/containers/create";
+const TOPIC_UPDATE: &str = "/containers/update";
+const TOPIC_DELETE: &str = "/containers/delete";
+const CONTAINER_TOPICS: [&str; 3] = [TOPIC_CREATE, TOPIC_UPDATE, TOPIC_DELETE];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TaskEvent {
@@ -31,7 +32,9 @@ pub enum TaskEvent {
     },
     /// The kernel's OOM killer acted in the container.
     OomKilled { container_id: String },
-    /// A container of the namespace was created, updated or deleted.
+    /// This container of the namespace was created, updated or deleted.
+    ContainerChanged { container_id: String },
+    /// A container record changed, but the event did not say which.
     ContainersChanged,
 }
 
@@ -96,7 +99,64 @@ fn decode(envelope: containerd_client::types::Envelope) -> Option<Result<TaskEve
                 container_id: e.container_id,
             })
         }),
-        topic if CONTAINER_TOPICS.contains(&topic) => Some(Ok(TaskEvent::ContainersChanged)),
+        topic if CONTAINER_TOPICS.contains(&topic) => {
+            Some(Ok(container_changed(topic, &any.value)))
+        }
         _ => None,
+    }
+}
+
+/// Which container a create, update or delete event is about; one that
+/// cannot be read stales every container, not none.
+fn container_changed(topic: &str, value: &[u8]) -> TaskEvent {
+    let id = match topic {
+        TOPIC_CREATE => ContainerCreate::decode(value).map(|e| e.id),
+        TOPIC_UPDATE => ContainerUpdate::decode(value).map(|e| e.id),
+        _ => ContainerDelete::decode(value).map(|e| e.id),
+    };
+    match id {
+        Ok(container_id) if !container_id.is_empty() => {
+            TaskEvent::ContainerChanged { container_id }
+        }
+        _ => TaskEvent::ContainersChanged,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_container_event_names_its_container() {
+        let create = ContainerCreate {
+            id: "c1".into(),
+            image: "img".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            container_changed(TOPIC_CREATE, &create.encode_to_vec()),
+            TaskEvent::ContainerChanged {
+                container_id: "c1".into()
+            }
+        );
+        let delete = ContainerDelete { id: "c2".into() };
+        assert_eq!(
+            container_changed(TOPIC_DELETE, &delete.encode_to_vec()),
+            TaskEvent::ContainerChanged {
+                container_id: "c2".into()
+            }
+        );
+    }
+
+    #[test]
+    fn an_unreadable_container_event_stales_every_container() {
+        assert_eq!(
+            container_changed(TOPIC_UPDATE, &[0xff, 0xff, 0xff]),
+            TaskEvent::ContainersChanged
+        );
+        assert_eq!(
+            container_changed(TOPIC_DELETE, &[]),
+            TaskEvent::ContainersChanged
+        );
     }
 }
