@@ -62,6 +62,11 @@ impl Listing {
         }
     }
 
+    /// Whether the listing is good as it is (`need()` is `Nothing`).
+    pub fn is_current(&self) -> bool {
+        self.cached.as_ref().is_some_and(|c| c.stale.is_empty())
+    }
+
     /// Whether to ask for a refresh now: the listing is [`MAX_AGE`] old and
     /// no refresh is out.
     pub fn refresh_due(&self, now: Instant) -> bool {
@@ -85,17 +90,11 @@ impl Listing {
     /// dropped or listed again meanwhile.
     pub fn refreshed(&mut self, r: Refresh, at: Instant, found: Option<Vec<OwnedContainer>>) {
         let Some(c) = &mut self.cached else { return };
-        if !c.refreshing.as_ref().is_some_and(|(out, _)| *out == r) {
-            return;
-        }
-        let Some((_, changed)) = c.refreshing.take() else {
+        let Some((_, changed)) = c.refreshing.take_if(|(out, _)| *out == r) else {
             return;
         };
         if let Some(owned) = found {
-            self.store(at, owned);
-            if let Some(c) = &mut self.cached {
-                c.stale = changed;
-            }
+            self.replace(at, owned, changed);
         }
     }
 
@@ -110,6 +109,10 @@ impl Listing {
 
     /// Keeps what a listing at `at` returned; nothing is stale after it.
     pub fn store(&mut self, at: Instant, owned: Vec<OwnedContainer>) {
+        self.replace(at, owned, BTreeSet::new());
+    }
+
+    fn replace(&mut self, at: Instant, owned: Vec<OwnedContainer>, stale: BTreeSet<String>) {
         let owned = owned
             .into_iter()
             .map(|o| (o.container_id.clone(), o))
@@ -117,7 +120,7 @@ impl Listing {
         self.cached = Some(Cached {
             at,
             owned,
-            stale: BTreeSet::new(),
+            stale,
             refreshing: None,
         });
     }

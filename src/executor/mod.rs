@@ -349,7 +349,7 @@ impl Executor {
     /// restarts a task lost to a crash or a reboot (C-13), so the node
     /// serves again without waiting for anyone.
     async fn boot(&mut self) -> Result<(), RuntimeError> {
-        let owned = self.list_owned().await?;
+        let owned = list_owned(&self.h.ctd).await?;
         if let Some(net) = &self.h.net {
             let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
             collect_orphan_attachments(net, &live).await;
@@ -387,10 +387,6 @@ impl Executor {
         self.sync_networks().await;
         self.publish_status();
         Ok(())
-    }
-
-    async fn list_owned(&self) -> Result<Vec<OwnedContainer>, RuntimeError> {
-        list_owned(&self.h.ctd).await
     }
 
     /// Asks for a refresh of the listing once it is due; the passes go on
@@ -455,7 +451,7 @@ impl Executor {
                 }
             }
             Need::All => {
-                let owned = self.list_owned().await?;
+                let owned = list_owned(&self.h.ctd).await?;
                 self.listing.store(now, owned);
             }
         }
@@ -500,7 +496,7 @@ impl Executor {
             .settled
             .as_ref()
             .is_some_and(|d| Arc::ptr_eq(d, &desired))
-            && self.listing.need() == Need::Nothing;
+            && self.listing.is_current();
         let removals = if settled {
             0
         } else {
@@ -1128,9 +1124,8 @@ async fn list_owned(ctd: &Containerd) -> Result<Vec<OwnedContainer>, RuntimeErro
 const HALT_SLACK: Duration = Duration::from_secs(5);
 
 pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapshot, RuntimeError> {
-    let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;
     let mut rows = Vec::new();
-    for o in listed.iter().filter_map(OwnedContainer::from_container) {
+    for o in list_owned(ctd).await? {
         let (state, message) = match containers::task_state(ctd, &o.container_id).await? {
             TaskState::Running { .. } | TaskState::Paused => (State::Running, String::new()),
             TaskState::Stopped { exit_code: 0 } => {
