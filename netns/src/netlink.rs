@@ -206,7 +206,10 @@ impl Netlink {
     /// the lowest of its ports' and changes it as ports come and go, and
     /// every container's ARP entry for the gateway goes stale.
     pub async fn create_bridge(&self, name: &str, mac: Option<[u8; 6]>) -> Result<()> {
-        let builder = LinkBridge::new(name);
+        // Not `LinkBridge::new`: it asks for the link up, and kernels before
+        // 6.2 refuse to rename a link that is up (EBUSY), which the build
+        // under a temporary name does next.
+        let builder = LinkMessageBuilder::<LinkBridge>::new(name);
         let msg = match mac {
             Some(mac) => builder.address(mac.to_vec()),
             None => builder,

@@ -1216,3 +1216,27 @@ async fn a_port_published_after_a_host_server_reaches_the_container_from_its_old
     node.remove_network(s).await.unwrap();
     node.remove_rules().await.unwrap();
 }
+
+/// Found on a Debian 12 guest (kernel 6.1): the bridge is built under a
+/// temporary name and renamed into place, and kernels before 6.2 refuse to
+/// rename a link that is up (EBUSY), so no network came up there. A new
+/// bridge must be down until the build brings it up under its real name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_bridge_is_down_so_that_any_kernel_renames_it() {
+    if !ready("brdown") {
+        return;
+    }
+    let w = World::new("brdown");
+    let node = w.node();
+    let name = w.extra_ifname("b");
+    node.netlink().create_bridge(&name, None).await.unwrap();
+    let link = node.netlink().link(&name).await.unwrap().unwrap();
+    assert!(!link.up, "{name} was created up");
+    // And the network built from one ends up, under its real name.
+    let s = Subnet::from_slot(222);
+    let net = node.ensure_network("zt-p-brdown", s).await.unwrap();
+    let built = node.netlink().link(&net.bridge).await.unwrap().unwrap();
+    assert!(built.up, "{} is not up", net.bridge);
+    node.remove_network(s).await.unwrap();
+    node.remove_rules().await.unwrap();
+}
