@@ -615,3 +615,64 @@ async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
     })
     .await;
 }
+
+/// Issue 44.1 (H-11): an adopted instance is judged by its own probe, as a
+/// fresh start is. A service whose check always fails is never reported
+/// HEALTHY after a SIGTERM restart or a SIGKILL restart of the agent; one
+/// whose check passes is HEALTHY again, and neither task is restarted.
+#[tokio::test]
+async fn an_agent_restart_never_reports_a_failing_check_healthy() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-h11", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkm", "190-190");
+        let checked = |app: &str, check: &str| {
+            format!(
+                "[app]\nname = \"{app}\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
+                 [deploy.healthcheck]\ntype = \"exec\"\ncommand = \"{check}\"\ninterval = \"1s\"\n\
+                 [env.prod]\nreplicas = 1\ncommand = \"trap 'exit 0' TERM; while true; do sleep 1; done\"\nstop_grace = \"2s\"\n"
+            )
+        };
+        agent.write_manifest("bad.toml", &checked("bad", "false"));
+        agent.write_manifest("good.toml", &checked("good", "true"));
+        agent.start();
+        let state = |s: &serde_json::Value, app: &str| {
+            support::agent::row(s, app).map(|r| r["state"].as_str().unwrap_or_default().to_owned())
+        };
+        let s = agent.wait_for("good HEALTHY and bad running", |s| {
+            state(s, "good").as_deref() == Some("HEALTHY")
+                && matches!(state(s, "bad").as_deref(), Some("RUNNING" | "UNHEALTHY"))
+        });
+        let ids = support::agent::rows_by_id(&s, "container_id");
+        let pids = task_pids(&ctd, ids.values()).await;
+        assert_eq!(pids.len(), 2);
+
+        for how in ["SIGTERM", "SIGKILL"] {
+            if how == "SIGTERM" {
+                assert!(agent.term().expect("the agent exits on SIGTERM").success());
+            } else {
+                agent.kill9();
+            }
+            agent.start();
+            // Watched from the first answer on, past several check
+            // intervals: the failing service must never read HEALTHY.
+            let deadline = Instant::now() + Duration::from_secs(8);
+            let mut seen = Vec::new();
+            while Instant::now() < deadline {
+                if let Some(s) = agent.status()
+                    && let Some(bad) = state(&s, "bad")
+                {
+                    assert_ne!(bad, "HEALTHY", "after a {how} restart: {s:#}");
+                    seen.push(bad);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            assert!(!seen.is_empty(), "after a {how} restart: no status answered");
+            agent.wait_for(&format!("good HEALTHY after a {how} restart"), |s| {
+                state(s, "good").as_deref() == Some("HEALTHY")
+            });
+            assert_eq!(task_pids(&ctd, ids.values()).await, pids, "after a {how} restart: no task restarted");
+        }
+    })
+    .await;
+}

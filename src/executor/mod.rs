@@ -579,11 +579,11 @@ impl Executor {
         let mut adopt = Vec::new();
         for (id, o) in &self.owned {
             match self.workers.get_mut(&o.container_id) {
-                Some(w) if !w.has_spec => {
-                    if let Some(spec) = spec_of(id) {
-                        w.has_spec = true;
-                        w.send(Cmd::Spec(Some(Box::new(spec.clone()))));
-                    }
+                // Told even when the set has no spec for it: the worker
+                // then knows there is no check, and reports HEALTHY.
+                Some(w) if !w.has_spec && desired.contains_key(id) => {
+                    w.has_spec = true;
+                    w.send(Cmd::Spec(spec_of(id).cloned().map(Box::new)));
                 }
                 Some(_) => {}
                 None => adopt.push((o.clone(), spec_of(id).cloned())),

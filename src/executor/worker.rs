@@ -146,7 +146,9 @@ impl Worker {
                 .subnet
                 .map(|s| (s, o.project_id.clone(), o.environment_name.clone())),
         };
-        let has_spec = spec.is_some();
+        // A bring-up is handed its spec (or the lack of one) with the plan;
+        // an adopted container waits for the desired set to say.
+        let has_spec = matches!(start, Start::Run(_)) || spec.is_some();
         let (cmds, rx) = mpsc::unbounded_channel();
         tokio::spawn(run(ctx, container_id, start, spec, rx));
         Self {
@@ -195,7 +197,7 @@ async fn run(
             match result {
                 Ok(owned) => {
                     report(Event::Up(owned.clone()));
-                    let mut s = Supervisor::new(&ctx, owned, spec);
+                    let mut s = Supervisor::new(&ctx, owned, spec, true);
                     s.report_running();
                     s.start_monitor();
                     s.supervise(&mut cmds).await;
@@ -204,7 +206,8 @@ async fn run(
             }
         }
         Start::Adopt(owned) => {
-            let mut s = Supervisor::new(&ctx, owned, spec);
+            let known = spec.is_some();
+            let mut s = Supervisor::new(&ctx, owned, spec, known);
             if s.adopt().await {
                 s.supervise(&mut cmds).await;
             }
@@ -247,6 +250,11 @@ struct Supervisor<'a> {
     ctx: &'a Ctx,
     owned: OwnedContainer,
     spec: Option<ServiceSpec>,
+    /// Whether `spec` is the desired set's word. An adopted container is
+    /// known only by its labels, which carry no health check: until the
+    /// spec comes it has no monitor and stays RUNNING, never HEALTHY on a
+    /// check that was never run (H-11).
+    spec_known: bool,
     monitor: Option<Monitor>,
     health_tx: mpsc::Sender<HealthUpdate>,
     health_rx: mpsc::Receiver<HealthUpdate>,
@@ -260,13 +268,19 @@ struct Supervisor<'a> {
 }
 
 impl<'a> Supervisor<'a> {
-    fn new(ctx: &'a Ctx, owned: OwnedContainer, spec: Option<ServiceSpec>) -> Self {
+    fn new(
+        ctx: &'a Ctx,
+        owned: OwnedContainer,
+        spec: Option<ServiceSpec>,
+        spec_known: bool,
+    ) -> Self {
         let (health_tx, health_rx) = mpsc::channel(HEALTH_QUEUE);
         let restarts = owned.restarts;
         Self {
             ctx,
             owned,
             spec,
+            spec_known,
             monitor: None,
             health_tx,
             health_rx,
@@ -302,6 +316,9 @@ impl<'a> Supervisor<'a> {
     /// judged anew, so HEALTHY comes back after a crash loop (L-3, X-8).
     fn start_monitor(&mut self) {
         self.stop_monitor();
+        if !self.spec_known {
+            return;
+        }
         let Some((probe, timing)) =
             health::resolve(self.spec.as_ref(), self.owned.ip, &self.owned.container_id)
         else {
@@ -402,6 +419,7 @@ impl<'a> Supervisor<'a> {
                     }
                     Some(Cmd::Spec(spec)) => {
                         self.spec = spec.map(|s| *s);
+                        self.spec_known = true;
                         if self.monitor.is_none() {
                             self.start_monitor();
                         }
