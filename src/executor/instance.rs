@@ -310,6 +310,7 @@ pub async fn bring_up(
             netns: attachment.as_ref().map(|a| a.netns_path.clone()),
             cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
             image_architecture: image.config.architecture().to_string(),
+            cgroup_v2: spec::host_has_cgroup_v2(),
         };
         let oci =
             spec::build(&container_spec).map_err(|e| Failure(format!("create: spec: {e}")))?;

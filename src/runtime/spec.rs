@@ -86,6 +86,14 @@ pub struct ContainerSpec {
     /// The image's OCI architecture (`amd64`, `386`, ...): which syscall
     /// ABIs the seccomp filter lets through (see [`super::seccomp`]).
     pub image_architecture: String,
+    /// The host runs cgroup v2: the OOM killer then ends the whole
+    /// container (`memory.oom.group`), not only the process it picked.
+    pub cgroup_v2: bool,
+}
+
+/// Whether this host mounts the unified (v2) cgroup hierarchy.
+pub fn host_has_cgroup_v2() -> bool {
+    std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists()
 }
 
 /// The process argv from the image's ENTRYPOINT and CMD and the assignment's
@@ -227,6 +235,17 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
     }
     if c.pids_limit > 0 {
         resources = resources.pids(LinuxPidsBuilder::default().limit(c.pids_limit).build()?);
+    }
+    // On cgroup v2 the kernel kills only the process it picked: a child
+    // over the limit would die and leave a half-working container that
+    // reads RUNNING. As kubelet does, the whole container goes, and is
+    // reported and restarted like a main process killed for memory. (runc
+    // refuses unified keys on cgroup v1.)
+    if c.cgroup_v2 {
+        resources = resources.unified(std::collections::HashMap::from([(
+            "memory.oom.group".to_owned(),
+            "1".to_owned(),
+        )]));
     }
 
     let namespaces: Vec<LinuxNamespace> = [
@@ -464,5 +483,22 @@ mod tests {
         assert!(json["linux"]["resources"]["cpu"].is_null());
         assert!(json["linux"]["resources"]["memory"].is_null());
         assert!(json["linux"]["resources"]["pids"].is_null());
+        assert!(json["linux"]["resources"]["unified"].is_null());
+    }
+
+    #[test]
+    fn on_cgroup_v2_the_oom_killer_takes_the_whole_container() {
+        let spec = build(&ContainerSpec {
+            args: s(&["sh"]),
+            memory_mb: 16,
+            cgroup_v2: true,
+            ..ContainerSpec::default()
+        })
+        .unwrap();
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            json["linux"]["resources"]["unified"]["memory.oom.group"],
+            "1"
+        );
     }
 }
