@@ -1,0 +1,524 @@
+#!/usr/bin/env python3
+"""The VM lane: the agent as it is really installed, on real Debian guests
+that boot with systemd, cgroup v2 and kernel WireGuard.
+
+Each case boots a fresh guest from a cached image (Debian's packages only,
+see guest.py), installs dist/zattera-agent_*.deb in it with apt, and checks
+what a user of a packaged node relies on.
+
+    scripts/vm/lane.py [--suite bookworm --suite trixie] [CASE ...]
+    scripts/vm/lane.py image SUITE     build (or show) a cached image
+    scripts/vm/lane.py clean           remove what killed runs left
+
+Cases (default: all on bookworm; install and restart on trixie too):
+    install   apt install, doctor on cgroup v2, the unit to HEALTHY (active
+              only once ready), the journal, an OOM kill as FAILED "out of
+              memory (limit N MiB)", purge
+    restart   systemctl restart and an upgrade to a newer .deb: no task pid
+              changes, a failing health check never reads HEALTHY, the
+              edited agent.toml is kept
+    reboot    systemctl reboot with a published port, DNS and a volume in
+              use, then poweroff and a cold boot: every instance comes back,
+              nothing from before is left, the SIGTERM trap of a container
+              wrote into its volume both times; reports boot to all HEALTHY
+
+As root, after scripts/package.sh. A failed case keeps its guest's console
+log and journal under the run's directory, which the output names.
+    ZATTERA_VM_ACCEL=tcg|kvm   skip the KVM probe
+    ZATTERA_VM_KEEP=1          keep every case's directory
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import guest as vm  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[2]
+HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "openssh-client",
+              "iproute2", "busybox-static", "procps"]
+DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot"],
+                 "trixie": ["install", "restart"]}
+# Under TCG a guest is 5-20x slower than this host: generous bounds.
+HEALTHY_WITHIN = 300
+
+INSTALLED = [
+    "/usr/bin/zattera-agent", "/usr/bin/zattera-netns", "/etc/zattera/agent.toml",
+    "/usr/lib/systemd/system/zattera-agent.service", "/usr/share/man/man1/zattera-agent.1.gz",
+    "/usr/share/man/man1/zattera-netns.1.gz", "/usr/share/bash-completion/completions/zattera-agent",
+    "/usr/share/zsh/vendor-completions/_zattera-agent",
+    "/usr/share/fish/vendor_completions.d/zattera-agent.fish",
+]
+WEB = (HERE / "examples/web.toml").read_text()
+FAILING = """[app]
+name = "sick"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[deploy.healthcheck]
+type = "exec"
+command = "false"
+interval = "2s"
+[env.production]
+command = "trap 'exit 0' TERM; while true; do sleep 1; done"
+stop_grace = "2s"
+"""
+HOG = """[app]
+name = "hog"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[env.production]
+command = "exec dd if=/dev/zero of=/dev/null bs=64M count=1"
+[env.production.resources]
+memory_mb = 16
+"""
+# A child (not the main process) over the memory limit.
+CHILD_HOG = """[app]
+name = "childhog"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[env.production]
+command = "dd if=/dev/zero of=/dev/null bs=64M count=1; sleep 3600"
+[env.production.resources]
+memory_mb = 16
+"""
+# A fork bomb under a pids limit of 128, and a spinner under half a core.
+BOMB = """[app]
+name = "bomb"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[env.production]
+command = "b() { b | b & }; b; sleep 3600"
+[env.production.resources]
+pids = 128
+cpu_millis = 200
+"""
+SPIN = """[app]
+name = "spin"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[env.production]
+command = "x=$(head -c 8388608 /dev/zero | tr '\\\\0' a); while :; do :; done"
+[env.production.resources]
+cpu_millis = 500
+memory_mb = 64
+"""
+# Writes a line into its volume when stopped: proof of a graceful stop.
+KEEPER = """[app]
+name = "keeper"
+project = "demo"
+[build]
+type = "image"
+image = "docker.io/zattera/busybox:test"
+[env.production]
+command = "trap 'echo stopped >> /data/stops; exit 0' TERM; echo started >> /data/starts; while true; do sleep 1; done"
+stop_grace = "10s"
+[[env.production.volumes]]
+name = "data"
+mount_path = "/data"
+"""
+
+
+class CaseFailed(Exception):
+    pass
+
+
+def expect(cond, what):
+    if not cond:
+        raise CaseFailed(what)
+
+
+def host_tools():
+    missing = [p for p in HOST_TOOLS if subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True
+    ).stdout.find("ok installed") < 0]
+    if missing:
+        vm.say(f"installing {' '.join(missing)} on the host")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                       check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def packages():
+    dist = HERE / "dist"
+    debs = sorted(p for p in dist.glob("zattera-agent_*_amd64.deb") if "+fresh" not in p.name)
+    upgrades = sorted(dist.glob("zattera-agent_*+fresh*_amd64.deb"))
+    if not debs or not upgrades:
+        raise SystemExit("vm lane: no dist/zattera-agent_*.deb (and its +fresh upgrade); "
+                         "run scripts/package.sh first")
+    return debs[-1], upgrades[-1]
+
+
+def test_image(work):
+    """The busybox OCI archive the manifests run (no registry in a guest)."""
+    out = work / "images"
+    if not (out / "busybox-oci.tar").exists():
+        subprocess.run([sys.executable, str(HERE / "scripts/mkimage.py"), str(out)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return out / "busybox-oci.tar"
+
+
+class Node:
+    """A guest with the agent's package installed (by `install`)."""
+
+    def __init__(self, g, ctx):
+        self.g = g
+        self.ctx = ctx
+
+    def install(self, manifests):
+        g = self.g
+        g.put(self.ctx.deb, f"/root/{self.ctx.deb.name}")
+        g.put(self.ctx.upgrade, f"/root/{self.ctx.upgrade.name}")
+        g.put(self.ctx.image, "/root/busybox-oci.tar")
+        g.sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/{self.ctx.deb.name}",
+             timeout=600)
+        for name, text in manifests.items():
+            g.write(f"/etc/zattera/manifests/{name}", text)
+        g.sh("echo 'manifests = \"/etc/zattera/manifests\"' >> /etc/zattera/agent.toml")
+        g.sh("zattera-agent image import /root/busybox-oci.tar", timeout=600)
+
+    def status(self):
+        out = self.g.sh("zattera-agent status --json", timeout=60, check=False)
+        if out.returncode != 0:
+            return None
+        try:
+            return json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    def states(self):
+        s = self.status() or {}
+        return {(r.get("app"), r.get("id")): r for r in s.get("assignments", [])}
+
+    def wait(self, what, done, timeout=HEALTHY_WITHIN):
+        deadline = time.time() + timeout
+        last = None
+        while time.time() < deadline:
+            s = self.status()
+            if s is not None:
+                last = s
+                if done(s):
+                    return s
+            time.sleep(2)
+        raise CaseFailed(f"not {what} within {timeout} s; last status: {json.dumps(last)[:3000]}")
+
+    def task_cgroups(self):
+        """Each task's pid with its cgroup, as the kernel says."""
+        return {pid: self.g.sh(f"cat /proc/{pid}/cgroup", check=False).stdout.strip()
+                for _, pid in self.task_pids()}
+
+    def task_pids(self):
+        out = self.g.sh("ctr -n zattera task ls", timeout=60)
+        return sorted(line.split()[:2] for line in out.splitlines()[1:] if "RUNNING" in line)
+
+
+def rows(s, app):
+    return [r for r in s.get("assignments", []) if r.get("app") == app]
+
+
+def all_in(s, app, n, state):
+    r = rows(s, app)
+    return len(r) == n and all(x.get("state") == state for x in r)
+
+
+# --- cases --------------------------------------------------------------------
+
+def case_install(ctx, g):
+    node = Node(g, ctx)
+    node.install({"web.toml": WEB, "hog.toml": HOG})
+    for f in INSTALLED:
+        expect(g.ok(f"test -e {f}"), f"{f} is not installed")
+    expect(g.ok("test -L /etc/systemd/system/multi-user.target.wants/zattera-agent.service"),
+           "the unit is not enabled by the package")
+    expect(g.sh("stat -c %a /var/lib/zattera /etc/zattera/agent.toml").split() == ["700", "600"],
+           "/var/lib/zattera is not 0700, or agent.toml not 0600")
+    doctor = g.sh("zattera-agent doctor", check=False)
+    expect(doctor.returncode == 0, f"doctor fails:\n{doctor.stdout}{doctor.stderr}")
+    expect(g.sh("stat -fc %T /sys/fs/cgroup").strip() == "cgroup2fs", "the guest is not on cgroup v2")
+    ctx.facts["cgroup"] = "v2"
+    # Type=notify: `systemctl start` returns once the agent said READY=1,
+    # and by then its admin socket serves.
+    g.sh("systemctl enable --now zattera-agent", timeout=300)
+    expect(g.sh("systemctl is-active zattera-agent", check=False).stdout.strip() == "active",
+           "the unit is not active after enable --now")
+    expect(node.status() is not None, "the unit is active but the admin socket does not answer")
+    t0 = time.time()
+    node.wait("web 2 x HEALTHY", lambda s: all_in(s, "web", 2, "HEALTHY"))
+    ctx.facts["install: unit start to HEALTHY"] = f"{time.time() - t0:.0f} s"
+    body = g.sh("curl -fsS --max-time 10 http://127.0.0.1:8080/whoami.txt", check=False)
+    expect(body.returncode == 0 and "served by" in body.stdout, f"port 8080: {body.stdout}{body.stderr}")
+    journal = g.sh("journalctl -u zattera-agent --no-pager")
+    expect("manifests loaded" in journal, f"the agent's lines are not in the journal:\n{journal[-2000:]}")
+    node.wait("hog FAILED out of memory", lambda s: any(
+        r.get("state") == "FAILED" and r.get("message") == "out of memory (limit 16 MiB)"
+        for r in rows(s, "hog")))
+    g.sh("DEBIAN_FRONTEND=noninteractive dpkg --purge zattera-agent", timeout=300)
+    for f in INSTALLED:
+        expect(not g.ok(f"test -e {f}"), f"{f} is left after the purge")
+    expect(not g.ok("test -e /etc/systemd/system/multi-user.target.wants/zattera-agent.service"),
+           "the unit's enablement is left after the purge")
+    expect(g.ok("test -d /var/lib/zattera/logs"), "the purge removed /var/lib/zattera")
+
+
+def case_cgroup(ctx, g):
+    node = Node(g, ctx)
+    node.install({"web.toml": WEB, "spin.toml": SPIN})
+    g.sh("echo 'metrics-listen = \"127.0.0.1:9464\"' >> /etc/zattera/agent.toml")
+    g.sh("systemctl enable --now zattera-agent", timeout=300)
+    s = node.wait("web and spin up", lambda s: all_in(s, "web", 2, "HEALTHY")
+                  and all_in(s, "spin", 1, "HEALTHY"))
+    cid = rows(s, "spin")[0]["container_id"]
+    cg = f"/sys/fs/cgroup/zattera/zattera/{cid}"
+    expect(g.sh(f"cat {cg}/cpu.max").split() == ["50000", "100000"], "spin's cpu.max is not half a core")
+    expect(g.sh(f"cat {cg}/memory.max").strip() == str(64 << 20), "spin's memory.max is not 64 MiB")
+    # `stats` against the cgroup v2 files, read right after.
+    time.sleep(15)
+    stats = json.loads(g.sh("zattera-agent stats --json spin.production.demo"))
+    stats = stats if isinstance(stats, list) else stats.get("instances", [stats])
+    expect(len(stats) == 1, f"stats: {stats}")
+    current = int(g.sh(f"cat {cg}/memory.current").strip())
+    mem = stats[0]["memory_bytes"]
+    expect(abs(mem - current) <= max(current // 4, 2 << 20),
+           f"stats memory {mem} against memory.current {current}")
+    cpu = stats[0]["cpu_percent"]
+    expect(20 <= cpu <= 60, f"stats cpu {cpu}% for a spinner under cpu.max 50000/100000")
+    ctx.facts["cgroup: spin stats against the cgroup"] = f"cpu {cpu:.0f}% (max 50), memory {mem} / {current}"
+    metrics = g.sh("curl -fsS --max-time 10 http://127.0.0.1:9464/metrics")
+    psi = [line for line in metrics.splitlines()
+           if line.startswith("zattera_instance_pressure_seconds") and 'app="spin"' in line]
+    expect(any('resource="cpu"' in line for line in psi) and any('resource="memory"' in line for line in psi),
+           f"no PSI series for spin on /metrics: {psi}")
+    # A child over the limit takes the whole container (memory.oom.group):
+    # not a container that lost a process and reads RUNNING.
+    g.write("/etc/zattera/manifests/childhog.toml", CHILD_HOG)
+    node.wait("childhog FAILED out of memory", lambda s: any(
+        r.get("state") == "FAILED" and r.get("message") == "out of memory (limit 16 MiB)"
+        for r in rows(s, "childhog")))
+    g.sh("rm /etc/zattera/manifests/childhog.toml")
+    # A fork bomb is held by its pids limit, and the node stays up.
+    g.write("/etc/zattera/manifests/bomb.toml", BOMB)
+    s = node.wait("bomb running", lambda s: len(rows(s, "bomb")) == 1
+                  and rows(s, "bomb")[0].get("container_id")
+                  and rows(s, "bomb")[0].get("state") in ("RUNNING", "HEALTHY"))
+    bomb = f"/sys/fs/cgroup/zattera/zattera/{rows(s, 'bomb')[0]['container_id']}"
+    deadline = time.time() + 120
+    while time.time() < deadline and not g.ok(f"grep -q '^max [1-9]' {bomb}/pids.events"):
+        time.sleep(2)
+    expect(g.ok(f"grep -q '^max [1-9]' {bomb}/pids.events"), "the bomb never reached its pids limit")
+    current = int(g.sh(f"cat {bomb}/pids.current").strip())
+    expect(current <= 128, f"the bomb has {current} pids under a limit of 128")
+    node.wait("web HEALTHY beside the bomb", lambda s: all_in(s, "web", 2, "HEALTHY"), timeout=120)
+    body = g.sh("curl -fsS --max-time 20 http://127.0.0.1:8080/whoami.txt", check=False)
+    expect(body.returncode == 0, "port 8080 does not answer beside the bomb")
+    g.sh("rm /etc/zattera/manifests/bomb.toml")
+    node.wait("the bomb removed", lambda s: not rows(s, "bomb"), timeout=180)
+
+
+def settled(node):
+    return lambda s: all_in(s, "web", 2, "HEALTHY") and len(rows(s, "sick")) == 1 \
+        and rows(s, "sick")[0].get("state") in ("RUNNING", "UNHEALTHY")
+
+
+def never_healthy(node, app, seconds, how):
+    deadline = time.time() + seconds
+    seen = []
+    while time.time() < deadline:
+        s = node.status()
+        if s is not None:
+            for r in rows(s, app):
+                expect(r.get("state") != "HEALTHY",
+                       f"after {how}: {app}, whose check always fails, reads HEALTHY")
+                seen.append(r.get("state"))
+        time.sleep(1)
+    expect(seen, f"after {how}: no status answered for {seconds} s")
+
+
+def case_restart(ctx, g):
+    node = Node(g, ctx)
+    node.install({"web.toml": WEB, "sick.toml": FAILING})
+    g.sh("systemctl enable --now zattera-agent", timeout=300)
+    node.wait("web HEALTHY, sick not", settled(node))
+    pids = node.task_pids()
+    expect(len(pids) == 3, f"3 tasks, not {pids}")
+    cgroups = node.task_cgroups()
+    for how, command in [
+        ("systemctl daemon-reload", "systemctl daemon-reload"),
+        ("systemctl restart", "systemctl restart zattera-agent"),
+        ("an upgrade", f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/{ctx.upgrade.name}"),
+    ]:
+        before = g.sh("systemctl show -p MainPID --value zattera-agent").strip()
+        g.sh(command, timeout=600)
+        after = g.sh("systemctl show -p MainPID --value zattera-agent").strip()
+        # systemd never moves or kills the containers' processes.
+        expect(node.task_cgroups() == cgroups,
+               f"{how}: the tasks' cgroups changed: {cgroups} -> {node.task_cgroups()}")
+        if how == "systemctl daemon-reload":
+            expect(after == before, f"{how} restarted the agent")
+            expect(node.task_pids() == pids, f"{how}: task pids changed")
+            continue
+        if how == "an upgrade":
+            expect("+fresh" in g.sh("dpkg-query -W -f='${Version}' zattera-agent"), "the upgrade did not install")
+            expect(g.ok("grep -q '^manifests = ' /etc/zattera/agent.toml"), "the upgrade lost the edited agent.toml")
+            if after == before:
+                # The package restarts a running unit on upgrade; if it did
+                # not, the old binary still runs and nothing is tested.
+                raise CaseFailed("the upgrade did not restart the agent")
+        expect(after != before and after != "0", f"{how}: the agent did not restart ({before} -> {after})")
+        never_healthy(node, "sick", 20, how)
+        node.wait(f"web HEALTHY after {how}", settled(node))
+        expect(node.task_pids() == pids, f"{how}: task pids changed: {pids} -> {node.task_pids()}")
+
+
+def case_reboot(ctx, g):
+    node = Node(g, ctx)
+    node.install({"web.toml": WEB, "keeper.toml": KEEPER})
+    g.sh("systemctl enable --now zattera-agent", timeout=300)
+    up = lambda s: all_in(s, "web", 2, "HEALTHY") and all_in(s, "keeper", 1, "HEALTHY")  # noqa: E731
+    node.wait("web and keeper HEALTHY", up)
+    volume = g.sh("find /var/lib/zattera/volumes -name starts -path '*keeper*' | head -n 1").strip() \
+        or g.sh("find /var/lib/zattera/volumes -name starts | head -n 1").strip()
+    expect(volume, "the keeper's volume has no starts file")
+    data = os.path.dirname(volume)
+    web_ips = [r.get("ip") for r in rows(node.status(), "web") if r.get("ip")]
+    expect(web_ips, "the web instances have no IP in status")
+    for round_, how in [(1, "reboot"), (2, "poweroff")]:
+        if how == "reboot":
+            _, t_down = g.reboot("reboot")
+        else:
+            g.sh("systemctl poweroff", check=False, timeout=60)
+            t_down = time.time()
+            deadline = time.time() + 300
+            while g.proc.poll() is None and time.time() < deadline:
+                time.sleep(1)
+            expect(g.proc.poll() is not None, "the guest did not power off within 300 s")
+            g.power_on()
+            g.wait_up(400)
+        node.wait(f"every instance HEALTHY after {how}", up)
+        uptime = float(g.sh("cut -d' ' -f1 /proc/uptime").strip())
+        ctx.facts[f"{ctx.suite} boot to all HEALTHY after {how} (guest uptime, TCG)"] = f"{uptime:.0f} s"
+        stops = g.sh(f"cat {data}/stops", check=False).stdout.split()
+        expect(stops.count("stopped") == round_,
+               f"after {how}: the keeper's SIGTERM trap wrote {stops.count('stopped')} of {round_} lines")
+        expect(g.sh(f"cat {data}/starts").split().count("started") == round_ + 1,
+               f"after {how}: the keeper's volume lost its earlier lines")
+        body = g.sh("curl -fsS --max-time 10 http://127.0.0.1:8080/whoami.txt", check=False)
+        expect(body.returncode == 0, f"after {how}: port 8080 does not answer")
+        # From inside the keeper, through its gateway's DNS (the IPs may be
+        # new after a boot).
+        web_ips = [r.get("ip") for r in rows(node.status(), "web") if r.get("ip")]
+        keeper = rows(node.status(), "keeper")[0].get("container_id")
+        answer = g.sh(f"ctr -n zattera task exec --exec-id dns{round_} {keeper} "
+                      f"nslookup web.internal", check=False)
+        expect(any(f"Address: {ip}" in answer.stdout for ip in web_ips),
+               f"after {how}: DNS does not answer web.internal with {web_ips}: "
+               f"{answer.stdout}{answer.stderr}")
+        tasks = len(node.task_pids())
+        netns = int(g.sh("ls /run/zattera/netns | wc -l").strip())
+        veths = int(g.sh("ip -o link show type veth | wc -l").strip())
+        expect(netns == tasks == 3, f"after {how}: {netns} netns files, {tasks} tasks (3 wanted)")
+        expect(veths == tasks, f"after {how}: {veths} veths for {tasks} tasks")
+        tables = g.sh("nft list tables").split("\n")
+        expect(len([t for t in tables if t.strip()]) <= 2, f"after {how}: nft tables {tables}")
+        del t_down
+
+
+CASES = {"install": case_install, "cgroup": case_cgroup, "restart": case_restart,
+         "reboot": case_reboot}
+
+
+class Ctx:
+    def __init__(self, suite, deb, upgrade, image, facts):
+        self.suite = suite
+        self.deb = deb
+        self.upgrade = upgrade
+        self.image = image
+        self.facts = facts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", action="append", choices=vm.SUITES)
+    ap.add_argument("cases", nargs="*")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("vm lane: must run as root")
+    if args.cases[:1] == ["clean"]:
+        vm.clean_stale()
+        return 0
+    host_tools()
+    if args.cases[:1] == ["image"]:
+        for suite in args.cases[1:] or vm.SUITES:
+            img = vm.Image(suite).build()
+            print(img.dir)
+        return 0
+    vm.clean_stale()
+    plan = []
+    for suite in args.suite or list(DEFAULT_CASES):
+        for case in args.cases or DEFAULT_CASES[suite]:
+            if case not in CASES:
+                raise SystemExit(f"vm lane: unknown case {case} ({', '.join(CASES)})")
+            plan.append((suite, case))
+    deb, upgrade = packages()
+    run_id = str(os.getpid())
+    artifacts = vm.WORK / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    artifacts.mkdir(parents=True, exist_ok=True)
+    image = test_image(vm.WORK)
+    net = vm.Network(run_id)
+    failed = []
+    facts = {}
+    try:
+        for n, (suite, case) in enumerate(plan):
+            img = vm.Image(suite).build()
+            accel = os.environ.get("ZATTERA_VM_ACCEL") or ("kvm" if vm.kvm_boots(img) else "tcg")
+            facts[f"{suite} versions"] = img.versions.read_text().replace("\n", " ").strip()
+            facts[f"{suite} accel"] = accel
+            t0 = time.time()
+            g = vm.Guest(img, net, f"{case}-{suite}", n, accel, artifacts)
+            try:
+                g.wait_up(400)
+                facts[f"{suite} boot to ssh"] = f"{time.time() - t0:.0f} s"
+                CASES[case](Ctx(suite, deb, upgrade, image, facts), g)
+                vm.say(f"PASS {case} on {suite} ({time.time() - t0:.0f} s)")
+                if os.environ.get("ZATTERA_VM_KEEP") != "1":
+                    g.stop()
+                    shutil.rmtree(g.dir, ignore_errors=True)
+            except (CaseFailed, vm.GuestError, subprocess.SubprocessError) as e:
+                g.keep_journal()
+                vm.say(f"FAIL {case} on {suite} ({time.time() - t0:.0f} s): {e}")
+                if not isinstance(e, CaseFailed):
+                    traceback.print_exc()
+                vm.say(f"  console log and journal: {g.dir}")
+                failed.append(f"{case} on {suite}")
+            finally:
+                g.stop()
+    finally:
+        net.close()
+    for k, v in facts.items():
+        vm.say(f"  {k}: {v}")
+    if failed:
+        vm.say(f"vm lane: {len(failed)} of {len(plan)} cases failed: {', '.join(failed)}")
+        return 1
+    vm.say(f"vm lane: all {len(plan)} cases passed")
+    if os.environ.get("ZATTERA_VM_KEEP") != "1":
+        shutil.rmtree(artifacts, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
