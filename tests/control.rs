@@ -1649,7 +1649,7 @@ async fn the_binary_joins_and_runs_under_control() {
             &[],
         )
         .await;
-        assert_eq!(got.2, Some(126), "{got:?}");
+        assert_eq!(got.2, Some(-1), "EX-5: {got:?}");
         assert!(got.1.contains("no-such-container"), "{got:?}");
         let mut no_id = start(&["true"], false);
         no_id.container_id.clear();

@@ -6,8 +6,9 @@
 //! reference kills it); on a terminal, where that would hang the terminal
 //! up, stdin stays open and the process ends by itself or with the caller. When the caller goes away, the process is killed.
 //! Output frames follow the process; the last frame has `exited` and the
-//! code. A runtime failure is reported in the last frame, on stderr, with
-//! code 126, and the call still ends OK.
+//! code. A runtime failure after a valid start (no such container, a
+//! stopped task, an exec containerd refused) is reported in the last frame,
+//! on stderr, with code -1, and the call still ends OK (EX-5).
 
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -18,8 +19,9 @@ use crate::runtime::exec_session::{self, ExecEvent, SessionRequest};
 
 use super::{NodeContext, Out};
 
-/// The code of a process that could not be started.
-const NOT_STARTED: i32 = 126;
+/// The code of a process that could not be started (EX-5: -1, as the
+/// reference sends; never a code a process could exit with).
+const NOT_STARTED: i32 = -1;
 
 pub async fn exec(
     node: &NodeContext,
