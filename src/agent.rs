@@ -72,7 +72,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             if let Some(id) = config.node_id.as_ref().filter(|id| **id != sync.node_id) {
                 anyhow::bail!("--node-id {id}: this node enrolled as {}", sync.node_id);
             }
-            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             Some((sync, tx, rx))
         }
         None => None,

@@ -280,7 +280,7 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
     let mut cp = ControlPlane::start(&[SECRET]).await;
     let (data, node_id) = joined(&cp).await;
     let (desired_tx, mut desired_rx) = watch::channel(None);
-    let (batches, batches_rx) = mpsc::channel(64);
+    let (batches, batches_rx) = mpsc::unbounded_channel();
     let task = sync::spawn(
         sync_config(&cp, data.path()),
         desired_tx,
@@ -322,7 +322,6 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
     for state in [State::Pulling, State::Starting, State::Running] {
         batches
             .send(vec![Observation::new("a1", state).container("c1")])
-            .await
             .unwrap();
     }
     let running = InstanceState::Running as i32;
@@ -364,7 +363,6 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
     cp.stop().await;
     batches
         .send(vec![Observation::new("a1", State::Healthy).container("c1")])
-        .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     cp.restart().await;
@@ -408,7 +406,7 @@ fn start_sync(cp: &ControlPlane, data: &Path, node_id: &str, tls: NodeTls) -> Ab
     cfg.node_id = node_id.into();
     cfg.tls = tls::fixed(tls);
     let (desired_tx, _) = watch::channel(None);
-    let (_, batches_rx) = mpsc::channel(1);
+    let (_, batches_rx) = mpsc::unbounded_channel();
     AbortOnDrop(sync::spawn(cfg, desired_tx, batches_rx, zattera_agent::metrics::none()).unwrap())
 }
 
@@ -517,7 +515,7 @@ impl Node {
             log_retention: zattera_agent::logs::Retention::default(),
             metrics: std::sync::Arc::default(),
         };
-        let (batches_tx, batches_rx) = mpsc::channel(64);
+        let (batches_tx, batches_rx) = mpsc::unbounded_channel();
         let (exec, handle) = Executor::new(
             cfg,
             ctd.clone(),

@@ -4,10 +4,12 @@
 //! It belongs to the agent, not to a session, so it buffers while control
 //! is away. Reports queue as batches in arrival order; a batch never holds
 //! two reports of one assignment, so every transition goes out in order.
-//! When more than `batches` are waiting, the two oldest are merged per
-//! assignment (latest state wins; the last non-empty port bindings are
-//! kept); when more than `entries` reports are waiting, the OLDEST are
-//! dropped, unlike the reference, which drops the newest. It also
+//! When more than `batches` are waiting, or more than `entries` reports,
+//! the two oldest batches are merged per assignment (latest state wins; the
+//! last non-empty port bindings are kept). The latest report of an
+//! assignment is never dropped (the reference drops the newest when full):
+//! past the cap only older states of assignments with newer ones waiting
+//! go, so what waits is at most one report per assignment. It also
 //! remembers the latest report of every assignment of the current set and
 //! re-queues them after each hello, so a report lost with a broken session
 //! is resent (control's last-write-wins makes that safe).
@@ -25,8 +27,8 @@ pub const DEFAULT_BATCHES: usize = 64;
 /// Reports waiting in all batches together.
 pub const DEFAULT_ENTRIES: usize = 4096;
 
-/// One frame's worth of reports, at most one per assignment, remembering
-/// arrival order so the oldest can be dropped first.
+/// One frame's worth of reports, at most one per assignment, in arrival
+/// order (a fold keeps it).
 #[derive(Debug, Default)]
 struct Batch {
     order: VecDeque<String>,
@@ -46,11 +48,6 @@ impl Batch {
         self.order.push_back(id);
         replaced
     }
-    fn pop_oldest(&mut self) -> Option<String> {
-        let id = self.order.pop_front()?;
-        self.map.remove(&id);
-        Some(id)
-    }
     fn len(&self) -> usize {
         self.map.len()
     }
@@ -64,7 +61,8 @@ pub struct StatusQueue {
     batches: VecDeque<Batch>,
     entries: usize,
     latest: HashMap<String, AssignmentObserved>,
-    dropped: u64,
+    /// Older states replaced by a newer one of the same assignment.
+    folded: u64,
 }
 
 impl StatusQueue {
@@ -75,7 +73,7 @@ impl StatusQueue {
             batches: VecDeque::new(),
             entries: 0,
             latest: HashMap::new(),
-            dropped: 0,
+            folded: 0,
         }
     }
 
@@ -106,8 +104,12 @@ impl StatusQueue {
     }
 
     fn bound(&mut self) {
-        // Too many batches: fold the oldest two, the newer report winning.
-        while self.batches.len() > self.max_batches {
+        // Too many batches or reports: fold the oldest two, the newer report
+        // winning. One batch holds one report per assignment, so folding
+        // ends with every assignment's latest state and nothing else.
+        while self.batches.len() > 1
+            && (self.batches.len() > self.max_batches || self.entries > self.max_entries)
+        {
             let (Some(mut oldest), Some(next)) =
                 (self.batches.pop_front(), self.batches.pop_front())
             else {
@@ -119,25 +121,10 @@ impl StatusQueue {
                     && oldest.put(id, obs)
                 {
                     self.entries -= 1;
+                    self.folded += 1;
                 }
             }
             self.batches.push_front(oldest);
-        }
-        // Too many reports: drop from the oldest batch.
-        while self.entries > self.max_entries {
-            let Some(front) = self.batches.front_mut() else {
-                break;
-            };
-            let Some(id) = front.pop_oldest() else {
-                self.batches.pop_front();
-                continue;
-            };
-            if front.map.is_empty() {
-                self.batches.pop_front();
-            }
-            self.entries -= 1;
-            self.dropped += 1;
-            tracing::warn!(assignment = %id, "status queue full: dropped the oldest report");
         }
     }
 
@@ -192,8 +179,8 @@ impl StatusQueue {
     pub fn is_empty(&self) -> bool {
         self.entries == 0
     }
-    pub fn dropped(&self) -> u64 {
-        self.dropped
+    pub fn folded(&self) -> u64 {
+        self.folded
     }
 }
 
@@ -235,7 +222,10 @@ impl QueueHandle {
 }
 
 /// Starts the queue task fed by the executor's `batches`.
-pub fn spawn(queue: StatusQueue, batches: mpsc::Receiver<Vec<Observation>>) -> QueueHandle {
+pub fn spawn(
+    queue: StatusQueue,
+    batches: mpsc::UnboundedReceiver<Vec<Observation>>,
+) -> QueueHandle {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(run(queue, batches, rx));
     QueueHandle { tx }
@@ -243,7 +233,7 @@ pub fn spawn(queue: StatusQueue, batches: mpsc::Receiver<Vec<Observation>>) -> Q
 
 async fn run(
     mut q: StatusQueue,
-    mut batches: mpsc::Receiver<Vec<Observation>>,
+    mut batches: mpsc::UnboundedReceiver<Vec<Observation>>,
     mut commands: mpsc::Receiver<Command>,
 ) {
     let mut waiter: Option<oneshot::Sender<StatusBatch>> = None;
@@ -347,20 +337,32 @@ mod tests {
         );
     }
 
+    /// Issue 44.4: past the cap, older states fold into newer ones; the
+    /// latest report of every assignment stays, however many there are.
     #[test]
-    fn drops_the_oldest_when_full() {
-        let mut q = StatusQueue::new(1, 2);
-        q.push("a", obs(InstanceState::Running, &[]));
-        q.push("b", obs(InstanceState::Running, &[]));
-        q.push("c", obs(InstanceState::Running, &[]));
-        q.push("d", obs(InstanceState::Running, &[]));
-        assert_eq!(q.dropped(), 2);
-        assert_eq!(q.len(), 2);
-        let b = q.take().unwrap();
+    fn never_drops_the_latest_report_of_an_assignment() {
+        let mut q = StatusQueue::new(4, 8);
+        for round in [
+            InstanceState::Starting,
+            InstanceState::Running,
+            InstanceState::Healthy,
+        ] {
+            for i in 0..300 {
+                q.push(&format!("a{i}"), obs(round, &[]));
+            }
+        }
+        let mut seen = BTreeMap::new();
+        while let Some(b) = q.take() {
+            for (id, o) in b.observed {
+                seen.insert(id, o.state);
+            }
+        }
+        assert_eq!(seen.len(), 300, "every assignment reaches control");
         assert!(
-            b.observed.contains_key("c") && b.observed.contains_key("d"),
-            "the newest stay: {b:?}"
+            seen.values().all(|s| *s == InstanceState::Healthy as i32),
+            "with its last state"
         );
+        assert_eq!(q.folded(), 600);
     }
 
     #[test]
@@ -395,13 +397,12 @@ mod tests {
 
     #[tokio::test]
     async fn task_hands_out_batches_and_keeps_them_for_a_dead_taker() {
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::unbounded_channel();
         let q = spawn(StatusQueue::new(8, 64), rx);
         tx.send(vec![Observation::new(
             "a",
             crate::executor::status::State::Pulling,
         )])
-        .await
         .unwrap();
         let b = q.next_batch().await.unwrap();
         assert_eq!(state(&b, "a"), Some(InstanceState::Pulling as i32));
@@ -413,7 +414,6 @@ mod tests {
             "b",
             crate::executor::status::State::Running,
         )])
-        .await
         .unwrap();
         let b = q.next_batch().await.unwrap();
         assert_eq!(state(&b, "b"), Some(InstanceState::Running as i32));

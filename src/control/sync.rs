@@ -99,7 +99,7 @@ pub enum SessionError {
 pub fn spawn(
     cfg: SyncConfig,
     desired: watch::Sender<Option<AssignmentSet>>,
-    batches: mpsc::Receiver<Vec<Observation>>,
+    batches: mpsc::UnboundedReceiver<Vec<Observation>>,
     samples: watch::Receiver<InstanceSamples>,
 ) -> Result<tokio::task::JoinHandle<()>, TlsError> {
     // Checked once: a bad key or certificate is a startup error, not a retry.

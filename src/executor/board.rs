@@ -22,11 +22,11 @@ struct Record {
 pub(super) struct Board {
     records: HashMap<String, Record>,
     /// The control stream's batches; `None` in standalone.
-    batches: Option<mpsc::Sender<Vec<Observation>>>,
+    batches: Option<mpsc::UnboundedSender<Vec<Observation>>>,
 }
 
 impl Board {
-    pub fn new(batches: Option<mpsc::Sender<Vec<Observation>>>) -> Self {
+    pub fn new(batches: Option<mpsc::UnboundedSender<Vec<Observation>>>) -> Self {
         Self {
             records: HashMap::new(),
             batches,
@@ -50,8 +50,10 @@ impl Board {
                 record.observation = Some(obs.clone());
             }
         }
+        // Unbounded, so never dropped: the queue task reads it at once
+        // (it never waits for control) and folds per assignment.
         if let Some(tx) = &self.batches {
-            let _ = tx.try_send(batch);
+            let _ = tx.send(batch);
         }
     }
 
@@ -110,6 +112,22 @@ mod tests {
         // A new container starts over.
         b.emit(vec![Observation::new("a", State::Running).container("c2")]);
         assert!(!b.is_healthy("a"));
+    }
+
+    /// Issue 44.4: a bounded channel and `try_send` lost what did not fit,
+    /// and a lost HEALTHY or FAILED was never sent again.
+    #[test]
+    fn every_batch_reaches_the_queue_however_slowly_it_reads() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut b = Board::new(Some(tx));
+        for i in 0..300 {
+            b.emit(vec![Observation::new(&format!("a{i}"), State::Healthy)]);
+        }
+        let mut n = 0;
+        while let Ok(batch) = rx.try_recv() {
+            n += batch.len();
+        }
+        assert_eq!(n, 300);
     }
 
     #[test]

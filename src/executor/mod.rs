@@ -181,7 +181,7 @@ impl Executor {
         ctd: Containerd,
         net: Option<Arc<NetNode>>,
         dns: Option<Arc<DnsServer>>,
-        batches: Option<mpsc::Sender<Vec<Observation>>>,
+        batches: Option<mpsc::UnboundedSender<Vec<Observation>>>,
     ) -> (Self, ExecutorHandle) {
         let (desired_tx, desired_rx) = watch::channel(None);
         let (halt_tx, halt_rx) = mpsc::channel(1);
