@@ -81,6 +81,17 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     // credential and trust the cluster CA; a renewal replaces them and the
     // identity every connection presents.
     let (notices_tx, notices_rx) = tokio::sync::watch::channel(Vec::new());
+    // Who may call the node API: the join's control peers and the
+    // configured ids, then (with the mesh) whatever each peer set says.
+    let (controls_tx, controls) = tokio::sync::watch::channel(
+        control
+            .as_ref()
+            .map(|(sync, _, _)| sync.control_node_ids.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .chain(config.control_node_ids.iter().cloned())
+            .collect::<std::collections::BTreeSet<String>>(),
+    );
     let mut renewer = None;
     let mut mesh_ip = None;
     let cluster_registry = match &mut control {
@@ -90,7 +101,11 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 .context("the node enrollment")?;
             // The mesh is up (from the last peer set) before anything binds
             // on its address or dials control through it.
-            mesh_ip = start_mesh(&config, &enrollment, sync, &logger_binary).await?;
+            let feed = crate::mesh::watch::ControlFeed {
+                tx: controls_tx,
+                configured: config.control_node_ids.iter().cloned().collect(),
+            };
+            mesh_ip = start_mesh(&config, &enrollment, sync, &logger_binary, feed).await?;
             let tls = Arc::clone(&sync.tls.borrow());
             let registry = enrollment.cluster_registry(&tls).map(Arc::new);
             let (registry_tx, registry_rx) = tokio::sync::watch::channel(registry);
@@ -279,12 +294,6 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 },
                 builder: builder(&config, &ctd, sync.tls.clone(), cluster_registry.clone()),
             };
-            let controls = crate::control::node_api::control_ids(
-                sync.control_node_ids
-                    .iter()
-                    .chain(&config.control_node_ids)
-                    .cloned(),
-            );
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
@@ -292,7 +301,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 &sync,
                 &node_api_listen,
                 node,
-                controls,
+                controls.clone(),
                 Arc::clone(&metrics),
             )
             .await;
@@ -535,6 +544,7 @@ async fn start_mesh(
     enrollment: &crate::control::identity::Enrollment,
     sync: &mut crate::control::sync::SyncConfig,
     device_binary: &std::path::Path,
+    controls: crate::mesh::watch::ControlFeed,
 ) -> Result<Option<std::net::Ipv4Addr>> {
     if !enrollment.mesh_enabled {
         return Ok(None);
@@ -568,6 +578,7 @@ async fn start_mesh(
         targets,
         state_file: crate::mesh::peers::path(&config.data_dir),
         status_file: zattera_mesh::status_path(&config.run_dir),
+        controls,
     };
     task.restore().await;
     task.spawn();

@@ -1140,12 +1140,12 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         }
 
         // Control reaches each node API at <mesh_ip>:8444, from ctl-1.
-        let api = |m: &mesh_cluster::Member| {
+        let api_as = |caller: &'static str, m: &mesh_cluster::Member| {
             let (cluster_ca, m) = (cluster.ca.clone(), m.clone());
             let c1 = c1.clone();
             async move {
                 let addr = forward_from(&c1, SocketAddr::from((m.mesh_ip, 8444))).await;
-                let (cert, key) = cluster_ca.node_identity("ctl-1", false);
+                let (cert, key) = cluster_ca.node_identity(caller, false);
                 let cfg = zattera_agent::control::tls::node_client(&zattera_agent::control::tls::NodeTls {
                     key_pem: key.into_bytes(),
                     cert_pem: cert.into_bytes(),
@@ -1158,12 +1158,39 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             }
         };
         for m in [&ma, &mb, &mc] {
-            let mut client = api(m).await;
+            let mut client = api_as("ctl-1", m).await;
             client
                 .stats(zattera_agent::proto::v1::StatsQuery::default())
                 .await
                 .unwrap_or_else(|e| panic!("Stats at {}:8444 over the mesh: {e}", m.mesh_ip));
         }
+
+        // Issue 44.2 (AGENT-4): the node API follows every peer set. A
+        // control node that joins after the workers may call at once; once
+        // removed, it may not (the join's list was frozen before).
+        let stats_as = |caller: &'static str| {
+            let ma = ma.clone();
+            let api_as = &api_as;
+            move || async move {
+                api_as(caller, &ma)
+                    .await
+                    .stats(zattera_agent::proto::v1::StatsQuery::default())
+                    .await
+                    .map_err(|e| e.code())
+            }
+        };
+        assert_eq!(stats_as("ctl-9")().await.err(), Some(tonic::Code::PermissionDenied));
+        cluster.add_control_member("ctl-9", Ipv4Addr::new(10, 90, 0, 9));
+        eventually("ctl-9 may call the node API once a peer set names it", 30, || async {
+            stats_as("ctl-9")().await.is_ok()
+        })
+        .await;
+        cluster.remove_member("ctl-9");
+        eventually("ctl-9 is refused once it leaves the peer set", 30, || async {
+            stats_as("ctl-9")().await.err() == Some(tonic::Code::PermissionDenied)
+        })
+        .await;
+        assert!(stats_as("ctl-1")().await.is_ok(), "ctl-1 stays allowed");
 
         // web on B, a client on A; the client reaches web.internal → VIP →
         // B's published port on B's mesh IP.

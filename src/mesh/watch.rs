@@ -3,6 +3,7 @@
 //! the interface, and its `leader_node_id` moves the control targets that
 //! sync, routes and this watch itself dial.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -30,6 +31,47 @@ pub struct MeshTask {
     /// `<run_dir>/mesh.json`: what `zattera-netns mesh` shows beside the
     /// device (node names, the leader).
     pub status_file: PathBuf,
+    /// Who may call the node API, following every peer set.
+    pub controls: ControlFeed,
+}
+
+/// The node API's control ids as the peer sets say (AGENT-4): the set's
+/// `is_control` peers, plus the ids the operator configured. A control node
+/// added after the join may call at once, and a removed one no longer can;
+/// the persisted set brings the last word back at start.
+#[derive(Debug)]
+pub struct ControlFeed {
+    pub tx: watch::Sender<BTreeSet<String>>,
+    pub configured: BTreeSet<String>,
+}
+
+impl ControlFeed {
+    fn take(&self, set: &PeerSet) {
+        let next = control_ids(set, &self.configured);
+        self.tx.send_if_modified(|ids| {
+            if *ids == next {
+                return false;
+            }
+            tracing::info!(from = ?ids, to = ?next, "control-plane nodes allowed on the node API");
+            if next.is_empty() {
+                tracing::warn!(
+                    "the peer set names no control node: the node API refuses every caller"
+                );
+            }
+            *ids = next;
+            true
+        });
+    }
+}
+
+/// The control ids of `set`, with `configured` added.
+fn control_ids(set: &PeerSet, configured: &BTreeSet<String>) -> BTreeSet<String> {
+    set.peers
+        .iter()
+        .filter(|p| p.is_control)
+        .map(|p| p.node_id.clone())
+        .chain(configured.iter().cloned())
+        .collect()
 }
 
 impl MeshTask {
@@ -54,6 +96,7 @@ impl MeshTask {
     }
 
     async fn take(&self, set: PeerSet) -> bool {
+        self.controls.take(&set);
         let applied = super::apply(&self.backend, &self.node, &set).await;
         let next = self.targets.borrow().after(&self.control_addr, &set);
         self.targets.send_if_modified(|t| {
@@ -116,4 +159,44 @@ async fn session(
         task.take(set).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::cluster::Peer;
+
+    fn set(controls: &[&str], workers: &[&str]) -> PeerSet {
+        let peer = |id: &&str, is_control| Peer {
+            node_id: (*id).to_owned(),
+            is_control,
+            ..Peer::default()
+        };
+        PeerSet {
+            peers: controls
+                .iter()
+                .map(|c| peer(c, true))
+                .chain(workers.iter().map(|w| peer(w, false)))
+                .collect(),
+            ..PeerSet::default()
+        }
+    }
+
+    #[test]
+    fn control_ids_follow_every_peer_set() {
+        let configured = BTreeSet::from(["ops".to_owned()]);
+        let (tx, rx) = watch::channel(BTreeSet::from(["c1".to_owned()]));
+        let feed = ControlFeed { tx, configured };
+        let ids = |rx: &watch::Receiver<BTreeSet<String>>| -> Vec<String> {
+            rx.borrow().iter().cloned().collect()
+        };
+        feed.take(&set(&["c1", "c2"], &["w1"]));
+        assert_eq!(ids(&rx), ["c1", "c2", "ops"], "a control node added later");
+        feed.take(&set(&["c2"], &["w1", "w2"]));
+        assert_eq!(
+            ids(&rx),
+            ["c2", "ops"],
+            "a removed one loses access; workers never get it"
+        );
+    }
 }

@@ -558,6 +558,20 @@ impl Cluster {
         });
     }
 
+    /// Adds a control member with no host behind it (a control node that
+    /// joined after the workers): the next peer sets name it.
+    pub fn add_control_member(&self, node: &str, mesh_ip: Ipv4Addr) {
+        self.shared.members.lock().unwrap().push(Member {
+            node_id: node.into(),
+            public_key: PrivateKey::generate().unwrap().public().to_base64(),
+            mesh_ip,
+            // No endpoint: nobody ever sends to it.
+            endpoint: String::new(),
+            is_control: true,
+        });
+        self.shared.peers.send_modify(|v| *v += 1);
+    }
+
     /// Drops `node` from the membership (and from every peer set).
     pub fn remove_member(&self, node: &str) {
         self.shared
