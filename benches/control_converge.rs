@@ -236,7 +236,7 @@ async fn run(ctd: zattera_agent::runtime::Containerd, rig: support::Rig) {
     let data = dir.path().join("data");
     let run_dir = dir.path().join("run");
     let agent = env!("CARGO_BIN_EXE_zattera-agent");
-    control_plane::join_cli(&data, &cp.address(), &cp.ca.token(SECRET));
+    control_plane::join_cli(&data, &cp.address(), &cp.ca.token(SECRET), &[]);
     let net_cfg =
         zattera_netns::NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
     let _cleanup = support::NetCleanup {

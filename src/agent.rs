@@ -81,6 +81,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     // credential and trust the cluster CA; a renewal replaces them and the
     // identity every connection presents.
     let (notices_tx, notices_rx) = tokio::sync::watch::channel(Vec::new());
+    let (api_notices, api_notices_rx) = tokio::sync::watch::channel(Vec::new());
     // Who may call the node API: the join's control peers and the
     // configured ids, then (with the mesh) whatever each peer set says.
     let (controls_tx, controls) = tokio::sync::watch::channel(
@@ -99,6 +100,14 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
                 .load_enrollment()
                 .context("the node enrollment")?;
+            if let Some(why) = crate::control::node_api::refuses_everyone(
+                &enrollment.control_node_ids,
+                &config.control_node_ids,
+                enrollment.mesh_enabled,
+            ) {
+                tracing::warn!("{why}");
+                api_notices.send_replace(vec![why]);
+            }
             // The mesh is up (from the last peer set) before anything binds
             // on its address or dials control through it.
             let feed = crate::mesh::watch::ControlFeed {
@@ -221,7 +230,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         listener,
         admin::Admin {
             status: handle.status.clone(),
-            notices: vec![notices_rx, disk_notices_rx],
+            notices: vec![notices_rx, disk_notices_rx, api_notices_rx],
             node: Some(admin::ops::Node {
                 ctd: ctd.clone(),
                 data_dir: config.data_dir.clone(),

@@ -143,7 +143,47 @@ pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Re
     checks.push(containerd(&config.containerd_address, &config.namespace).await);
     checks.extend(host(&config));
     checks.push(wireguard(config.mesh.backend));
+    checks.extend(node_api_callers(&config));
     Report::new(checks)
+}
+
+/// On a joined node: whether control can call the node API at all. `None`
+/// on a node that never joined (standalone).
+fn node_api_callers(config: &Config) -> Option<Check> {
+    let e = crate::control::identity::IdentityDir::new(&config.data_dir)
+        .load_enrollment()
+        .ok()?;
+    Some(
+        match crate::control::node_api::refuses_everyone(
+            &e.control_node_ids,
+            &config.control_node_ids,
+            e.mesh_enabled,
+        ) {
+            Some(why) => Check::warn(
+                "node API",
+                why,
+                "control-node-ids = [\"<id>\"] in agent.toml (the ids of control's nodes)",
+            ),
+            None if e.mesh_enabled => Check::pass(
+                "node API",
+                "control-plane callers follow the mesh's peer sets",
+            ),
+            None => Check::pass(
+                "node API",
+                format!(
+                    "control-plane callers: {}",
+                    e.control_node_ids
+                        .iter()
+                        .chain(&config.control_node_ids)
+                        .cloned()
+                        .collect::<std::collections::BTreeSet<_>>()
+                        .into_iter()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ),
+        },
+    )
 }
 
 /// The host checks `run` performs at start: the first failure stops it.

@@ -125,7 +125,7 @@ async fn run_after_join_syncs_with_the_address_the_join_returned() {
         let dir = tempfile::tempdir().unwrap();
         let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
         let bin = support::agent::run_bin();
-        control_plane::join_cli(&data, &join_addr, &cp.ca.token(SECRET));
+        control_plane::join_cli(&data, &join_addr, &cp.ca.token(SECRET), &[]);
         // The join address is gone: only the enrolled one answers.
         forward.abort();
         let _ = forward.await;

@@ -56,6 +56,7 @@ fn options(cp: &ControlPlane, token: String, data: &Path) -> JoinOptions {
         node_name: "test-node".into(),
         binary_version: "9.9.9-test".into(),
         mesh: zattera_agent::control::join::MeshJoin::default(),
+        control_node_ids: Vec::new(),
     }
 }
 
@@ -2005,6 +2006,100 @@ async fn an_oom_kill_reaches_control_as_failed_out_of_memory() {
             "{again:?}; agent log:\n{}",
             agent.log()
         );
+    })
+    .await;
+}
+
+/// Stats on `agent`'s node API as `caller`: Ok, or the refusal's code.
+async fn stats(
+    agent: &control_plane::ControlledAgent,
+    cp: &ControlPlane,
+    caller: &str,
+) -> Result<(), tonic::Code> {
+    agent
+        .api_as(cp, caller)
+        .await
+        .stats(zattera_agent::proto::v1::StatsQuery::default())
+        .await
+        .map(|_| ())
+        .map_err(|e| e.code())
+}
+
+/// Issue 44.2: a cluster without the mesh sends no peer set (as the
+/// reference's control plane), and its API certificates carry no node id,
+/// so nothing names control's nodes. The node API then refuses everyone:
+/// `join`, `doctor`, `status` and the log say so and name the key. A control
+/// node named at `join --control-node-id` may call; a worker may not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meshless_cluster_names_its_control_nodes_at_join() {
+    let Some(rig) = support::rig() else { return };
+    let cp = ControlPlane::start(&[SECRET]).await;
+    cp.without_initial_peers();
+    let cp = &cp;
+    let text = |o: std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    support::with_namespace(&rig, "ctl-meshless", |ctd, rig| async move {
+        let unnamed = control_plane::ControlledAgent::start(
+            cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztln",
+        )
+        .await;
+        let doctor = text(unnamed.cli(&["doctor"]));
+        assert!(
+            doctor.contains("node API")
+                && doctor.contains("refuses every caller")
+                && doctor.contains("control-node-ids"),
+            "{doctor}"
+        );
+        let deadline = std::time::Instant::now() + WAIT;
+        let mut status = String::new();
+        while std::time::Instant::now() < deadline && !status.contains("refuses every caller") {
+            status = text(unnamed.cli(&["status"]));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            status.contains("refuses every caller") && status.contains("control-node-ids"),
+            "{status}"
+        );
+        assert_eq!(
+            stats(&unnamed, cp, control_plane::CONTROL_NODE_ID).await,
+            Err(tonic::Code::PermissionDenied)
+        );
+        assert!(
+            unnamed.log().contains("refuses every caller"),
+            "{}",
+            unnamed.log()
+        );
+    })
+    .await;
+    support::with_namespace(&rig, "ctl-meshless-named", |ctd, rig| async move {
+        let named = control_plane::ControlledAgent::start_joined_with(
+            cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztlo",
+            &["--control-node-id", "ctl-x"],
+        )
+        .await;
+        let doctor = text(named.cli(&["doctor"]));
+        assert!(doctor.contains("control-plane callers: ctl-x"), "{doctor}");
+        assert_eq!(stats(&named, cp, "ctl-x").await, Ok(()));
+        let worker = named.node_id.clone();
+        assert_eq!(
+            stats(&named, cp, &worker).await,
+            Err(tonic::Code::PermissionDenied)
+        );
+        let status = text(named.cli(&["status"]));
+        assert!(!status.contains("refuses every caller"), "{status}");
     })
     .await;
 }

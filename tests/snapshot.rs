@@ -133,6 +133,7 @@ impl Node {
             node_name: "snapshot-node".into(),
             binary_version: "9.9.9-test".into(),
             mesh: zattera_agent::control::join::MeshJoin::default(),
+            control_node_ids: Vec::new(),
         })
         .await
         .expect("join");

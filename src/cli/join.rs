@@ -10,13 +10,19 @@ pub struct JoinArgs {
     control: String,
     #[arg(long, value_name = "TOKEN")]
     token: String,
+    /// A control-plane node allowed to call this node's API (logs, exec,
+    /// stats, snapshots, builds, upgrades); repeat for each. Needed on a
+    /// cluster without the mesh, where no peer set names control's nodes.
+    #[arg(long = "control-node-id", value_name = "ID")]
+    control_node_ids: Vec<String>,
 }
 
 pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
     use zattera_agent::control::join::{JoinOptions, join};
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating {}", config.data_dir.display()))?;
-    let opts = JoinOptions::for_this_node(args.control, args.token, config);
+    let mut opts = JoinOptions::for_this_node(args.control, args.token, config);
+    opts.control_node_ids = args.control_node_ids;
     let joined = join(&opts).await?;
     println!(
         "joined as node {} (control {}, mesh IP {}); identity in {}",
@@ -31,5 +37,12 @@ pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
             .dir()
             .display()
     );
+    if let Some(warning) = zattera_agent::control::node_api::refuses_everyone(
+        &joined.control_node_ids,
+        &config.control_node_ids,
+        joined.mesh_enabled,
+    ) {
+        eprintln!("warning: {warning}");
+    }
     Ok(())
 }

@@ -101,6 +101,11 @@ pub struct JoinOptions {
     pub binary_version: String,
     /// The WireGuard port and endpoints the join announces.
     pub mesh: MeshJoin,
+    /// Control-plane node ids the operator names (`join
+    /// --control-node-id`): on a cluster without the mesh no peer set ever
+    /// names them, and the reference's API certificates carry no node id,
+    /// so the node API would refuse every caller.
+    pub control_node_ids: Vec<String>,
 }
 
 /// What a join says of the node's WireGuard.
@@ -141,6 +146,7 @@ impl JoinOptions {
             node_name: host_name(),
             binary_version: env!("CARGO_PKG_VERSION").to_owned(),
             mesh: MeshJoin::from_settings(&config.mesh),
+            control_node_ids: Vec::new(),
         }
     }
 }
@@ -245,6 +251,13 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
             )));
         }
     }
+    // A re-join of the same node (a renewal) keeps the ids named before.
+    let kept = ids
+        .load_enrollment()
+        .ok()
+        .filter(|prev| prev.node_id == resp.node_id)
+        .map(|prev| prev.control_node_ids)
+        .unwrap_or_default();
     let enrollment = Enrollment {
         node_id: resp.node_id,
         mesh_ip: resp.mesh_ip,
@@ -257,13 +270,11 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         registry_addr: resp.registry_addr,
         registry_username: resp.registry_username,
         registry_password: resp.registry_password,
-        control_node_ids: resp
-            .initial_peers
-            .iter()
-            .flat_map(|set| &set.peers)
-            .filter(|p| p.is_control && !p.node_id.is_empty())
-            .map(|p| p.node_id.clone())
-            .collect(),
+        control_node_ids: control_node_ids(
+            resp.initial_peers.as_ref(),
+            &opts.control_node_ids,
+            kept,
+        ),
         mesh_enabled: resp.mesh_enabled,
     };
     if resp.mesh_enabled {
@@ -289,6 +300,26 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
     };
     ids.store(&enrollment, &node_tls)?;
     Ok(enrollment)
+}
+
+/// The control node ids a join stores: the join's control peers, the ones
+/// the operator named, and those kept from an earlier join of this node;
+/// sorted, without repeats.
+fn control_node_ids(
+    initial: Option<&crate::proto::cluster::PeerSet>,
+    named: &[String],
+    kept: Vec<String>,
+) -> Vec<String> {
+    initial
+        .iter()
+        .flat_map(|set| &set.peers)
+        .filter(|p| p.is_control && !p.node_id.is_empty())
+        .map(|p| p.node_id.clone())
+        .chain(named.iter().cloned())
+        .chain(kept)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 /// Dials and handshakes once before any RPC, so an unreachable address and

@@ -21,11 +21,6 @@ pub async fn spawn(
     controls: super::node_api::ControlIds,
     metrics: Arc<crate::telemetry::AgentMetrics>,
 ) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
-    if controls.borrow().is_empty() {
-        tracing::warn!(
-            "no control-plane node id is known (the join named none and control-node-ids is unset): the node API refuses every caller"
-        );
-    }
     for &listen in listen {
         match NodeApi::bind_current(
             listen,

@@ -212,6 +212,9 @@ struct Shared {
     registry: Mutex<RegistryGrant>,
     /// How long node certificates from joins last.
     cert_life: Mutex<Duration>,
+    /// Whether joins carry a peer set naming the control node (false: as
+    /// the reference does on a cluster without the mesh).
+    initial_peers: Mutex<bool>,
 }
 
 /// The registry part of a JoinResponse; an empty user means `node-<id>`.
@@ -276,6 +279,7 @@ impl ControlPlane {
                 password: "registry-secret".into(),
             }),
             cert_life: Mutex::new(Duration::from_secs(365 * 86_400)),
+            initial_peers: Mutex::new(true),
         });
         let mut cp = Self {
             ca: Arc::new(TestCa::new("zattera-cluster-ca")),
@@ -290,6 +294,12 @@ impl ControlPlane {
     /// What the next joins name as the cluster registry.
     pub fn set_registry(&self, grant: RegistryGrant) {
         *self.shared.registry.lock().unwrap() = grant;
+    }
+
+    /// The next joins carry no peer set: a cluster without the mesh, where
+    /// nothing names control's node ids.
+    pub fn without_initial_peers(&self) {
+        *self.shared.initial_peers.lock().unwrap() = false;
     }
 
     /// How long the node certificates of the next joins last.
@@ -533,14 +543,16 @@ impl JoinService for Svc {
             },
             registry_password: registry.password,
             // The control node itself: the one identity the node API serves.
-            initial_peers: Some(zattera_agent::proto::cluster::PeerSet {
-                version: 1,
-                peers: vec![zattera_agent::proto::cluster::Peer {
-                    node_id: CONTROL_NODE_ID.into(),
-                    is_control: true,
+            initial_peers: (*self.shared.initial_peers.lock().unwrap()).then(|| {
+                zattera_agent::proto::cluster::PeerSet {
+                    version: 1,
+                    peers: vec![zattera_agent::proto::cluster::Peer {
+                        node_id: CONTROL_NODE_ID.into(),
+                        is_control: true,
+                        ..Default::default()
+                    }],
                     ..Default::default()
-                }],
-                ..Default::default()
+                }
             }),
             ..JoinResponse::default()
         }))
@@ -705,11 +717,12 @@ pub fn set_of(
 
 /// `zattera-agent join` (the binary under test) into `data`; panics with
 /// its stderr when it fails.
-pub fn join_cli(data: &std::path::Path, control: &str, token: &str) {
+pub fn join_cli(data: &std::path::Path, control: &str, token: &str, extra: &[&str]) {
     let join = std::process::Command::new(crate::support::agent::run_bin())
         .args(["--config", "/dev/null", "--data-dir"])
         .arg(data)
         .args(["join", "--control", control, "--token", token])
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -743,6 +756,18 @@ impl ControlledAgent {
         Self::start_with(cp, secret, rig, namespace, prefix, &[]).await
     }
 
+    /// [`Self::start`] with extra `join` flags.
+    pub async fn start_joined_with(
+        cp: &ControlPlane,
+        secret: &str,
+        rig: &crate::support::Rig,
+        namespace: &str,
+        prefix: &str,
+        join: &[&str],
+    ) -> Self {
+        Self::start_full(cp, secret, rig, namespace, prefix, join, &[]).await
+    }
+
     /// [`Self::start`] with extra `run` flags.
     pub async fn start_with(
         cp: &ControlPlane,
@@ -752,11 +777,23 @@ impl ControlledAgent {
         prefix: &str,
         extra: &[&str],
     ) -> Self {
+        Self::start_full(cp, secret, rig, namespace, prefix, &[], extra).await
+    }
+
+    async fn start_full(
+        cp: &ControlPlane,
+        secret: &str,
+        rig: &crate::support::Rig,
+        namespace: &str,
+        prefix: &str,
+        join: &[&str],
+        extra: &[&str],
+    ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
         let bin = crate::support::agent::run_bin();
-        join_cli(&data, &cp.address(), &cp.ca.token(secret));
+        join_cli(&data, &cp.address(), &cp.ca.token(secret), join);
         let node_id = zattera_agent::control::identity::IdentityDir::new(&data)
             .load_enrollment()
             .unwrap()
@@ -796,6 +833,18 @@ impl ControlledAgent {
 
     pub fn data_dir(&self) -> std::path::PathBuf {
         self.dir.path().join("data")
+    }
+
+    /// The agent binary with this agent's directories, running `args`.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(crate::support::agent::run_bin())
+            .args(["--config", "/dev/null", "--data-dir"])
+            .arg(self.data_dir())
+            .arg("--run-dir")
+            .arg(self.dir.path().join("run"))
+            .args(args)
+            .output()
+            .unwrap()
     }
 
     pub fn log(&self) -> String {

@@ -71,6 +71,23 @@ pub enum NodeApiError {
 /// The node ids allowed to call the node API: control-plane nodes.
 pub type ControlIds = watch::Receiver<BTreeSet<String>>;
 
+/// Why the node API would refuse every caller, if it would: no control
+/// node id is known, from the join or `control-node-ids`, and no peer set
+/// will name one (the mesh is off). Said by `join`, `doctor`, `status` and
+/// the log, naming the key that fixes it.
+pub fn refuses_everyone(
+    joined: &[String],
+    configured: &[String],
+    mesh_enabled: bool,
+) -> Option<String> {
+    (joined.is_empty() && configured.is_empty() && !mesh_enabled).then(|| {
+        "the node API refuses every caller: no control-plane node id is known (this cluster \
+         has no mesh, so no peer set names them); set control-node-ids = [\"<control node \
+         id>\", ...] in agent.toml, or join again with --control-node-id"
+            .to_owned()
+    })
+}
+
 /// A fixed set of control ids (configuration, tests).
 pub fn control_ids<S: Into<String>>(ids: impl IntoIterator<Item = S>) -> ControlIds {
     watch::channel(ids.into_iter().map(Into::into).collect()).1
