@@ -644,16 +644,36 @@ async fn feed_from_manifests(
     }
 }
 
-/// Holds `/run/lock/zattera-agent-<namespace>.lock` for the agent's life:
-/// a second agent on the same containerd namespace refuses to start.
+/// Holds `<LOCK_DIR>/<namespace>.lock` for the agent's life: a second agent
+/// on the same containerd namespace refuses to start, whatever its run dir.
+/// Not in `/run/lock`, which every local user may write: one could create
+/// and hold the lock there and keep the agent from ever starting. The
+/// directory is root's alone, and is checked to be.
 fn lock_namespace(namespace: &str) -> Result<nix::fcntl::Flock<std::fs::File>> {
-    let dir = PathBuf::from("/run/lock");
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = dir.join(format!("zattera-agent-{namespace}.lock"));
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+    let dir = PathBuf::from(LOCK_DIR);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .recursive(true)
+        .create(&dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let meta =
+        std::fs::symlink_metadata(&dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !meta.is_dir() || meta.uid() != nix::unistd::geteuid().as_raw() || meta.mode() & 0o022 != 0 {
+        anyhow::bail!(
+            "{} is not a directory of this user's that others cannot write (owner {}, mode {:o}); remove it",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o7777
+        );
+    }
+    let path = dir.join(format!("{namespace}.lock"));
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
     nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
@@ -664,6 +684,9 @@ fn lock_namespace(namespace: &str) -> Result<nix::fcntl::Flock<std::fs::File>> {
         )
     })
 }
+
+/// Where the namespace locks live: root's alone (see [`lock_namespace`]).
+const LOCK_DIR: &str = "/run/zattera-agent.locks";
 
 /// Whether SIGTERM came because the host is shutting down (or rebooting)
 /// rather than because the agent alone is stopped or restarted: the check

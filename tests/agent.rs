@@ -676,3 +676,56 @@ async fn an_agent_restart_never_reports_a_failing_check_healthy() {
     })
     .await;
 }
+
+/// Issue 45.7, attack: the start lock was in `/run/lock`, which every local
+/// user may write. An unprivileged user who creates and holds
+/// `zattera-agent-<namespace>.lock` there first kept the agent from ever
+/// starting ("another zattera-agent already runs"). The lock is now in a
+/// directory of root's alone, and the agent starts.
+#[tokio::test]
+async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
+    use std::os::unix::process::CommandExt;
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-squat", |ctd, rig| async move {
+        let ns = ctd.namespace().as_str().to_owned();
+        let squatted = format!("/run/lock/zattera-agent-{ns}.lock");
+        // One process that holds the lock (no child left behind).
+        let mut squatter = Command::new("sh")
+            .args(["-c", "exec 9>\"$0\" && flock --exclusive 9 && exec sleep 60", &squatted])
+            .uid(65534)
+            .gid(65534)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("sh and flock (util-linux) as nobody");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !Path::new(&squatted).exists() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            Path::new(&squatted).exists(),
+            "the squatter holds {squatted}"
+        );
+        let mut agent = AgentProc::new(&rig.socket, &ns, "ztkn", "191-191");
+        agent.start();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while agent.status().is_none() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let up = agent.status().is_some();
+        let _ = squatter.kill();
+        let _ = squatter.wait();
+        let _ = std::fs::remove_file(&squatted);
+        assert!(
+            up,
+            "the agent did not start beside a squatted /run/lock file:\n{}",
+            agent.log()
+        );
+        let lock_dir = std::fs::metadata("/run/zattera-agent.locks").unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&lock_dir.permissions()) & 0o777,
+            0o700
+        );
+    })
+    .await;
+}
