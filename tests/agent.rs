@@ -625,7 +625,7 @@ async fn an_agent_restart_never_reports_a_failing_check_healthy() {
     let Some(rig) = rig() else { return };
     with_namespace(&rig, "agent-h11", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
-        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkm", "190-190");
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkm", "198-198");
         let checked = |app: &str, check: &str| {
             format!(
                 "[app]\nname = \"{app}\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
@@ -691,7 +691,11 @@ async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
         let squatted = format!("/run/lock/zattera-agent-{ns}.lock");
         // One process that holds the lock (no child left behind).
         let mut squatter = Command::new("sh")
-            .args(["-c", "exec 9>\"$0\" && flock --exclusive 9 && exec sleep 60", &squatted])
+            .args([
+                "-c",
+                "exec 9>\"$0\" && flock --exclusive 9 && exec sleep 60",
+                &squatted,
+            ])
             .uid(65534)
             .gid(65534)
             .stdout(std::process::Stdio::null())
@@ -706,7 +710,7 @@ async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
             Path::new(&squatted).exists(),
             "the squatter holds {squatted}"
         );
-        let mut agent = AgentProc::new(&rig.socket, &ns, "ztkn", "191-191");
+        let mut agent = AgentProc::new(&rig.socket, &ns, "ztkn", "199-199");
         agent.start();
         let deadline = Instant::now() + Duration::from_secs(20);
         while agent.status().is_none() && Instant::now() < deadline {
