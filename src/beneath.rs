@@ -72,6 +72,20 @@ pub fn open_beneath(dir: BorrowedFd<'_>, rel: &Path, flags: OFlag) -> io::Result
     nix::fcntl::openat2(dir, dot_if_empty(rel), how).map_err(io_err)
 }
 
+/// Opens, for reading, the very inode `handle` (an `O_PATH` handle, checked
+/// through it) refers to, through `/proc/self/fd`: never a node swapped in
+/// at its name since. `O_NOCTTY`: a terminal never becomes ours.
+pub fn reopen_for_reading(handle: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let path = PathBuf::from(format!("/proc/self/fd/{}", handle.as_raw_fd()));
+    nix::fcntl::open(
+        &path,
+        OFlag::O_RDONLY | OFlag::O_NOCTTY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io_err)
+}
+
 /// Opens `path` as if `root` were `/`: absolute symlinks and `..` resolve
 /// inside it, as they would inside the container.
 pub fn open_in_root(root: BorrowedFd<'_>, path: &Path, flags: OFlag) -> io::Result<OwnedFd> {

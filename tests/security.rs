@@ -785,3 +785,106 @@ async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
     })
     .await;
 }
+
+/// Issue 45.5, attack: a container has CAP_MKNOD, so it can plant a device
+/// node in its volume, and browsing the volume made the agent, outside the
+/// container's device cgroup, open it as host root (opening a watchdog
+/// arms it; a terminal becomes the controlling one). The node is planted
+/// here as /dev/null's twin, and an inotify watch on it sees every open:
+/// the old code opened it for ReadVolumeFile and ListVolumeFiles, the new
+/// one opens nothing that is not a regular file or a directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_node_planted_in_a_volume_is_never_opened() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "sec-mknod", |ctd, rig| async move {
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsg").await;
+        let env = "01JENVMKNOD000000000000000";
+        let (mut a, mut rt) = assignment(
+            "mk",
+            env,
+            248,
+            &format!("cd /data; echo plain > plain; mknod node c 1 3; {IDLE}"),
+        );
+        a.app_id = "app-mk".into();
+        rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "data".into(),
+            mount_path: "/data".into(),
+        }];
+        cp.push_set(set_of(1, vec![(a, rt)]));
+        agent.wait_for("mk running", |s| {
+            row(s, "app-mk").is_some_and(|r| r["state"] == "HEALTHY")
+        });
+        let find = |name: &str| {
+            let volumes = agent.data_dir().join("volumes");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let found = std::fs::read_dir(&volumes)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| e.path().join("_data").join(name))
+                    .find(|p| p.symlink_metadata().is_ok());
+                if let Some(p) = found {
+                    return p;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no {name} in {}",
+                    volumes.display()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
+        let node = find("node");
+        find("plain");
+        let mut watch = inotify::Inotify::init().unwrap();
+        watch
+            .watches()
+            .add(&node, inotify::WatchMask::OPEN)
+            .unwrap();
+
+        let mut api = agent.api_as(&cp, CONTROL_NODE_ID).await;
+        let read = |path: &str| AgentReadFileRequest {
+            environment_id: env.into(),
+            volume_name: "data".into(),
+            path: path.into(),
+        };
+        let refused = api.read_volume_file(read("node")).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        let listed = api
+            .list_volume_files(AgentListFilesRequest {
+                environment_id: env.into(),
+                volume_name: "data".into(),
+                path: "node".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(listed.code(), tonic::Code::InvalidArgument, "{listed:?}");
+        // A regular file still reads.
+        let mut body = Vec::new();
+        let mut s = api
+            .read_volume_file(read("plain"))
+            .await
+            .unwrap()
+            .into_inner();
+        while let Some(chunk) = s.message().await.unwrap() {
+            body.extend(chunk.data);
+        }
+        assert_eq!(body, b"plain\n");
+
+        let mut buf = [0u8; 4096];
+        let opens = match watch.read_events(&mut buf) {
+            Ok(events) => events.count(),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+            Err(e) => panic!("inotify: {e}"),
+        };
+        assert_eq!(
+            opens, 0,
+            "the agent opened the planted device node {opens} times"
+        );
+    })
+    .await;
+}

@@ -514,12 +514,13 @@ impl<W: Write> Writer<'_, W> {
             self.summary.bytes += h.size.next_multiple_of(BLOCK as u64);
             return Ok(());
         }
-        // Opened without following: a file swapped for a link since the
-        // stat is skipped, never read through.
-        let fd = match rustix::fs::openat(
+        // Found without following and without opening (O_PATH): a file
+        // swapped since the stat for a link is never read through, and for
+        // a device node a container planted is never opened as host root.
+        let handle = match rustix::fs::openat(
             dir,
             name,
-            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         ) {
             Ok(fd) => fd,
@@ -532,11 +533,13 @@ impl<W: Write> Writer<'_, W> {
             }
             Err(e) => return Err(fail(e.into())),
         };
-        let st = rustix::fs::fstat(&fd).map_err(|e| fail(e.into()))?;
+        let st = rustix::fs::fstat(&handle).map_err(|e| fail(e.into()))?;
         if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
             self.warning(format!("{}: changed type while read; skipped", shown(rel)));
             return Ok(());
         }
+        let fd =
+            crate::beneath::reopen_for_reading(std::os::fd::AsFd::as_fd(&handle)).map_err(fail)?;
         if st.st_nlink > 1 {
             self.links.insert((st.st_dev, st.st_ino), rel.to_vec());
         }

@@ -83,6 +83,10 @@ fn open_in(root: &Path, root_fd: &OwnedFd, request: &str, flags: OFlag) -> Resul
                 _ => VolumeError::Escapes(request.to_owned()),
             }))
         }
+        // Asked for a directory (O_DIRECTORY), and not one.
+        Err(e) if e.raw_os_error() == Some(nix::libc::ENOTDIR) => Err(Status::invalid_argument(
+            format!("{request:?} is not a directory"),
+        )),
         Err(e) => Err(status(&volumes::io_error(request, &e))),
     }
 }
@@ -102,11 +106,13 @@ fn list_blocking(
     req: &AgentListFilesRequest,
 ) -> Result<AgentListFilesResponse, Status> {
     let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
+    // O_DIRECTORY: anything else is refused before it is opened (a
+    // device node would be, as host root).
     let dir = open_in(
         &root,
         &root_fd,
         &req.path,
-        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
+        OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_DIRECTORY,
     )?;
     let st = nix::sys::stat::fstat(dir.as_fd())
         .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
@@ -189,20 +195,20 @@ pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Out<TcpC
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
 
-/// The regular file `req` names, opened once and checked through its handle
-/// (O_NONBLOCK: a FIFO swapped in is opened without waiting, then refused).
+/// The regular file `req` names. Found with an `O_PATH` handle, which opens
+/// nothing: a device node a container planted (it has CAP_MKNOD, and the
+/// agent is outside its device cgroup) is never opened as host root, where
+/// opening alone can arm a watchdog or take a terminal. Only a regular file
+/// is then opened for reading, through that same handle.
 fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::File, Status> {
     let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
-    let fd = open_in(
-        &root,
-        &root_fd,
-        &req.path,
-        OFlag::O_RDONLY | OFlag::O_NONBLOCK,
-    )?;
-    let st = nix::sys::stat::fstat(fd.as_fd())
+    let handle = open_in(&root, &root_fd, &req.path, OFlag::O_PATH)?;
+    let st = nix::sys::stat::fstat(handle.as_fd())
         .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
     match beneath::kind(&st) {
-        SFlag::S_IFREG => Ok(std::fs::File::from(fd)),
+        SFlag::S_IFREG => beneath::reopen_for_reading(handle.as_fd())
+            .map(std::fs::File::from)
+            .map_err(|e| status(&volumes::io_error(&req.path, &e))),
         SFlag::S_IFDIR => Err(Status::invalid_argument(format!(
             "{:?} is a directory",
             req.path
