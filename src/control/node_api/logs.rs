@@ -187,17 +187,50 @@ pub async fn streams(
     Ok(out)
 }
 
-/// Joins `P` chunks into whole lines, per source.
+/// A log line longer than this is cut here and marked (45.3): a container
+/// that prints gigabytes without a newline makes one line of `P` chunks,
+/// and retention counts compressed bytes (such output compresses ~1000:1),
+/// so joining them whole would build a multi-GB string in the agent.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// Joins `P` chunks into whole lines, per source, each at most
+/// [`MAX_LINE`] bytes.
 #[derive(Debug, Default)]
 struct Assembler {
-    partial: [String; 2],
+    partial: [Partial; 2],
+}
+
+#[derive(Debug, Default)]
+struct Partial {
+    text: String,
+    /// Bytes cut from the line being joined.
+    cut: u64,
 }
 
 impl Assembler {
     fn push(&mut self, l: &CriLine<'_>) -> Option<String> {
         let slot = &mut self.partial[usize::from(l.source == LogSource::Stderr)];
-        slot.push_str(l.text);
-        l.full.then(|| std::mem::take(slot))
+        let room = MAX_LINE.saturating_sub(slot.text.len());
+        if l.text.len() <= room {
+            slot.text.push_str(l.text);
+        } else {
+            let mut keep = room;
+            while !l.text.is_char_boundary(keep) {
+                keep -= 1;
+            }
+            slot.text.push_str(&l.text[..keep]);
+            slot.cut += (l.text.len() - keep) as u64;
+        }
+        if !l.full {
+            return None;
+        }
+        let mut line = std::mem::take(&mut slot.text);
+        let cut = std::mem::take(&mut slot.cut);
+        if cut > 0 {
+            use std::fmt::Write as _;
+            let _ = write!(line, " [zattera: line truncated, {cut} more bytes]");
+        }
+        Some(line)
     }
 
     /// One raw file line in: the whole log line it completes, if that line
@@ -582,6 +615,36 @@ mod tests {
             .unwrap()
             .set_modified(SystemTime::now() - Duration::from_secs(secs))
             .unwrap();
+    }
+
+    #[test]
+    fn a_line_without_end_is_cut_at_max_line_and_marked() {
+        let mut asm = Assembler::default();
+        let chunk = "A".repeat(16 * 1024);
+        let partial = format!("2026-01-01T00:00:00Z stdout P {chunk}");
+        // 64 MiB of one line, fed in the shim's 16 KiB chunks.
+        for _ in 0..4096 {
+            assert!(asm.push(&parse_cri(&partial).unwrap()).is_none());
+            assert!(asm.partial[0].text.len() <= MAX_LINE, "grew past the cap");
+        }
+        let line = asm
+            .push(&parse_cri("2026-01-01T00:00:00Z stdout F end").unwrap())
+            .unwrap();
+        assert!(line.starts_with("AAAA"));
+        assert_eq!(&line[..MAX_LINE], chunk.repeat(64).as_str());
+        assert!(
+            line.ends_with(&format!(
+                " [zattera: line truncated, {} more bytes]",
+                64 * 1024 * 1024 - MAX_LINE + 3
+            )),
+            "{}",
+            &line[MAX_LINE..]
+        );
+        // The next line starts clean.
+        let next = asm
+            .push(&parse_cri("2026-01-01T00:00:01Z stdout F ok").unwrap())
+            .unwrap();
+        assert_eq!(next, "ok");
     }
 
     #[test]
