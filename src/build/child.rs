@@ -6,8 +6,14 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::sync::mpsc;
 
+/// Output lines longer than this are split into pieces of this size: a
+/// `RUN` step can print gigabytes without a newline (45.3).
+pub const MAX_LINE: usize = 64 * 1024;
+
 /// The child's stdout and stderr, merged, line by line; closes when both
-/// pipes have.
+/// pipes have. Bytes, not text: a long line is split at [`MAX_LINE`] and
+/// invalid UTF-8 is decoded lossily, so the pipes are always drained (a
+/// reader that stopped on bad UTF-8 left the child blocked on a full pipe).
 pub fn merged_lines(child: &mut tokio::process::Child) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel::<String>(64);
     let pipes: [Option<Box<dyn AsyncRead + Unpin + Send>>; 2] = [
@@ -15,17 +21,45 @@ pub fn merged_lines(child: &mut tokio::process::Child) -> mpsc::Receiver<String>
         child.stderr.take().map(|p| Box::new(p) as _),
     ];
     for pipe in pipes.into_iter().flatten() {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(pipe).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                if tx.send(line).await.is_err() {
-                    return;
-                }
-            }
-        });
+        tokio::spawn(forward_lines(pipe, tx.clone()));
     }
     rx
+}
+
+/// Sends every line of `pipe` (split at [`MAX_LINE`], without its `\n` or
+/// `\r\n`), until it ends or nobody listens.
+async fn forward_lines(pipe: impl AsyncRead + Unpin, tx: mpsc::Sender<String>) {
+    let mut reader = BufReader::new(pipe);
+    let mut line: Vec<u8> = Vec::new();
+    loop {
+        let buf = match reader.fill_buf().await {
+            Ok(buf) if !buf.is_empty() => buf,
+            _ => break,
+        };
+        let room = MAX_LINE - line.len();
+        let (take, ends) = match memchr::memchr(b'\n', buf) {
+            Some(i) if i < room => (i + 1, true),
+            _ => (buf.len().min(room), false),
+        };
+        line.extend_from_slice(&buf[..take]);
+        reader.consume(take);
+        if ends {
+            line.pop();
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+        } else if line.len() < MAX_LINE {
+            continue;
+        }
+        let text = String::from_utf8_lossy(&line).into_owned();
+        line.clear();
+        if tx.send(text).await.is_err() {
+            return;
+        }
+    }
+    if !line.is_empty() {
+        let _ = tx.send(String::from_utf8_lossy(&line).into_owned()).await;
+    }
 }
 
 /// SIGKILL to the process group led by `pid`.
@@ -148,6 +182,41 @@ mod tests {
         let s = parse_stat(line).unwrap();
         assert_eq!((s.state, s.ppid, s.start), ('S', 17, 98765));
         assert!(parse_stat("4242 (x) S").is_none());
+    }
+
+    /// 45.3: one line of a MiB and invalid UTF-8 neither grow one string
+    /// nor stop the reader (which left the child blocked on a full pipe).
+    #[tokio::test]
+    async fn long_lines_are_split_and_bad_utf8_does_not_stop_the_reader() {
+        let mut child = tokio::process::Command::new("sh")
+            .args([
+                "-c",
+                "head -c 1000000 /dev/zero | tr '\\0' A; printf '\\377\\376 bad\\r\\n'; echo after",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut rx = merged_lines(&mut child);
+        let mut lines = Vec::new();
+        while let Some(l) = rx.recv().await {
+            lines.push(l);
+        }
+        assert!(lines.iter().all(|l| l.len() <= MAX_LINE));
+        let a: usize = lines
+            .iter()
+            .map(|l| l.chars().filter(|c| *c == 'A').count())
+            .sum();
+        assert_eq!(a, 1_000_000, "every byte arrives");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.ends_with(" bad") && l.contains('\u{fffd}')),
+            "{:?}",
+            &lines[lines.len() - 2..]
+        );
+        assert_eq!(lines.last().map(String::as_str), Some("after"));
     }
 
     #[tokio::test]
