@@ -293,7 +293,7 @@ impl Pipeline {
                     format!("cloning {}", crate::redact::url(&git.url)),
                 )
                 .await;
-                source::fetch_git(git, context)
+                source::fetch_git(git, context, &self.config.limits)
                     .await
                     .map_err(BuildError::Source)?;
             }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 
+use super::unpack::Limits;
 use crate::control::tls::NodeTls;
 
 /// The whole fetch, body included (BLD-2).
@@ -123,20 +124,37 @@ pub fn git_steps(src: &GitSource, dir: &Path) -> Vec<Vec<String>> {
     }
 }
 
-/// Clones `src` into `dir` (which must not exist) and removes `.git`.
-pub async fn fetch_git(src: &GitSource, dir: &Path) -> Result<(), String> {
+/// `git`, reading no configuration but what it is given (45.6): not the
+/// system's, not root's global file, no credential helper of the host's,
+/// with `home` (the build's scratch) as its home.
+fn git_command(home: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new("git");
+    cmd.env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("HOME", home)
+        .env("XDG_CONFIG_HOME", home)
+        .env_remove("GIT_ASKPASS")
+        .env_remove("SSH_ASKPASS")
+        // Not inside a repository whose config git would read.
+        .current_dir(home)
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Clones `src` into `dir` (which must not exist), removes `.git`, and
+/// makes what is left like an unpacked tarball ([`tidy_clone`]).
+pub async fn fetch_git(src: &GitSource, dir: &Path, limits: &Limits) -> Result<(), String> {
     if !src.url.starts_with("https://") {
         return Err(format!(
             "{}: only https:// git sources are cloned",
             crate::redact::url(&src.url)
         ));
     }
+    let home = dir.parent().unwrap_or(dir);
     for step in git_steps(src, dir) {
-        let mut cmd = tokio::process::Command::new("git");
-        cmd.args(&step)
-            .env("GIT_TERMINAL_PROMPT", "0")
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .kill_on_drop(true);
+        let mut cmd = git_command(home);
+        cmd.args(&step);
         if !src.token.is_empty() {
             use base64::Engine as _;
             let basic = base64::engine::general_purpose::STANDARD
@@ -162,6 +180,45 @@ pub async fn fetch_git(src: &GitSource, dir: &Path) -> Result<(), String> {
         }
     }
     let _ = std::fs::remove_dir_all(dir.join(".git"));
+    let (dir, limits) = (dir.to_owned(), *limits);
+    tokio::task::spawn_blocking(move || tidy_clone(&dir, &limits))
+        .await
+        .map_err(|e| format!("git source: {e}"))?
+}
+
+/// A clone made like an unpacked tarball (BLD-3): every symlink (a
+/// `Dockerfile -> /etc/shadow` that buildah's `--file` would follow as
+/// root) and anything else not a file or a directory is removed, and the
+/// tarball's caps on files and bytes apply.
+fn tidy_clone(dir: &Path, limits: &Limits) -> Result<(), String> {
+    let (mut entries, mut bytes) = (0u64, 0u64);
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(at) = todo.pop() {
+        let list =
+            std::fs::read_dir(&at).map_err(|e| format!("git source: {}: {e}", at.display()))?;
+        for entry in list {
+            let entry = entry.map_err(|e| format!("git source: {}: {e}", at.display()))?;
+            let path = entry.path();
+            let kind = entry
+                .file_type()
+                .map_err(|e| format!("git source: {}: {e}", path.display()))?;
+            entries += 1;
+            if kind.is_dir() {
+                todo.push(path);
+            } else if kind.is_file() {
+                bytes += entry.metadata().map_or(0, |m| m.len());
+            } else {
+                std::fs::remove_file(&path)
+                    .map_err(|e| format!("git source: {}: {e}", path.display()))?;
+            }
+            if entries > limits.max_entries || bytes > limits.max_bytes {
+                return Err(format!(
+                    "git source: larger than the build context cap ({} files, {} bytes)",
+                    limits.max_entries, limits.max_bytes
+                ));
+            }
+        }
+    }
     Ok(())
 }
 
@@ -182,6 +239,57 @@ mod tests {
             Some(hex)
         );
         assert_eq!(digest_in_url("https://c/internal/blobs/latest"), None);
+    }
+
+    #[test]
+    fn a_clone_keeps_no_link_and_stays_under_the_caps() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = dir.path().join("ctx");
+        std::fs::create_dir_all(ctx.join("sub")).unwrap();
+        std::fs::write(ctx.join("app.txt"), "app").unwrap();
+        std::fs::write(ctx.join("sub/more.txt"), "more").unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", ctx.join("Dockerfile")).unwrap();
+        std::os::unix::fs::symlink("app.txt", ctx.join("sub/inside")).unwrap();
+        nix::unistd::mkfifo(
+            &ctx.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .unwrap();
+        tidy_clone(&ctx, &Limits::default()).unwrap();
+        for gone in ["Dockerfile", "sub/inside", "fifo"] {
+            assert!(ctx.join(gone).symlink_metadata().is_err(), "{gone} is left");
+        }
+        assert_eq!(
+            std::fs::read_to_string(ctx.join("sub/more.txt")).unwrap(),
+            "more"
+        );
+        let tight = Limits {
+            max_entries: 2,
+            ..Limits::default()
+        };
+        let err = tidy_clone(&ctx, &tight).unwrap_err();
+        assert!(err.contains("larger than the build context cap"), "{err}");
+    }
+
+    /// git reads no configuration of the host's: only the command line.
+    #[tokio::test]
+    async fn git_reads_no_host_configuration() {
+        let home = tempfile::tempdir().unwrap();
+        std::fs::write(
+            home.path().join(".gitconfig"),
+            "[credential]\n\thelper = store\n",
+        )
+        .unwrap();
+        let out = git_command(home.path())
+            .args(["config", "--list", "--show-origin"])
+            .output()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.lines().all(|l| l.starts_with("command line:")),
+            "{text}"
+        );
     }
 
     #[test]
