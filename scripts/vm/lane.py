@@ -56,82 +56,33 @@ INSTALLED = [
     "/usr/share/fish/vendor_completions.d/zattera-agent.fish",
 ]
 WEB = (HERE / "examples/web.toml").read_text()
-FAILING = """[app]
-name = "sick"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[deploy.healthcheck]
-type = "exec"
-command = "false"
-interval = "2s"
-[env.production]
-command = "trap 'exit 0' TERM; while true; do sleep 1; done"
-stop_grace = "2s"
-"""
-HOG = """[app]
-name = "hog"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[env.production]
-command = "exec dd if=/dev/zero of=/dev/null bs=64M count=1"
-[env.production.resources]
-memory_mb = 16
-"""
-# A child (not the main process) over the memory limit.
-CHILD_HOG = """[app]
-name = "childhog"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[env.production]
-command = "dd if=/dev/zero of=/dev/null bs=64M count=1; sleep 3600"
-[env.production.resources]
-memory_mb = 16
-"""
+def app(name, command, more=""):
+    """A manifest of app `name` (project demo, env production) running
+    `command` in the busybox test image; `more` is appended TOML."""
+    return (f'[app]\nname = "{name}"\nproject = "demo"\n'
+            f'[build]\ntype = "image"\nimage = "docker.io/zattera/busybox:test"\n'
+            f'[env.production]\ncommand = {json.dumps(command)}\n{more}')
+
+
+SLEEP = "trap 'exit 0' TERM; while true; do sleep 1; done"
+# Always failing its health check.
+FAILING = app("sick", SLEEP, 'stop_grace = "2s"\n'
+              '[deploy.healthcheck]\ntype = "exec"\ncommand = "false"\ninterval = "2s"\n')
+# The main process over its memory limit, then a child (not the main
+# process) over it.
+HOG = app("hog", "exec dd if=/dev/zero of=/dev/null bs=64M count=1",
+          "[env.production.resources]\nmemory_mb = 16\n")
+CHILD_HOG = app("childhog", "dd if=/dev/zero of=/dev/null bs=64M count=1; sleep 3600",
+                "[env.production.resources]\nmemory_mb = 16\n")
 # A fork bomb under a pids limit of 128, and a spinner under half a core.
-BOMB = """[app]
-name = "bomb"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[env.production]
-command = "b() { b | b & }; b; sleep 3600"
-[env.production.resources]
-pids = 128
-cpu_millis = 200
-"""
-SPIN = """[app]
-name = "spin"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[env.production]
-command = "x=$(head -c 8388608 /dev/zero | tr '\\\\0' a); while :; do :; done"
-[env.production.resources]
-cpu_millis = 500
-memory_mb = 64
-"""
+BOMB = app("bomb", "b() { b | b & }; b; sleep 3600",
+           "[env.production.resources]\npids = 128\ncpu_millis = 200\n")
+SPIN = app("spin", "x=$(head -c 8388608 /dev/zero | tr '\\0' a); while :; do :; done",
+           "[env.production.resources]\ncpu_millis = 500\nmemory_mb = 64\n")
 # Writes a line into its volume when stopped: proof of a graceful stop.
-KEEPER = """[app]
-name = "keeper"
-project = "demo"
-[build]
-type = "image"
-image = "docker.io/zattera/busybox:test"
-[env.production]
-command = "trap 'echo stopped >> /data/stops; exit 0' TERM; echo started >> /data/starts; while true; do sleep 1; done"
-stop_grace = "10s"
-[[env.production.volumes]]
-name = "data"
-mount_path = "/data"
-"""
+KEEPER = app("keeper", "trap 'echo stopped >> /data/stops; exit 0' TERM; echo started >> /data/starts; "
+             "while true; do sleep 1; done",
+             'stop_grace = "10s"\n[[env.production.volumes]]\nname = "data"\nmount_path = "/data"\n')
 
 
 class CaseFailed(Exception):
