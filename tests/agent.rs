@@ -733,3 +733,87 @@ async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
     })
     .await;
 }
+
+/// Issue 44.5 (EX-6), through the real binary: an exec process left by an
+/// agent that was killed (its id one of the agent's, from before this
+/// start) is ended when the next agent starts; the container runs on.
+#[tokio::test]
+async fn a_restarted_agent_ends_the_exec_processes_the_old_one_left() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-orphans", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztko", "249-249");
+        agent.write_manifest("svc.toml", &sleeper("svc", 1));
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let cid = ids.values().next().unwrap().clone();
+        let pid = task_pids(&ctd, ids.values()).await;
+        // What a probe of the killed agent would have left behind.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let out = Command::new("ctr")
+            .arg("--address")
+            .arg(&rig.socket)
+            .args([
+                "-n",
+                ctd.namespace().as_str(),
+                "task",
+                "exec",
+                "--detach",
+                "--exec-id",
+            ])
+            .arg(format!("exec-{nanos}"))
+            .args([cid.as_str(), "sleep", "1000"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        agent.kill9();
+        // Whether the task still has that exec process (runc's shim names
+        // it in each process's info).
+        let exec_id = format!("exec-{nanos}");
+        let left = || async {
+            ctd.tasks()
+                .list_pids(
+                    ctd.request(containerd_client::services::v1::ListPidsRequest {
+                        container_id: cid.clone(),
+                    }),
+                )
+                .await
+                .unwrap()
+                .into_inner()
+                .processes
+                .iter()
+                .filter_map(|p| p.info.as_ref())
+                .any(|i| {
+                    i.value
+                        .windows(exec_id.len())
+                        .any(|w| w == exec_id.as_bytes())
+                })
+        };
+        assert!(left().await);
+        agent.start();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while left().await && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert!(
+            !left().await,
+            "the left exec process still runs:\n{}",
+            agent.log()
+        );
+        assert_eq!(
+            task_pids(&ctd, ids.values()).await,
+            pid,
+            "the container was not restarted"
+        );
+    })
+    .await;
+}

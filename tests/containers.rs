@@ -432,3 +432,77 @@ async fn exit_events_carry_the_exit_code() {
     })
     .await;
 }
+
+/// Issue 44.5 (EX-6): exec processes belong to the shim and outlive the
+/// agent that started them. At start, those of the agent's own ids started
+/// before it are killed and deleted; another tool's exec and one this
+/// agent starts later are left alone.
+#[tokio::test]
+async fn exec_processes_an_earlier_agent_left_are_ended() {
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, "exec-orphans", |ctd, rig| async move {
+        start_busybox(&ctd, &rig, "orph-1", "sleep 1000", &logs_path).await;
+        let ctr_exec = |exec_id: &str| {
+            let out = std::process::Command::new("ctr")
+                .arg("--address")
+                .arg(&rig.socket)
+                .args([
+                    "-n",
+                    ctd.namespace().as_str(),
+                    "task",
+                    "exec",
+                    "--detach",
+                    "--exec-id",
+                ])
+                .args([exec_id, "orph-1", "sleep", "1000"])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ctr task exec: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let start = std::time::SystemTime::now();
+        let old = format!(
+            "exec-{}",
+            start
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+                - 1_000_000_000
+        );
+        let later = format!(
+            "session-{}",
+            start
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+                + 1_000_000_000
+        );
+        ctr_exec(&old);
+        ctr_exec("someone-elses");
+        ctr_exec(&later);
+        let pids = || async {
+            ctd.tasks()
+                .list_pids(
+                    ctd.request(containerd_client::services::v1::ListPidsRequest {
+                        container_id: "orph-1".into(),
+                    }),
+                )
+                .await
+                .unwrap()
+                .into_inner()
+                .processes
+                .len()
+        };
+        assert_eq!(pids().await, 4, "init and three execs");
+        let ended = zattera_agent::runtime::exec_orphans::end(&ctd, "orph-1", start).await;
+        assert_eq!(ended, vec![old.clone()]);
+        assert_eq!(pids().await, 3, "the other two run on");
+        // Cleanup of the two left: the namespace purge removes the task.
+    })
+    .await;
+}

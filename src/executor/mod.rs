@@ -349,7 +349,24 @@ impl Executor {
     /// restarts a task lost to a crash or a reboot (C-13), so the node
     /// serves again without waiting for anyone.
     async fn boot(&mut self) -> Result<(), RuntimeError> {
+        let started = std::time::SystemTime::now();
         let owned = list_owned(&self.h.ctd).await?;
+        // Exec processes (probes, sessions) an earlier agent left: ended
+        // beside the boot, never one this agent starts from now on.
+        let (ctd, ids, fifos) = (
+            self.h.ctd.clone(),
+            owned
+                .iter()
+                .map(|o| o.container_id.clone())
+                .collect::<Vec<_>>(),
+            self.h.cfg.run_dir.join("exec"),
+        );
+        tokio::spawn(async move {
+            for id in ids {
+                crate::runtime::exec_orphans::end(&ctd, &id, started).await;
+            }
+            crate::runtime::exec_orphans::remove_fifo_dirs(&fifos, started);
+        });
         if let Some(net) = &self.h.net {
             let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
             collect_orphan_attachments(net, &live).await;

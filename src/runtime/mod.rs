@@ -16,6 +16,7 @@ pub mod disk;
 mod error;
 pub mod events;
 pub mod exec;
+pub mod exec_orphans;
 pub mod exec_session;
 pub mod images;
 pub mod lease;
