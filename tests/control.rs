@@ -1727,16 +1727,29 @@ async fn the_binary_joins_and_runs_under_control() {
 /// Serves the file `body` at `path` over plain HTTP on loopback, 404
 /// elsewhere.
 async fn serve_file(path: &'static str, body: PathBuf) -> (String, AbortOnDrop) {
+    serve(vec![(path, Route::File(body))]).await
+}
+
+/// What [`serve`] answers on a path.
+#[derive(Clone)]
+enum Route {
+    File(PathBuf),
+    /// A 302 to this URL.
+    Redirect(String),
+}
+
+/// A loopback HTTP/1.1 server of `routes` (404 elsewhere); its address.
+async fn serve(routes: Vec<(&'static str, Route)>) -> (String, AbortOnDrop) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
-    let body = Arc::new(body);
+    let routes = Arc::new(routes);
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut conn, _)) = listener.accept().await else {
                 return;
             };
-            let body = Arc::clone(&body);
+            let routes = Arc::clone(&routes);
             tokio::spawn(async move {
                 let mut req = Vec::new();
                 let mut buf = [0u8; 1024];
@@ -1747,16 +1760,29 @@ async fn serve_file(path: &'static str, body: PathBuf) -> (String, AbortOnDrop) 
                     }
                 }
                 let line = String::from_utf8_lossy(&req);
-                let found = line.starts_with(&format!("GET {path} "));
-                let len = std::fs::metadata(body.as_path()).map_or(0, |m| m.len());
-                let head = if found {
-                    format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n")
-                } else {
-                    "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                        .to_owned()
+                let route = routes
+                    .iter()
+                    .find(|(path, _)| line.starts_with(&format!("GET {path} ")))
+                    .map(|(_, r)| r.clone());
+                let head = match &route {
+                    Some(Route::File(body)) => {
+                        let len = std::fs::metadata(body).map_or(0, |m| m.len());
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+                        )
+                    }
+                    Some(Route::Redirect(to)) => format!(
+                        "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    ),
+                    None => {
+                        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                            .to_owned()
+                    }
                 };
                 let _ = conn.write_all(head.as_bytes()).await;
-                if found && let Ok(mut file) = tokio::fs::File::open(body.as_path()).await {
+                if let Some(Route::File(body)) = &route
+                    && let Ok(mut file) = tokio::fs::File::open(body).await
+                {
                     let _ = tokio::io::copy(&mut file, &mut conn).await;
                 }
                 let _ = conn.shutdown().await;
@@ -1809,7 +1835,24 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         };
         let original = file_digest(&binary);
         let digest = file_digest(&upgraded);
-        let (http, _http) = serve_file("/releases/zattera-agent", upgraded.clone()).await;
+        // What is not an agent: a script, and a program that is not this one.
+        let script = dir.path().join("script");
+        std::fs::write(&script, "#!/bin/sh\necho hi\n").unwrap();
+        let other = dir.path().join("other");
+        std::fs::copy("/bin/true", &other).unwrap();
+        // The release on a CDN (another origin) that the base redirects to.
+        let (cdn, _cdn) = serve_file("/cdn/zattera-agent", upgraded.clone()).await;
+        let (http, _http) = serve(vec![
+            ("/releases/zattera-agent", Route::File(upgraded.clone())),
+            ("/elsewhere/zattera-agent", Route::File(upgraded.clone())),
+            ("/releases/script", Route::File(script.clone())),
+            ("/releases/other", Route::File(other.clone())),
+            (
+                "/releases/via-cdn",
+                Route::Redirect(format!("http://{cdn}/cdn/zattera-agent")),
+            ),
+        ])
+        .await;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
         let _cleanup = support::NetCleanup {
@@ -1886,6 +1929,36 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
                 request(good_url.clone(), &"0".repeat(64)),
                 tonic::Code::DataLoss,
             ),
+            // 44.6: compared parsed and normalised, not as strings.
+            (
+                request(
+                    format!("http://{http}/releases/../elsewhere/zattera-agent"),
+                    &digest,
+                ),
+                tonic::Code::PermissionDenied,
+            ),
+            (
+                request(
+                    format!("http://{http}/releases/%2e%2e/elsewhere/zattera-agent"),
+                    &digest,
+                ),
+                tonic::Code::PermissionDenied,
+            ),
+            // 44.6: the staged file must be this agent.
+            (
+                request(
+                    format!("http://{http}/releases/script"),
+                    &file_digest(&script),
+                ),
+                tonic::Code::FailedPrecondition,
+            ),
+            (
+                request(
+                    format!("http://{http}/releases/other"),
+                    &file_digest(&other),
+                ),
+                tonic::Code::FailedPrecondition,
+            ),
         ];
         for (req, code) in refusals {
             let err = api.upgrade_binary(req).await.unwrap_err();
@@ -1897,13 +1970,20 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
             );
         }
 
+        // A downgrade (control's rollback), redirected to another origin:
+        // installs.
         let sessions = cp.with(|r| r.sessions.len());
+        let mut rollback = request(
+            format!("http://{http}/releases/via-cdn"),
+            &digest.to_uppercase(),
+        );
+        rollback.version = "0.0.1".into();
         let reply = api
-            .upgrade_binary(request(good_url, &digest.to_uppercase()))
+            .upgrade_binary(rollback)
             .await
             .unwrap_or_else(|e| panic!("upgrade: {e:?}; agent log:\n{}", dump()))
             .into_inner();
-        assert_eq!(reply.staged_version, "9.9.9");
+        assert_eq!(reply.staged_version, "0.0.1");
         assert_eq!(reply.previous_version, env!("CARGO_PKG_VERSION"));
         assert_eq!(file_digest(&binary), digest);
         // The same process re-executes the new file and says hello again.

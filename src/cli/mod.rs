@@ -118,7 +118,15 @@ enum Command {
     /// Write the man pages (zattera-agent.1 and one per command) into a directory.
     Man(docs::ManArgs),
     /// Print the version.
-    Version,
+    Version(VersionArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VersionArgs {
+    /// JSON (`{"name": "zattera-agent", "version": …}`): how an upgrade
+    /// checks that a staged binary is this agent.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Prints to stdout; a reader that went away (`| head`) is not an error.
@@ -133,8 +141,16 @@ fn write_stdout(text: &str) -> Result<()> {
 pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
     let g = &cli.global;
     match cli.command {
-        Command::Version => {
-            println!("zattera-agent {}", env!("CARGO_PKG_VERSION"));
+        Command::Version(args) => {
+            let version = env!("CARGO_PKG_VERSION");
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"name": "zattera-agent", "version": version})
+                );
+            } else {
+                println!("zattera-agent {version}");
+            }
         }
         Command::Run(args) => run::run(g.load(Some(&args))?).await?,
         Command::Status(args) => status::run(&g.load(None)?, &args).await?,

@@ -1,15 +1,24 @@
-//! `UpgradeBinary`: replace the agent binary and restart into it.
+//! `UpgradeBinary`: replace the agent binary and restart into it (UPG-1 to
+//! UPG-7).
 //!
 //! Only URLs under the configured `upgrade-base-url` are fetched (`*` = any
-//! URL), and no redirect may lead outside it; at most 512 MiB are read,
-//! hashed as they arrive, into a file beside the binary; a SHA-256 mismatch
-//! installs nothing. A version older than the running one is refused unless
-//! its label says it is a rollback (`1.2.0+rollback`); one upgrade runs at a
-//! time. The running binary is kept as `<binary>.prev` (UPG-5), the new file
-//! is renamed over the binary (atomic on one filesystem) and the directory
-//! synced, the reply goes out, and about 500 ms later the agent re-executes
-//! itself with the same arguments: the same pid, so a supervisor sees no
-//! exit, and the containers, which belong to containerd's shims, keep
+//! URL): compared parsed and normalised (scheme, host, port, and the path
+//! under the base's, after `..` and `%2e%2e` resolve), never as strings.
+//! Redirects are followed wherever they lead (release assets redirect to a
+//! CDN; the SHA-256 protects the content), but never from https to http.
+//! The whole download is bounded (10 min, 512 MiB), hashed as it arrives,
+//! into a file beside the binary; a SHA-256 mismatch installs nothing.
+//! Older versions install too: control rolls back that way, and the wire
+//! cannot say "downgrade"; one is logged as such. Beyond the reference, the
+//! staged file must be a zattera-agent for this machine (an ELF for this
+//! architecture whose `version --json` says so) before anything is
+//! swapped: a reference release (the Go `zattera`) or a script is refused,
+//! naming what it is. One upgrade runs at a time. The running binary is
+//! kept as `<binary>.prev` (UPG-5), the new file is renamed over the binary
+//! (atomic on one filesystem) and the directory synced, the reply goes out,
+//! and about 500 ms later the agent flushes its metrics store and
+//! re-executes itself with the same arguments: the same pid, so systemd sees
+//! no exit, and the containers, which belong to containerd's shims, keep
 //! running and are adopted by the new process.
 
 use std::io::Write;
@@ -23,6 +32,8 @@ use tonic::Status;
 use crate::proto::cluster::{AgentUpgradeRequest, AgentUpgradeResponse};
 
 pub const MAX_DOWNLOAD: u64 = 512 * 1024 * 1024;
+/// The whole download, redirects and body included (the spec's bound).
+const DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(600);
 const RESTART_AFTER: Duration = Duration::from_millis(500);
 
 /// Where upgrades may come from, and what they replace.
@@ -39,9 +50,6 @@ pub struct UpgradeConfig {
     /// The stats store, flushed before the restart (UPG-7).
     pub stats: Option<crate::metrics::persist::StoreFile>,
 }
-
-/// The build-metadata suffix that marks a requested version as a rollback.
-const ROLLBACK: [&str; 2] = ["+rollback", "+downgrade"];
 
 /// `v1.2.3-rc1+meta` → ((1, 2, 3), Some("rc1")); `None` when not a version.
 fn parse_version(label: &str) -> Option<((u64, u64, u64), Option<String>)> {
@@ -60,37 +68,119 @@ fn parse_version(label: &str) -> Option<((u64, u64, u64), Option<String>)> {
     Some((v, pre))
 }
 
-/// Why `requested` may not replace `running`, if it may not: an older
-/// version needs the rollback mark, an unordered label is refused.
-fn version_refusal(running: &str, requested: &str) -> Option<String> {
-    if ROLLBACK.iter().any(|r| requested.ends_with(r)) {
-        return None;
-    }
+/// Whether `requested` is older than `running` (a rollback); `false` when
+/// either cannot be ordered.
+fn is_downgrade(running: &str, requested: &str) -> bool {
     let (Some(have), Some(want)) = (parse_version(running), parse_version(requested)) else {
-        return Some(format!(
-            "version {requested:?} cannot be ordered against the running {running}; give a version (1.2.3)"
-        ));
+        return false;
     };
     // A pre-release sorts before its release.
     let key = |(v, pre): &((u64, u64, u64), Option<String>)| (*v, pre.is_none(), pre.clone());
-    (key(&want) < key(&have)).then(|| {
-        format!(
-            "version {requested} is older than the running {running}; mark a rollback as {requested}+rollback"
-        )
-    })
+    key(&want) < key(&have)
 }
 
-/// Whether `url` lies under `base`: the same prefix, ending at a path or
-/// query boundary, so `https://r.example/agent` does not admit
-/// `https://r.example/agent-evil`.
+/// Whether `url` lies under `base`, both parsed and normalised: the same
+/// scheme, host and port, and a path that is the base's or below it (at a
+/// segment boundary, so `/agent` does not admit `/agent-evil`), after `..`
+/// and `%2e%2e` have resolved as the HTTP client will resolve them.
 pub fn allowed(base: &str, url: &str) -> bool {
     if base == "*" {
         return true;
     }
-    let Some(rest) = url.strip_prefix(base) else {
+    let (Ok(base), Ok(url)) = (reqwest::Url::parse(base), reqwest::Url::parse(url)) else {
         return false;
     };
-    base.ends_with('/') || rest.is_empty() || rest.starts_with(['/', '?'])
+    if base.scheme() != url.scheme()
+        || base.host_str() != url.host_str()
+        || base.port_or_known_default() != url.port_or_known_default()
+        || !url.username().is_empty()
+        || url.password().is_some()
+    {
+        return false;
+    }
+    let (under, path) = (base.path(), url.path());
+    path == under
+        || path
+            .strip_prefix(under)
+            .is_some_and(|rest| under.ends_with('/') || rest.starts_with('/'))
+}
+
+/// Why the staged file is not a zattera-agent for this machine, if it is
+/// not: it must be an ELF executable for this architecture, and answer
+/// `version --json` (or, an older release, `version`) as one.
+async fn not_an_agent(staged: &Path) -> Option<String> {
+    let mut head = [0u8; 20];
+    let read = std::fs::File::open(staged).and_then(|mut f| {
+        use std::io::Read;
+        f.read(&mut head)
+    });
+    let Ok(n) = read else {
+        return Some("it cannot be read".to_owned());
+    };
+    if let Some(kind) = elf_mismatch(&head[..n]) {
+        return Some(kind);
+    }
+    let answer = |args: &'static [&'static str]| async move {
+        let out = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio::process::Command::new(staged)
+                .args(args)
+                .env_clear()
+                .stdin(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await;
+        match out {
+            Ok(Ok(o)) if o.status.success() => {
+                Some(String::from_utf8_lossy(&o.stdout).into_owned())
+            }
+            _ => None,
+        }
+    };
+    if let Some(json) = answer(&["version", "--json"]).await {
+        let name = serde_json::from_str::<serde_json::Value>(&json)
+            .ok()
+            .and_then(|v| v["name"].as_str().map(str::to_owned));
+        if name.as_deref() == Some("zattera-agent") {
+            return None;
+        }
+    }
+    if answer(&["version"])
+        .await
+        .is_some_and(|text| text.starts_with("zattera-agent "))
+    {
+        return None;
+    }
+    Some(
+        "it does not answer `version --json` as zattera-agent does (a reference `zattera` release, or another program)"
+            .to_owned(),
+    )
+}
+
+/// What `head` (a file's first bytes) is, if not an ELF executable for this
+/// machine's architecture.
+fn elf_mismatch(head: &[u8]) -> Option<String> {
+    if head.starts_with(b"#!") {
+        return Some("it is a script, not an executable".to_owned());
+    }
+    if head.len() < 20 || !head.starts_with(b"\x7fELF") {
+        return Some("it is not an ELF executable".to_owned());
+    }
+    // e_machine, little endian on every architecture this agent runs on.
+    let machine = u16::from_le_bytes([head[18], head[19]]);
+    let want = match std::env::consts::ARCH {
+        "x86_64" => 62,
+        "aarch64" => 183,
+        _ => return None,
+    };
+    (head[4] != 2 || head[5] != 1 || machine != want).then(|| {
+        format!(
+            "it is an ELF for another machine (class {}, machine {machine}), not {}",
+            head[4],
+            std::env::consts::ARCH
+        )
+    })
 }
 
 pub async fn upgrade(
@@ -121,8 +211,8 @@ pub async fn upgrade(
         )));
     }
     let running = env!("CARGO_PKG_VERSION");
-    if let Some(why) = version_refusal(running, &req.version) {
-        return Err(Status::failed_precondition(format!("UpgradeBinary: {why}")));
+    if is_downgrade(running, &req.version) {
+        tracing::info!(from = running, to = %req.version, "a downgrade (control's rollback)");
     }
     let Ok(_one_at_a_time) = cfg.busy.try_lock() else {
         return Err(Status::aborted(
@@ -131,10 +221,17 @@ pub async fn upgrade(
     };
     tracing::info!(version = %req.version, url = %crate::redact::url(&req.url), "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
-    let result = download(base, &req.url, &staged, &want).await;
+    let result = download(&req.url, &staged, &want).await;
     if let Err(e) = result {
         let _ = std::fs::remove_file(&staged);
         return Err(e);
+    }
+    if let Some(why) = not_an_agent(&staged).await {
+        let _ = std::fs::remove_file(&staged);
+        return Err(Status::failed_precondition(format!(
+            "UpgradeBinary: {} is not a zattera-agent for this machine: {why}; the running agent stays",
+            crate::redact::url(&req.url)
+        )));
     }
     if let Err(e) = install(&staged, &cfg.binary) {
         let _ = std::fs::remove_file(&staged);
@@ -183,29 +280,32 @@ fn staging_path(binary: &Path) -> PathBuf {
 
 /// Streams `url` into `path`, checking size and digest; the file is
 /// executable and synced when this returns Ok.
-async fn download(base: &str, url: &str, path: &Path, want: &str) -> Result<(), Status> {
+async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
     let shown = crate::redact::url(url);
     let unavailable = |e: &dyn std::fmt::Display| {
         // reqwest's own errors quote the whole URL: the redacted one replaces it.
         let text = e.to_string().replace(url, &shown);
         Status::unavailable(format!("UpgradeBinary: downloading {shown}: {text}"))
     };
-    // A redirect is followed only while it stays under the base URL.
-    let base_owned = base.to_owned();
-    let redirects = reqwest::redirect::Policy::custom(move |attempt| {
+    // Redirects lead anywhere (the digest guards the bytes), never from
+    // https down to http.
+    let redirects = reqwest::redirect::Policy::custom(|attempt| {
+        let downgraded = attempt.url().scheme() == "http"
+            && attempt.previous().iter().any(|u| u.scheme() == "https");
         if attempt.previous().len() >= 10 {
             attempt.error("too many redirects")
-        } else if allowed(&base_owned, attempt.url().as_str()) {
-            attempt.follow()
+        } else if downgraded {
+            let to = crate::redact::url(attempt.url().as_str());
+            attempt.error(format!("redirected from https to {to}"))
         } else {
-            let to = attempt.url().to_string();
-            attempt.error(format!("redirected to {to}, outside the upgrade base URL"))
+            attempt.follow()
         }
     });
-    // A stalled server fails the call instead of holding it forever.
+    // A stalled server fails the call, and the whole of it is bounded.
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         .read_timeout(Duration::from_secs(60))
+        .timeout(DOWNLOAD_TIMEOUT)
         .redirect(redirects)
         .build()
         .map_err(|e| unavailable(&e))?;
@@ -276,21 +376,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn older_versions_need_the_rollback_mark() {
-        assert_eq!(version_refusal("0.2.0", "0.2.1"), None);
-        assert_eq!(version_refusal("0.2.0", "v0.3.0"), None);
-        assert_eq!(version_refusal("0.2.0", "0.2.0"), None, "a reinstall");
+    fn older_versions_are_downgrades_and_install() {
+        assert!(!is_downgrade("0.2.0", "0.2.1"));
+        assert!(!is_downgrade("0.2.0", "v0.3.0"));
+        assert!(!is_downgrade("0.2.0", "0.2.0"), "a reinstall");
+        assert!(is_downgrade("0.2.0", "0.1.9"));
+        assert!(is_downgrade("0.2.0", "0.1.9+rollback"));
+        assert!(is_downgrade("0.2.0", "0.2.0-rc1"), "a pre-release is older");
         assert!(
-            version_refusal("0.2.0", "0.1.9")
+            !is_downgrade("0.2.0", "nightly"),
+            "unordered: not called one"
+        );
+    }
+
+    #[test]
+    fn only_an_elf_for_this_machine_is_an_agent() {
+        let this = std::fs::read("/proc/self/exe").unwrap();
+        assert_eq!(elf_mismatch(&this[..20]), None);
+        assert!(
+            elf_mismatch(b"#!/bin/sh\nrm -rf /\n")
                 .unwrap()
-                .contains("+rollback")
+                .contains("script")
         );
-        assert_eq!(version_refusal("0.2.0", "0.1.9+rollback"), None);
         assert!(
-            version_refusal("0.2.0", "0.2.0-rc1").is_some(),
-            "a pre-release is older"
+            elf_mismatch(b"<html>not found</html>")
+                .unwrap()
+                .contains("not an ELF")
         );
-        assert!(version_refusal("0.2.0", "nightly").is_some());
+        let mut other = this[..20].to_vec();
+        other[18..20].copy_from_slice(&183u16.to_le_bytes());
+        if std::env::consts::ARCH == "x86_64" {
+            assert!(elf_mismatch(&other).unwrap().contains("another machine"));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_program_that_is_not_the_agent_is_refused() {
+        let why = not_an_agent(Path::new("/bin/true")).await.unwrap();
+        assert!(why.contains("version --json"), "{why}");
     }
 
     #[test]
@@ -319,6 +442,24 @@ mod tests {
         assert!(!allowed(
             "https://r.example/agent/",
             "https://evil.example/agent/x"
+        ));
+        // Compared parsed and normalised: what the client would fetch.
+        for escape in [
+            "https://r.example/agent/../elsewhere/x",
+            "https://r.example/agent/%2e%2e/elsewhere/x",
+            "https://r.example/agent/%2E%2E/%2e%2e/x",
+            "https://r.example:8443/agent/x",
+            "https://user@r.example/agent/x",
+        ] {
+            assert!(!allowed("https://r.example/agent/", escape), "{escape}");
+        }
+        assert!(allowed(
+            "https://r.example/agent/",
+            "https://r.example/agent/./1.2/../1.3/zattera-agent"
+        ));
+        assert!(allowed(
+            "https://r.example:443/agent/",
+            "https://r.example/agent/x"
         ));
     }
 }
