@@ -250,6 +250,10 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     );
 
     let mut stats_on_close = None;
+    // The VIP proxy (with a control plane): its listeners and addresses go
+    // when the agent stops (V-2).
+    let vip_shutdown = tokio_util::sync::CancellationToken::new();
+    let mut vip_proxy = None;
     let status_for_metrics = handle.status.clone();
     let mut samples_for_metrics = crate::metrics::none();
     let source_task = match (&config.control, &config.manifests) {
@@ -314,12 +318,13 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 Arc::clone(&metrics),
             )
             .await;
-            tokio::spawn(crate::control::vip::run(
+            vip_proxy = Some(tokio::spawn(crate::control::vip::run(
                 Arc::clone(&net),
                 routes.clone(),
                 handle.networks.clone(),
                 metrics.vip_connections.clone(),
-            ));
+                vip_shutdown.clone(),
+            )));
             tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
             crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
                 .with_context(|| format!("--control {addr}: the node identity"))?
@@ -388,6 +393,14 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     shutdown.await;
     notify(&[sd_notify::NotifyState::Stopping]);
     source_task.abort();
+    vip_shutdown.cancel();
+    if let Some(proxy) = vip_proxy
+        && tokio::time::timeout(std::time::Duration::from_secs(5), proxy)
+            .await
+            .is_err()
+    {
+        tracing::warn!("the VIP proxy did not stop within 5 s");
+    }
     if host_is_going_down(&config.host_shutdown_check).await {
         notify(&[sd_notify::NotifyState::Status(
             "host shutting down: stopping instances",

@@ -90,11 +90,13 @@ async fn vip_connections_reach_healthy_endpoints_only() {
     let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(snapshot(1, vip, &endpoint, true))));
     let (_networks_tx, networks) = tokio::sync::watch::channel(Arc::new(Vec::new()));
     let connections = prometheus_client::metrics::counter::Counter::<u64>::default();
+    let shutdown = tokio_util::sync::CancellationToken::new();
     let proxy = tokio::spawn(zattera_agent::control::vip::run(
         Arc::clone(&net),
         rx,
         networks,
         connections.clone(),
+        shutdown.clone(),
     ));
     wait_until("the VIP on ztvpvip", || {
         vip_addresses("ztvpvip").contains("10.97.250.7/32")
@@ -145,5 +147,46 @@ async fn vip_connections_reach_healthy_endpoints_only() {
         !vip_addresses("ztvpvip").contains("10.97.250.7")
     })
     .await;
-    proxy.abort();
+
+    // 44.8: an endpoint gone since the snapshot (a closed port) is
+    // retried once on another: every client still gets through.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let mut two = snapshot(4, vip, &endpoint, true);
+    let mut gone = two.internal_services[0].ports[0].endpoints[0].clone();
+    gone.addr = dead;
+    two.internal_services[0].ports[0].endpoints.insert(0, gone);
+    tx.send(Some(Arc::new(two))).unwrap();
+    wait_until("the VIP back", || {
+        vip_addresses("ztvpvip").contains("10.97.250.7/32")
+    })
+    .await;
+    let mut answered = 0;
+    for _ in 0..20 {
+        let mut s = loop {
+            if let Ok(s) = TcpStream::connect((vip.parse::<Ipv4Addr>().unwrap(), 18080)).await {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        s.write_all(b"ping").await.unwrap();
+        let mut reply = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply)).await;
+        answered += usize::from(reply == b"ping");
+    }
+    assert_eq!(answered, 20, "clients lost to the dead endpoint");
+
+    // 44.8 (V-2): at shutdown the listeners close and the VIPs go.
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), proxy)
+        .await
+        .expect("the proxy stops")
+        .unwrap();
+    assert!(
+        !vip_addresses("ztvpvip").contains("10.97.250.7"),
+        "the VIP is left"
+    );
 }

@@ -32,8 +32,20 @@ pub const MAX_CONNECTIONS: usize = 4096;
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
-/// In-flight connections per endpoint address; never pruned (V-3).
+/// In-flight connections per endpoint address (V-3); an endpoint with none
+/// left has no entry, so endpoints that come and go do not pile up.
 type InFlight = Arc<Mutex<HashMap<SocketAddr, usize>>>;
+
+/// One connection to `target` ended: its count goes down, and the entry
+/// with it at zero.
+fn release(in_flight: &mut HashMap<SocketAddr, usize>, target: SocketAddr) {
+    if let Some(n) = in_flight.get_mut(&target) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            in_flight.remove(&target);
+        }
+    }
+}
 
 struct Listener {
     endpoints: Arc<RwLock<Vec<SocketAddr>>>,
@@ -133,12 +145,14 @@ pub fn choose(
 }
 
 /// Runs the proxy on every snapshot `routes` delivers and every change of
-/// the node's networks, until `routes` closes.
+/// the node's networks, until `routes` closes or `shutdown` is cancelled:
+/// then every VIP listener closes and the VIP addresses go (V-2).
 pub async fn run(
     net: Arc<NetNode>,
     mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>,
     mut networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
     connections: prometheus_client::metrics::counter::Counter,
+    shutdown: tokio_util::sync::CancellationToken,
 ) {
     let in_flight: InFlight = Arc::default();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -157,6 +171,13 @@ pub async fn run(
             },
             // The executor gone only means no more network changes.
             changed = networks.changed(), if networks_open => networks_open = changed.is_ok(),
+            () = shutdown.cancelled() => {
+                listeners.clear();
+                if let Err(e) = zattera_netns::vip::set_vips(&net, &BTreeMap::new()).await {
+                    tracing::warn!(error = %e, "VIP addresses not removed at shutdown");
+                }
+                return;
+            }
         }
     }
 }
@@ -266,32 +287,41 @@ async fn accept(
             )
         };
         // No healthy endpoint: the client is closed at once (V-3).
-        let Some(target) = chosen else { continue };
+        let Some(first) = chosen else { continue };
         let in_flight = Arc::clone(&in_flight);
         tokio::spawn(async move {
             let _slot = slot;
+            let Some((target, upstream)) = dial(first, &candidates).await else {
+                return;
+            };
             if let Ok(mut counts) = in_flight.lock() {
                 *counts.entry(target).or_default() += 1;
             }
-            splice(client, target, IDLE_TIMEOUT).await;
+            copy_until_idle(client, upstream, IDLE_TIMEOUT).await;
             if let Ok(mut counts) = in_flight.lock() {
-                counts
-                    .entry(target)
-                    .and_modify(|c| *c = c.saturating_sub(1));
+                release(&mut counts, target);
             }
         });
     }
 }
 
-/// Dials with a 5 s timeout, then copies both ways, half-closing each
-/// direction when it ends, until both have ended or nothing moved for
-/// `idle`.
-async fn splice(client: TcpStream, target: SocketAddr, idle: Duration) {
-    let Ok(Ok(upstream)) = tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(target)).await
-    else {
-        return;
+/// Dials `first` with a 5 s timeout and, when that fails, once more
+/// another of `candidates`: one endpoint gone since the snapshot
+/// does not fail the client. `None` when neither answered.
+pub async fn dial(first: SocketAddr, candidates: &[SocketAddr]) -> Option<(SocketAddr, TcpStream)> {
+    let connect = |to: SocketAddr| async move {
+        match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(to)).await {
+            Ok(Ok(s)) => Some((to, s)),
+            _ => None,
+        }
     };
-    copy_until_idle(client, upstream, idle).await;
+    if let Some(ok) = connect(first).await {
+        return Some(ok);
+    }
+    let others: Vec<SocketAddr> = candidates.iter().copied().filter(|c| *c != first).collect();
+    let second = others.get(rand::random::<u32>() as usize % others.len().max(1))?;
+    tracing::debug!(%first, %second, "VIP endpoint refused; retrying once on another");
+    connect(*second).await
 }
 
 /// Both directions of `a` ⇄ `b`, closed after `idle` without a byte.
@@ -368,6 +398,32 @@ mod tests {
             .unwrap();
         let mut rest = Vec::new();
         assert_eq!(far.read_to_end(&mut rest).await.unwrap(), 0);
+    }
+
+    #[test]
+    fn an_endpoint_with_nothing_in_flight_leaves_the_map() {
+        let (a, b) = (addr("10.0.0.1:80"), addr("10.0.0.2:80"));
+        let mut m = HashMap::from([(a, 2), (b, 1)]);
+        release(&mut m, a);
+        release(&mut m, b);
+        assert_eq!(m, HashMap::from([(a, 1)]));
+        release(&mut m, a);
+        release(&mut m, b);
+        assert!(m.is_empty());
+    }
+
+    /// a refused dial is retried once on another endpoint.
+    #[tokio::test]
+    async fn a_refused_endpoint_is_retried_once_on_another() {
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live_addr = live.local_addr().unwrap();
+        let dead = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let (to, _) = dial(dead, &[dead, live_addr]).await.unwrap();
+        assert_eq!(to, live_addr);
+        assert!(dial(dead, &[dead]).await.is_none(), "no other endpoint");
     }
 
     #[test]
