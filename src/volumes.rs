@@ -160,6 +160,34 @@ pub fn volume_root(data_dir: &Path, local: &str) -> PathBuf {
     volume_dir(data_dir, local).join("_data")
 }
 
+/// Beside `_data`, out of containers' reach: the image's content was copied
+/// into this volume once already (VOL-4).
+const COPIED_UP: &str = "copied-up";
+
+/// Makes the volume's root, and says whether this is its first use, when
+/// the image's content is copied in (VOL-4, C-8). Only the first: a volume
+/// an app emptied on purpose is not filled again at the next bring-up. A
+/// volume made by an earlier agent, which kept no record, counts as copied
+/// up already.
+pub fn first_use(data_dir: &Path, local: &str) -> std::io::Result<bool> {
+    let dir = volume_dir(data_dir, local);
+    if dir.join(COPIED_UP).exists() {
+        return Ok(false);
+    }
+    let existed = std::fs::symlink_metadata(&dir).is_ok();
+    std::fs::create_dir_all(dir.join("_data"))?;
+    if existed {
+        mark_copied_up(data_dir, local)?;
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// Records that the volume had its copy-up (or needed none).
+pub fn mark_copied_up(data_dir: &Path, local: &str) -> std::io::Result<()> {
+    std::fs::write(volume_dir(data_dir, local).join(COPIED_UP), b"")
+}
+
 /// Resolves `request` inside `root`: read as if absolute (`/a` and `a` are
 /// the same; `..` stops at the root), then with symlinks followed, it must
 /// still lie inside the root. Errors name the request, never a host path.
@@ -251,6 +279,22 @@ pub fn go_mode_string_of(mode: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_copy_up_happens_at_the_first_use_only() {
+        let data = tempfile::tempdir().unwrap();
+        assert!(first_use(data.path(), "zt-e-new").unwrap(), "a new volume");
+        assert!(volume_root(data.path(), "zt-e-new").is_dir());
+        mark_copied_up(data.path(), "zt-e-new").unwrap();
+        assert!(
+            !first_use(data.path(), "zt-e-new").unwrap(),
+            "emptied or not, never again"
+        );
+        // A volume an earlier agent made (no record): counts as copied up.
+        std::fs::create_dir_all(volume_root(data.path(), "zt-e-old")).unwrap();
+        assert!(!first_use(data.path(), "zt-e-old").unwrap());
+        assert!(volume_dir(data.path(), "zt-e-old").join(COPIED_UP).exists());
+    }
 
     #[test]
     fn local_names_use_the_whole_environment_id_and_refuse_escapes() {

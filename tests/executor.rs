@@ -517,6 +517,31 @@ async fn an_empty_volume_is_filled_from_the_image_and_then_kept() {
             std::fs::read_to_string(volume.join("index.html")).unwrap(),
             "from the volume\n"
         );
+        // 44.9 (VOL-4): emptied on purpose, it is not filled again at the
+        // next bring-up (the old rule, "empty now", refilled it).
+        std::fs::remove_file(volume.join("index.html")).unwrap();
+        let replaced = agent.wait_for("the status", |_| true).await.assignments[0]
+            .container_id
+            .clone();
+        let (a, mut rt) = web("vol-0", 225, "h3");
+        rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "www".into(),
+            mount_path: "/var/www".into(),
+        }];
+        agent.push(set(vec![(a, rt)]));
+        agent
+            .wait_for("replaced again and started", |s| {
+                s.assignments.iter().any(|r| {
+                    r.container_id != replaced
+                        && !r.container_id.is_empty()
+                        && matches!(r.state, State::Running | State::Healthy | State::Unhealthy)
+                })
+            })
+            .await;
+        assert!(
+            !volume.join("index.html").exists(),
+            "an emptied volume was filled from the image again"
+        );
         agent.finish().await;
     })
     .await;

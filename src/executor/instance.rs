@@ -201,7 +201,8 @@ pub async fn bring_up(
     let hostname: String = cid.chars().take(63).collect();
 
     let mut mounts = Vec::new();
-    // Volumes seen empty now get the image's content at their path (C-8).
+    // A volume at its first use gets the image's content at its path (C-8,
+    // VOL-4); never again, even emptied.
     let mut fresh_volumes = Vec::new();
     for v in &spec_input.volumes {
         let name = crate::volumes::ensure(
@@ -212,10 +213,10 @@ pub async fn bring_up(
         .map_err(|e| Failure(format!("ensure volume: {e}")))?;
         crate::volumes::check_mount_path(&v.mount_path)
             .map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
+        let first = crate::volumes::first_use(&h.cfg.data_dir, &name)
+            .map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
         let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);
-        std::fs::create_dir_all(&dir).map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
-        let empty = std::fs::read_dir(&dir).is_ok_and(|mut d| d.next().is_none());
-        if empty {
+        if first {
             fresh_volumes.push((name.clone(), dir.clone(), v.mount_path.clone()));
         }
         mounts.push(BindMount {
@@ -365,6 +366,9 @@ pub async fn bring_up(
             {
                 let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
                 return Err(Failure(format!("ensure volume {name}: {e}")));
+            }
+            if let Err(e) = crate::volumes::mark_copied_up(&h.cfg.data_dir, name) {
+                tracing::warn!(volume = %name, error = %e, "copy-up not recorded; it may run again");
             }
         }
         progress(Observation::new(&id, State::Starting).container(&cid));
