@@ -119,7 +119,8 @@ pub struct Settings {
     #[serde(alias = "mesh_listen_port")]
     pub mesh_listen_port: Option<u16>,
     /// `host:port` endpoints other nodes reach this one's WireGuard at, sent
-    /// in the join (default: the address of the default route, at the port).
+    /// in the join (default: the default route's address, at the port, when
+    /// it is globally routable; none behind NAT).
     #[serde(alias = "mesh_endpoints")]
     pub mesh_endpoints: Option<Vec<String>>,
     /// `auto` (kernel WireGuard when the kernel has it, else userspace),
@@ -539,7 +540,7 @@ impl Default for BuildSettings {
 pub struct MeshSettings {
     pub interface: String,
     pub listen_port: u16,
-    /// Empty: found at join time from the default route.
+    /// Empty: the default route's address at join time, if globally routable.
     pub endpoints: Vec<SocketAddr>,
     pub backend: zattera_mesh::BackendKind,
 }

@@ -91,7 +91,7 @@ pub struct RunArgs {
     /// UDP port of the node's WireGuard [default: 51820]
     #[arg(long, value_name = "PORT")]
     mesh_listen_port: Option<u16>,
-    /// IP:PORT where other nodes reach this node's WireGuard, sent in the join; repeatable [default: the default route's address]
+    /// IP:PORT where other nodes reach this node's WireGuard, sent in the join; repeatable [default: the default route's address, if globally routable]
     #[arg(long = "mesh-endpoint", value_name = "IP:PORT")]
     mesh_endpoints: Vec<String>,
     /// auto, kernel or userspace [default: auto: the kernel's WireGuard where it has one]

@@ -180,19 +180,79 @@ pub async fn apply(backend: &Backend, node: &NodeMesh, set: &PeerSet) -> bool {
     }
 }
 
-/// The address of this host's default route: what other nodes most likely
-/// reach it at. Connecting a UDP socket sends nothing.
+/// The address of this host's default route, when other nodes can reach
+/// it there: only a globally routable one. Behind NAT (or a cloud's 1:1
+/// NAT) that address is private, and advertising it makes the reference
+/// control plane treat the node as reachable: no keepalive toward the hubs,
+/// and /32s to private endpoints between two such workers, which win over
+/// the hub's route and drop their traffic. The reference advertises only
+/// configured endpoints. Connecting a UDP socket sends nothing.
 pub fn default_endpoint(port: u16) -> Option<SocketAddr> {
     let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
     s.connect("192.0.2.1:9").ok()?;
-    let ip = s.local_addr().ok()?.ip();
-    (!ip.is_unspecified()).then_some(SocketAddr::new(ip, port))
+    let ip = match s.local_addr().ok()?.ip() {
+        std::net::IpAddr::V4(ip) => ip,
+        std::net::IpAddr::V6(_) => return None,
+    };
+    if !is_global(ip) {
+        tracing::info!(%ip, "the default route's address is not globally routable: no mesh endpoint advertised (set mesh-endpoints where other nodes reach this one directly)");
+        return None;
+    }
+    Some(SocketAddr::new(ip.into(), port))
+}
+
+/// Whether `ip` is reachable from the internet at large: none of the
+/// private, shared (CGNAT), loopback, link-local, documentation, benchmark,
+/// multicast or reserved ranges.
+pub fn is_global(ip: std::net::Ipv4Addr) -> bool {
+    let [a, b, c, _] = ip.octets();
+    !(ip.is_private()
+        || ip.is_loopback()
+        || ip.is_link_local()
+        || ip.is_unspecified()
+        || ip.is_broadcast()
+        || ip.is_documentation()
+        || ip.is_multicast()
+        || a == 0
+        || (a == 100 && (64..128).contains(&b))
+        || (a == 192 && b == 0 && c == 0)
+        || (a == 198 && (18..20).contains(&b))
+        || a >= 240)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::cluster::Peer;
+
+    /// 44.11: a private default-route address is never advertised.
+    #[test]
+    fn only_globally_routable_addresses_are_advertised() {
+        for private in [
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "100.64.0.1",
+            "127.0.0.1",
+            "169.254.1.1",
+            "192.0.2.1",
+            "198.18.0.1",
+            "0.1.2.3",
+            "240.0.0.1",
+            "224.0.0.1",
+        ] {
+            assert!(!is_global(private.parse().unwrap()), "{private}");
+        }
+        for global in [
+            "1.1.1.1",
+            "8.8.8.8",
+            "100.128.0.1",
+            "172.32.0.1",
+            "203.0.114.1",
+        ] {
+            assert!(is_global(global.parse().unwrap()), "{global}");
+        }
+    }
 
     #[test]
     fn a_peer_set_maps_to_the_interface() {
