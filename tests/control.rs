@@ -1480,6 +1480,11 @@ async fn the_binary_joins_and_runs_under_control() {
                 .is_some_and(|c| c.contains("httpd -f -p 80"))),
             "{top:?}"
         );
+        // TOP-2: UID is the host's user name (the container runs as root).
+        assert!(
+            top.processes.iter().all(|p| p.fields[0] == "root"),
+            "{top:?}"
+        );
         let empty = api
             .top(AgentTopRequest {
                 container_id: String::new(),

@@ -47,12 +47,30 @@ pub async fn top(ctd: &Containerd, container_id: &str) -> Result<AgentTopRespons
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             row(pid, &stat, &status, &cmdline, boot, now)
         })
-        .map(|fields| AgentTopProcess { fields })
+        .map(|mut fields| {
+            // TOP-2: the host's name for the uid, as `ps -ef` prints it.
+            if let Some(uid) = fields.first_mut() {
+                *uid = user_name(uid);
+            }
+            AgentTopProcess { fields }
+        })
         .collect();
     Ok(AgentTopResponse {
         titles: TITLES.iter().map(|t| (*t).to_owned()).collect(),
         processes,
     })
+}
+
+/// The host's name for `uid` (a number), or the number when it has none.
+pub fn user_name(uid: &str) -> String {
+    uid.parse::<u32>()
+        .ok()
+        .and_then(|n| {
+            nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(n))
+                .ok()
+                .flatten()
+        })
+        .map_or_else(|| uid.to_owned(), |u| u.name)
 }
 
 /// One `ps -ef` row from a process's `/proc` files; `None` when `stat` is
@@ -155,6 +173,12 @@ mod tests {
         let kernel = row(7, stat, status, b"", boot, now).unwrap();
         assert_eq!(kernel[7], "[my (odd) cmd]");
         assert!(row(1, "garbage", "", b"", boot, now).is_none());
+        assert_eq!(user_name("0"), "root");
+        assert_eq!(
+            user_name("3999999999"),
+            "3999999999",
+            "no such user: the number"
+        );
         assert_eq!(cpu_time(90_061), "1-01:01:01");
     }
 }
