@@ -350,3 +350,111 @@ async fn two_writers_of_one_blob_both_succeed() {
     })
     .await;
 }
+
+/// Issue 45.3, attack: a registry whose layer body never ends (here: 64 MiB
+/// for a layer that declares 1 KiB, then it stops). The old pull read it
+/// all into containerd's ingest, filling the disk, before the commit
+/// refused the size; now the read stops past the declared size, and the
+/// pull fails naming it.
+#[tokio::test]
+async fn a_layer_longer_than_declared_is_cut_off() {
+    use sha2::Digest as _;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rig) = rig() else { return };
+    let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:0000000000000000000000000000000000000000000000000000000000000000"]},"config":{}}"#.to_vec();
+    let config_digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&config)));
+    let layer_digest = format!("sha256:{}", "ab".repeat(32));
+    let manifest = format!(
+        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{config_digest}","size":{}}},"layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"{layer_digest}","size":1024}}]}}"#,
+        config.len()
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sent = Arc::new(AtomicU64::new(0));
+    let sent_by_server = Arc::clone(&sent);
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let (manifest, config, layer, sent) = (
+                manifest.clone(),
+                config.clone(),
+                layer_digest.clone(),
+                Arc::clone(&sent_by_server),
+            );
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&req)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                let reply = |ctype: &str, body: &[u8]| {
+                    let mut r = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    r.extend_from_slice(body);
+                    r
+                };
+                if line.contains("/manifests/") {
+                    let _ = conn
+                        .write_all(&reply(
+                            "application/vnd.oci.image.manifest.v1+json",
+                            manifest.as_bytes(),
+                        ))
+                        .await;
+                } else if line.contains(&format!("/blobs/{layer}")) {
+                    // No length: the body ends when the server closes, after 64 MiB.
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n")
+                        .await;
+                    let chunk = vec![b'x'; 64 * 1024];
+                    for _ in 0..1024 {
+                        if conn.write_all(&chunk).await.is_err() {
+                            break;
+                        }
+                        sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    }
+                } else if line.contains("/blobs/") {
+                    let _ = conn
+                        .write_all(&reply("application/octet-stream", &config))
+                        .await;
+                } else {
+                    let _ = conn.write_all(&reply("application/json", b"{}")).await;
+                }
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    let reference: ImageRef = format!("{addr}/evil/endless:1").parse().unwrap();
+    with_namespace(&rig, "pull-endless", |ctd, _rig| async move {
+        let err = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
+        )
+        .await
+        .expect("the pull ended")
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("declared 1024 bytes"), "{err}");
+        assert!(
+            sent.load(Ordering::Relaxed) < 16 << 20,
+            "the pull read {} bytes of a 1 KiB layer",
+            sent.load(Ordering::Relaxed)
+        );
+        assert_eq!(support::lease_count(&ctd).await, 0);
+    })
+    .await;
+    server.abort();
+}

@@ -563,9 +563,10 @@ async fn fetch_small_blob(
             &format!("config {} is {} bytes", desc.digest, desc.size),
         ));
     }
-    let mut data = Vec::new();
-    client
-        .pull_blob(oref, desc.digest.as_str(), &mut data)
+    // Streamed, and cut at the declared size (45.3): a body that goes on
+    // is never held whole.
+    let stream = client
+        .pull_blob_stream(oref, desc.digest.as_str())
         .await
         .map_err(|e| {
             fail(
@@ -573,6 +574,25 @@ async fn fetch_small_blob(
                 &format!("config {}: {}", desc.digest, describe(&e)),
             )
         })?;
+    let mut data = Vec::new();
+    {
+        use tokio::io::AsyncReadExt;
+        let reader = tokio_util::io::StreamReader::new(stream.stream);
+        reader
+            .take(desc.size.saturating_add(1))
+            .read_to_end(&mut data)
+            .await
+            .map_err(|e| fail(reference, &format!("config {}: {e}", desc.digest)))?;
+    }
+    if data.len() as u64 > desc.size {
+        return Err(fail(
+            reference,
+            &format!(
+                "config {} is longer than its declared {} bytes",
+                desc.digest, desc.size
+            ),
+        ));
+    }
     if Digest::of(&data) != desc.digest {
         return Err(fail(
             reference,
@@ -616,6 +636,8 @@ async fn fetch_layer(
         digest: layer.digest.clone(),
         progress: progress.clone(),
         pending: 0,
+        read: 0,
+        declared: layer.size,
     };
     // containerd verifies size and digest at commit; a corrupt blob is never stored.
     content::ensure_blob(ctd, lease, layer, counted)
@@ -630,12 +652,16 @@ async fn fetch_layer(
     Ok(())
 }
 
-/// Reports bytes read, in steps of 1 MiB so progress costs nothing.
+/// Reports bytes read, in steps of 1 MiB so progress costs nothing, and
+/// fails once more than the declared size has come (45.3): an endless body
+/// would otherwise fill the disk before containerd refuses it at commit.
 struct Counting<R> {
     inner: R,
     digest: Digest,
     progress: Option<ProgressFn>,
     pending: u64,
+    read: u64,
+    declared: u64,
 }
 
 impl<R: AsyncRead + Unpin> AsyncRead for Counting<R> {
@@ -647,6 +673,13 @@ impl<R: AsyncRead + Unpin> AsyncRead for Counting<R> {
         let before = buf.filled().len();
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
         let read = (buf.filled().len() - before) as u64;
+        self.read += read;
+        if self.read > self.declared {
+            return Poll::Ready(Err(std::io::Error::other(format!(
+                "longer than its declared {} bytes",
+                self.declared
+            ))));
+        }
         self.pending += read;
         if (self.pending >= 1 << 20 || (read == 0 && self.pending > 0))
             && let Some(p) = &self.progress
