@@ -771,6 +771,6 @@ fn builder(
             config: pipeline,
             backend: backend?,
         },
-        builds: Arc::default(),
+        builds: Arc::new(crate::build::Builds::with_limit(config.build.max_builds)),
     })
 }

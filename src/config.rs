@@ -144,6 +144,10 @@ pub struct Settings {
     /// The network of `RUN` steps: `host` (the default) or `none`.
     #[serde(alias = "build_network")]
     pub build_network: Option<String>,
+    /// Builds this node runs at once; more are refused with
+    /// RESOURCE_EXHAUSTED (default 2).
+    #[serde(alias = "max_builds")]
+    pub max_builds: Option<usize>,
 }
 
 impl Settings {
@@ -212,6 +216,7 @@ impl Settings {
             buildkit_version: top.buildkit_version.or(self.buildkit_version),
             nixpacks_binary: top.nixpacks_binary.or(self.nixpacks_binary),
             build_network: top.build_network.or(self.build_network),
+            max_builds: top.max_builds.or(self.max_builds),
         }
     }
 
@@ -367,6 +372,16 @@ impl Settings {
                 .unwrap_or(defaults.buildkit_version),
             nixpacks: self.nixpacks_binary.clone().unwrap_or(defaults.nixpacks),
             network,
+            max_builds: match self.max_builds {
+                Some(0) => {
+                    return Err(ConfigError::Invalid {
+                        key: "max-builds",
+                        message: "0 would refuse every build; use build-backend = \"off\"".into(),
+                    });
+                }
+                Some(n) => n,
+                None => defaults.max_builds,
+            },
         })
     }
 
@@ -521,6 +536,8 @@ pub struct BuildSettings {
     pub buildkit_version: String,
     pub nixpacks: PathBuf,
     pub network: crate::build::buildah::BuildNetwork,
+    /// Builds at once; more get RESOURCE_EXHAUSTED.
+    pub max_builds: usize,
 }
 
 impl Default for BuildSettings {
@@ -531,6 +548,7 @@ impl Default for BuildSettings {
             buildkit_version: crate::build::buildkit::DEFAULT_BUILDKIT_VERSION.into(),
             nixpacks: PathBuf::from(crate::build::plan::DEFAULT_NIXPACKS_BINARY),
             network: crate::build::buildah::BuildNetwork::Host,
+            max_builds: 2,
         }
     }
 }

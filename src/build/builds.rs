@@ -14,11 +14,19 @@ struct Call {
     by_request: Arc<AtomicBool>,
 }
 
-/// The registry of running builds.
+/// The registry of running builds, at most `max` at once (0: no bound).
 #[derive(Debug, Default)]
 pub struct Builds {
     next: AtomicU64,
     calls: Mutex<HashMap<String, HashMap<u64, Call>>>,
+    max: usize,
+}
+
+/// A build refused because `max` already run (45.3).
+#[derive(Debug, thiserror::Error)]
+#[error("this node already runs {max} builds (max-builds); try again later")]
+pub struct Full {
+    pub max: usize,
 }
 
 /// One call's registration; dropping it removes the call.
@@ -52,12 +60,25 @@ impl Drop for Ticket {
 }
 
 impl Builds {
-    /// Registers a call building `id`.
-    pub fn start(self: &Arc<Self>, id: &str) -> Ticket {
+    /// A registry running at most `max` builds at once.
+    pub fn with_limit(max: usize) -> Self {
+        Self {
+            max,
+            ..Self::default()
+        }
+    }
+
+    /// Registers a call building `id`, unless `max` already run: a tenant
+    /// cannot start builds without bound on one node.
+    pub fn start(self: &Arc<Self>, id: &str) -> Result<Ticket, Full> {
         let call = self.next.fetch_add(1, Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let by_request = Arc::new(AtomicBool::new(false));
         if let Ok(mut calls) = self.calls.lock() {
+            let running: usize = calls.values().map(HashMap::len).sum();
+            if self.max > 0 && running >= self.max {
+                return Err(Full { max: self.max });
+            }
             calls.entry(id.to_owned()).or_default().insert(
                 call,
                 Call {
@@ -66,13 +87,13 @@ impl Builds {
                 },
             );
         }
-        Ticket {
+        Ok(Ticket {
             builds: Arc::clone(self),
             id: id.to_owned(),
             call,
             cancel,
             by_request,
-        }
+        })
     }
 
     /// Cancels every call building `id`; whether there was one.
@@ -103,11 +124,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn past_the_limit_a_build_is_refused_until_one_ends() {
+        let builds = Arc::new(Builds::with_limit(2));
+        let a = builds.start("a").unwrap();
+        let _b = builds.start("b").unwrap();
+        let refused = builds.start("c").unwrap_err();
+        assert!(refused.to_string().contains("max-builds"), "{refused}");
+        drop(a);
+        assert!(builds.start("c").is_ok(), "room again once one ended");
+    }
+
+    #[test]
     fn calls_are_tracked_one_by_one() {
         let builds = Arc::new(Builds::default());
         assert!(!builds.cancel("b1"), "unknown id");
-        let first = builds.start("b1");
-        let second = builds.start("b1");
+        let first = builds.start("b1").unwrap();
+        let second = builds.start("b1").unwrap();
         drop(first);
         assert_eq!(builds.running(), 1);
         assert!(builds.cancel("b1"), "the second call is still known");

@@ -73,7 +73,10 @@ pub fn run_build(builder: &Builder, req: RunBuildRequest) -> Result<Out<BuildEve
     let req = request(req)?;
     let (tx, rx) = mpsc::channel::<Result<BuildEvent, Status>>(128);
     let pipeline = builder.pipeline.clone();
-    let ticket = builder.builds.start(&req.id);
+    let ticket = builder
+        .builds
+        .start(&req.id)
+        .map_err(|full| Status::resource_exhausted(format!("RunBuild: {full}")))?;
     tokio::spawn(async move {
         let (events, mut from_pipeline) = mpsc::channel::<Event>(128);
         let id = req.id.clone();
