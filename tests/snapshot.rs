@@ -616,8 +616,8 @@ async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
     let store = engine.store();
     let (a, b) = (&manifest.chunks[0].hash, &manifest.chunks[1].hash);
     let key = |h: &str| format!("chunks/{h}");
-    let obj_a = store.get(&key(a)).await.unwrap().unwrap();
-    let obj_b = store.get(&key(b)).await.unwrap().unwrap();
+    let obj_a = store.get(&key(a), 1 << 30).await.unwrap().unwrap();
+    let obj_b = store.get(&key(b), 1 << 30).await.unwrap().unwrap();
     store.put(&key(a), obj_b.clone()).await.unwrap();
     store.put(&key(b), obj_a.clone()).await.unwrap();
     let err = engine
@@ -636,6 +636,45 @@ async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
     let err = engine.restore("s", &vol, none).await.unwrap_err();
     assert!(err.to_string().contains("authentication failed"), "{err}");
     untouched("corrupted chunk");
+}
+
+/// Issue 45.3, attack: a manifest that declares a 64 GiB chunk was believed,
+/// and each chunk is opened in memory, four at a time. It is refused at
+/// once, naming the chunk, and the volume is left as it was.
+#[tokio::test]
+async fn a_manifest_declaring_a_huge_chunk_is_refused() {
+    let Some(endpoint) = s3_endpoint() else {
+        return;
+    };
+    let bucket = bucket(&endpoint, "hugechunk").await;
+    let cfg = config(&endpoint, &bucket);
+    let engine = Engine::new(&cfg, &KEY).unwrap();
+    let forged = format!(
+        r#"{{"version":1,"chunks":[{{"hash":"{}","size":{}}}],"tar_bytes":1}}"#,
+        "ab".repeat(32),
+        64u64 << 30
+    );
+    let sealed = zattera_agent::snapshot::DataKey::new(&KEY)
+        .unwrap()
+        .seal_object(forged.as_bytes())
+        .unwrap();
+    engine
+        .store()
+        .put(
+            &zattera_agent::snapshot::manifest_key("forged"),
+            sealed.into(),
+        )
+        .await
+        .unwrap();
+    let vol = tempfile::tempdir().unwrap();
+    let none: zattera_agent::snapshot::ProgressFn = Arc::new(|_| {});
+    let err = engine
+        .restore("forged", vol.path(), none)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("declares 68719476736 bytes"), "{err}");
+    assert_eq!(std::fs::read_dir(vol.path()).unwrap().count(), 0);
 }
 
 /// Pre-hooks run in the running container that mounts the volume (control

@@ -62,6 +62,21 @@ pub struct ChunkRef {
     pub size: u64,
 }
 
+/// The largest chunk a manifest may name: 16 times this release's
+/// maximum (4 MiB), room for other chunking parameters. A chunk is opened
+/// in memory, [`PREFETCH`] at a time, so a manifest that declares a 64 GiB
+/// chunk must not be believed (45.3).
+pub const MAX_CHUNK: u64 = 64 << 20;
+
+/// The largest sealed manifest read (its plaintext is capped the same).
+const MAX_MANIFEST: u64 = 256 << 20;
+
+/// The most a sealed chunk of `size` plaintext bytes can take: zstd's
+/// bound for incompressible input, plus the seal.
+fn sealed_bound(size: u64) -> u64 {
+    size + size / 128 + (64 << 10) + seal::OVERHEAD as u64
+}
+
 /// The manifest (SNAP-7). Unknown fields are ignored; `chunks` may be null.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -442,7 +457,7 @@ impl Engine {
         let key = manifest_key(id);
         let sealed = self
             .store
-            .get(&key)
+            .get(&key, MAX_MANIFEST)
             .await?
             .ok_or_else(|| SnapshotError::NoManifest(id.to_owned()))?;
         let data_key = Arc::clone(&self.key);
@@ -463,6 +478,15 @@ impl Engine {
             return Err(SnapshotError::Manifest {
                 key: full,
                 message: format!("version {} is not 1", m.version),
+            });
+        }
+        if let Some(c) = m.chunks.iter().find(|c| c.size > MAX_CHUNK) {
+            return Err(SnapshotError::Manifest {
+                key: full,
+                message: format!(
+                    "chunk {} declares {} bytes, more than the {MAX_CHUNK} a chunk may have",
+                    c.hash, c.size
+                ),
             });
         }
         Ok(m)
@@ -553,7 +577,7 @@ impl Engine {
         let full = self.store.full_key(&key);
         let sealed = self
             .store
-            .get(&key)
+            .get(&key, sealed_bound(c.size.min(MAX_CHUNK)))
             .await?
             .ok_or_else(|| SnapshotError::S3 {
                 op: "GET",

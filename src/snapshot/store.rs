@@ -229,7 +229,10 @@ impl Store {
     }
 
     /// GET a whole object; `None` when it does not exist.
-    pub async fn get(&self, key: &str) -> Result<Option<Bytes>, SnapshotError> {
+    /// GETs `key`, reading at most `max` bytes of its body (45.3): a store
+    /// (or whoever answers for it) that sends more is refused, never held
+    /// whole.
+    pub async fn get(&self, key: &str, max: u64) -> Result<Option<Bytes>, SnapshotError> {
         let full = self.full_key(key);
         self.retried("GET", &full, || async {
             let url = self
@@ -239,10 +242,24 @@ impl Store {
             match self.http.get(url).send().await {
                 Err(e) => Attempt::Retry(transport(&e)),
                 Ok(r) if r.status() == StatusCode::NOT_FOUND => Attempt::Done(None),
-                Ok(r) if r.status().is_success() => match r.bytes().await {
-                    Ok(b) => Attempt::Done(Some(b)),
-                    Err(e) => Attempt::Retry(transport(&e)),
-                },
+                Ok(mut r) if r.status().is_success() => {
+                    if r.content_length().is_some_and(|n| n > max) {
+                        return too_big(&full, max);
+                    }
+                    let mut body = bytes::BytesMut::new();
+                    loop {
+                        match r.chunk().await {
+                            Ok(Some(c)) => {
+                                if (body.len() + c.len()) as u64 > max {
+                                    return too_big(&full, max);
+                                }
+                                body.extend_from_slice(&c);
+                            }
+                            Ok(None) => return Attempt::Done(Some(body.freeze())),
+                            Err(e) => return Attempt::Retry(transport(&e)),
+                        }
+                    }
+                }
                 Ok(r) => {
                     let status = r.status();
                     let text = r.text().await.unwrap_or_default();
@@ -356,6 +373,13 @@ fn refused<T>(status: StatusCode, body: &str) -> Attempt<T> {
 }
 
 /// A transport error's text, with its causes (reqwest's own is terse).
+/// A body longer than the caller can hold: refused, not retried.
+fn too_big<T>(key: &str, max: u64) -> Attempt<T> {
+    Attempt::Fail(format!(
+        "{key}: the object is larger than the {max} bytes it may be"
+    ))
+}
+
 fn transport(e: &reqwest::Error) -> String {
     let mut text = e.to_string();
     let mut source = std::error::Error::source(e);
