@@ -1,0 +1,14 @@
+//! The CRI log line parser (what QueryLogs and `logs` read every stored
+//! line with): no input may panic it, and what it accepts lies within the
+//! line it was given.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use zattera_agent::control::node_api::logs::parse_cri;
+
+fuzz_target!(|data: &[u8]| {
+    let line = String::from_utf8_lossy(data);
+    if let Some(l) = parse_cri(&line) {
+        assert!(l.text.len() <= line.len());
+    }
+});
