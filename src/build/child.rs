@@ -224,7 +224,9 @@ mod tests {
         // sh starts a grandchild that leaves the group (setsid), as a RUN
         // step's container does, then waits for it to be killed.
         let mut cmd = tokio::process::Command::new("sh");
-        cmd.args(["-c", "setsid sleep 300 & echo $! ; wait"])
+        // Not `sleep 300`: tests/build.rs looks for a RUN step of that name
+        // on the whole machine.
+        cmd.args(["-c", "setsid sleep 299 & echo $! ; wait"])
             .stdout(std::process::Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
