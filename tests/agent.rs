@@ -755,30 +755,11 @@ async fn a_restarted_agent_ends_the_exec_processes_the_old_one_left() {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_nanos();
-        let out = Command::new("ctr")
-            .arg("--address")
-            .arg(&rig.socket)
-            .args([
-                "-n",
-                ctd.namespace().as_str(),
-                "task",
-                "exec",
-                "--detach",
-                "--exec-id",
-            ])
-            .arg(format!("exec-{nanos}"))
-            .args([cid.as_str(), "sleep", "1000"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let exec_id = format!("exec-{nanos}");
+        support::ctr_exec_sleep(&rig, &ctd, &cid, &exec_id);
         agent.kill9();
         // Whether the task still has that exec process (runc's shim names
         // it in each process's info).
-        let exec_id = format!("exec-{nanos}");
         let left = || async {
             ctd.tasks()
                 .list_pids(

@@ -444,27 +444,7 @@ async fn exec_processes_an_earlier_agent_left_are_ended() {
     let logs_path = logs.path().to_path_buf();
     with_namespace(&rig, "exec-orphans", |ctd, rig| async move {
         start_busybox(&ctd, &rig, "orph-1", "sleep 1000", &logs_path).await;
-        let ctr_exec = |exec_id: &str| {
-            let out = std::process::Command::new("ctr")
-                .arg("--address")
-                .arg(&rig.socket)
-                .args([
-                    "-n",
-                    ctd.namespace().as_str(),
-                    "task",
-                    "exec",
-                    "--detach",
-                    "--exec-id",
-                ])
-                .args([exec_id, "orph-1", "sleep", "1000"])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "ctr task exec: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
+        let ctr_exec = |exec_id: &str| support::ctr_exec_sleep(&rig, &ctd, "orph-1", exec_id);
         let start = std::time::SystemTime::now();
         let old = format!(
             "exec-{}",

@@ -373,6 +373,23 @@ pub async fn image_exists(ctd: &Containerd, name: &str) -> bool {
 }
 
 /// How many leases the namespace holds (every operation must release its own).
+/// `ctr task exec --detach` of `sleep 1000` as `exec_id` in `container`:
+/// an exec process the agent did not start (or one an earlier agent left).
+pub fn ctr_exec_sleep(rig: &Rig, ctd: &Containerd, container: &str, exec_id: &str) {
+    let out = std::process::Command::new("ctr")
+        .arg("--address")
+        .arg(&rig.socket)
+        .args(["-n", ctd.namespace().as_str(), "task", "exec", "--detach"])
+        .args(["--exec-id", exec_id, container, "sleep", "1000"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ctr task exec: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub async fn lease_count(ctd: &Containerd) -> usize {
     ctd.leases()
         .list(ctd.request(ListRequest { filters: vec![] }))
