@@ -1,8 +1,9 @@
 //! `zattera-agent run`: wires the parts together and runs until SIGTERM.
 //!
-//! containerd connection → networking (`zattera-netns`) → DNS
-//! (`zattera-dns`) → executor → admin socket → the assignment source. The
-//! executor adopts and restarts what exists before any source speaks.
+//! containerd connection (lazy: nothing waits for it but what needs it) →
+//! networking (`zattera-netns`) → DNS (`zattera-dns`) → executor → admin
+//! socket → the assignment source. The executor adopts and restarts what
+//! exists before any source speaks.
 //! Stopping the agent leaves every container running: they belong to
 //! containerd's shims, and their logs to the log shims.
 
@@ -44,13 +45,12 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     }
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
-    let ctd = tokio::select! {
-        ctd = wait_for_containerd(&config) => ctd,
-        () = &mut shutdown => {
-            tracing::info!("stopped before containerd came up");
-            return Ok(());
-        }
-    };
+    // The sync stream, heartbeats, the mesh and the admin socket start
+    // whether containerd answers or not (W-2); what needs containerd waits
+    // for `engine_up`, and `status` says what it waits for.
+    let ctd = Containerd::lazy(&config.containerd_address, config.namespace.clone());
+    let (engine_notices, engine_notices_rx) = tokio::sync::watch::channel(Vec::new());
+    let engine_up = spawn_engine_watch(ctd.clone(), engine_notices);
 
     let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
     net_cfg.default_subnet = config.default_subnet;
@@ -197,13 +197,16 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         Some(Arc::clone(&dns)),
         batches,
     );
-    let executor_task = tokio::spawn(executor.run());
-    let log_janitor = tokio::spawn(crate::logs::janitor::run(
-        ctd.clone(),
-        config.data_dir.join("logs"),
-        config.log_retention,
-        crate::logs::janitor::EVERY,
-        Arc::clone(&metrics),
+    let executor_task = tokio::spawn(after(engine_up.clone(), executor.run()));
+    let log_janitor = tokio::spawn(after(
+        engine_up.clone(),
+        crate::logs::janitor::run(
+            ctd.clone(),
+            config.data_dir.join("logs"),
+            config.log_retention,
+            crate::logs::janitor::EVERY,
+            Arc::clone(&metrics),
+        ),
     ));
     // Kept for the host's shutdown, whichever source owns `handle`.
     let halt = handle.clone();
@@ -215,7 +218,8 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         )
     })?;
     let (disk_notices, disk_notices_rx) = tokio::sync::watch::channel(Vec::new());
-    let image_gc = tokio::spawn(
+    let image_gc = tokio::spawn(after(
+        engine_up.clone(),
         crate::image_gc::ImageGc {
             ctd: ctd.clone(),
             policy: config.image_gc.policy.clone(),
@@ -225,12 +229,17 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             metrics: Arc::clone(&metrics),
         }
         .run(),
-    );
+    ));
     let admin_task = tokio::spawn(admin::serve(
         listener,
         admin::Admin {
             status: handle.status.clone(),
-            notices: vec![notices_rx, disk_notices_rx, api_notices_rx],
+            notices: vec![
+                engine_notices_rx,
+                notices_rx,
+                disk_notices_rx,
+                api_notices_rx,
+            ],
             node: Some(admin::ops::Node {
                 ctd: ctd.clone(),
                 data_dir: config.data_dir.clone(),
@@ -401,7 +410,9 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     {
         tracing::warn!("the VIP proxy did not stop within 5 s");
     }
-    if host_is_going_down(&config.host_shutdown_check).await {
+    // An executor still waiting for containerd has nothing to stop, and
+    // would never answer a halt.
+    if *engine_up.borrow() && host_is_going_down(&config.host_shutdown_check).await {
         notify(&[sd_notify::NotifyState::Status(
             "host shutting down: stopping instances",
         )]);
@@ -439,35 +450,49 @@ fn warn_if_ports_overlap_kernel(range: zattera_netns::PortRange) {
     }
 }
 
-/// Connects to containerd, waiting as long as it takes (boot ordering, a
-/// containerd restart; runtime.md W-2): each attempt is logged, and the
-/// delay doubles from 1 s to 30 s.
-async fn wait_for_containerd(config: &Config) -> Containerd {
-    let mut delay = std::time::Duration::from_secs(1);
-    for attempt in 1u32.. {
-        match Containerd::connect(&config.containerd_address, config.namespace.clone()).await {
-            Ok(ctd) => {
-                if attempt > 1 {
-                    tracing::info!(attempt, "containerd is up");
+/// Watches for containerd to answer, as long as it takes (boot ordering, a
+/// broken containerd; runtime.md W-2): each failed attempt is logged and
+/// shown by `status`, and the delay doubles from 1 s to 10 s. The receiver
+/// turns true once containerd answers, and stays true: the channel itself
+/// reconnects after later restarts.
+fn spawn_engine_watch(
+    ctd: Containerd,
+    notices: tokio::sync::watch::Sender<Vec<String>>,
+) -> tokio::sync::watch::Receiver<bool> {
+    let (up_tx, up_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let mut delay = std::time::Duration::from_secs(1);
+        for attempt in 1u32.. {
+            match ctd.answers().await {
+                Ok(()) => {
+                    if attempt > 1 {
+                        tracing::info!(attempt, "containerd is up");
+                    }
+                    notices.send_replace(Vec::new());
+                    up_tx.send_replace(true);
+                    return;
                 }
-                return ctd;
+                Err(e) => {
+                    tracing::warn!(attempt, retry_in = ?delay, error = %e, "waiting for containerd");
+                    let status = format!(
+                        "waiting for containerd (attempt {attempt}): {e}; no instance starts or is adopted until it answers"
+                    );
+                    notify(&[sd_notify::NotifyState::Status(&status)]);
+                    notices.send_replace(vec![status]);
+                }
             }
-            Err(e) => {
-                tracing::warn!(attempt, retry_in = ?delay, error = %e, "waiting for containerd");
-                let status = format!("waiting for containerd (attempt {attempt}): {e}");
-                // Waiting is not a failed start: systemd's start timeout
-                // moves with each attempt.
-                let extend = u32::try_from((delay * 2).as_micros()).unwrap_or(u32::MAX);
-                notify(&[
-                    sd_notify::NotifyState::Status(&status),
-                    sd_notify::NotifyState::ExtendTimeoutUsec(extend),
-                ]);
-            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(std::time::Duration::from_secs(10));
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(std::time::Duration::from_secs(30));
+    });
+    up_rx
+}
+
+/// Runs `work` once `up` turns true.
+async fn after<T>(mut up: tokio::sync::watch::Receiver<bool>, work: impl Future<Output = T>) {
+    if up.wait_for(|up| *up).await.is_ok() {
+        work.await;
     }
-    unreachable!("the attempts never run out")
 }
 
 /// Tells systemd (Type=notify) about the agent's state; nothing without

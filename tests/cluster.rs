@@ -496,6 +496,82 @@ async fn a_containerd_restart_during_sync_loses_nothing() {
     support::purge_namespace(&ctd).await;
 }
 
+/// W-2: a node whose containerd is down when the agent starts still says
+/// hello and sends heartbeats (control would otherwise mark it DOWN and
+/// move its work), `status` says what it waits for, and once containerd
+/// answers, what control sent meanwhile converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
+    use zattera_agent::proto::cluster::agent_message::Body;
+    let Some(rig) = rig() else { return };
+    let mut private = support::private::PrivateContainerd::start();
+    let rig = support::Rig {
+        socket: private.socket.clone(),
+        ..rig
+    };
+    let ns = format!("zt-test-cl-down-{}", std::process::id());
+    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    import_archive(&ctd, &rig.oci_archive(), None)
+        .await
+        .unwrap();
+    private.down();
+
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let agent = ControlledAgent::start(&cp, SECRET, &rig, &ns, "ztcw").await;
+    cp.wait_for("hello and two heartbeats", Duration::from_secs(40), |r| {
+        let hello = r
+            .frames
+            .iter()
+            .any(|(_, f)| matches!(f.body, Some(Body::Hello(_))));
+        let beats = r
+            .frames
+            .iter()
+            .filter(|(_, f)| matches!(f.body, Some(Body::Heartbeat(_))))
+            .count();
+        (hello && beats >= 2).then_some(())
+    })
+    .await;
+    let status = agent.wait_for("status names the wait", |s| {
+        s["notices"].as_array().is_some_and(|n| {
+            n.iter().any(|n| {
+                n.as_str()
+                    .is_some_and(|n| n.contains("waiting for containerd"))
+            })
+        })
+    });
+    assert!(status["assignments"].as_array().is_none_or(Vec::is_empty));
+
+    let healthy = InstanceState::Healthy as i32;
+    cp.push_set(set_of(
+        1,
+        vec![assignment("waits", "env", 120, "sleep 3600")],
+    ));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    private.up();
+    cp.wait_for(
+        "waits HEALTHY once containerd answers",
+        Duration::from_secs(90),
+        |r| r.states_of("waits").contains(&healthy).then_some(()),
+    )
+    .await;
+    assert_eq!(cp.with(|r| r.sessions.len()), 1, "one stream throughout");
+    agent.wait_for("the notice gone", |s| {
+        s["notices"].as_array().is_none_or(|n| {
+            !n.iter().any(|n| {
+                n.as_str()
+                    .is_some_and(|n| n.contains("waiting for containerd"))
+            })
+        })
+    });
+    drop(agent);
+    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
+        .await
+        .unwrap();
+    support::purge_namespace(&ctd).await;
+}
+
 /// The times (unix ms) of the node's `Stats` points in the last hour.
 async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

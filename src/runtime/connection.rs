@@ -41,22 +41,14 @@ impl Containerd {
     /// Connects and checks that containerd answers, so that a wrong socket is
     /// reported once, clearly, instead of on the first real call.
     pub async fn connect(socket: &Path, namespace: Namespace) -> Result<Self, RuntimeError> {
-        let unavailable = |reason: String| RuntimeError::Unavailable {
-            socket: socket.to_path_buf(),
-            reason,
-        };
-        match std::fs::metadata(socket) {
-            Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
-                return Err(unavailable("not a unix socket".into()));
-            }
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(unavailable(
-                    "no such socket: is containerd running? (set --containerd-address)".into(),
-                ));
-            }
-            Err(e) => return Err(unavailable(e.to_string())),
-        }
+        let this = Self::lazy(socket, namespace);
+        this.answers().await?;
+        Ok(this)
+    }
+
+    /// A connection that dials on first use and checks nothing: the agent
+    /// holds one from its start, whether containerd is up or not (W-2).
+    pub fn lazy(socket: &Path, namespace: Namespace) -> Self {
         let path = socket.to_path_buf();
         // The URI is required by tonic but unused: the connector dials the socket.
         let channel = Endpoint::from_static("http://containerd.invalid")
@@ -70,22 +62,36 @@ impl Containerd {
                     Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
                 }
             }));
-        let this = Self {
+        Self {
             channel,
             namespace,
             socket: socket.to_path_buf(),
             ingests: super::content::IngestLocks::default(),
+        }
+    }
+
+    /// Whether containerd answers on this socket now; the error says why
+    /// not (no socket, not a socket, no answer).
+    pub async fn answers(&self) -> Result<(), RuntimeError> {
+        let unavailable = |reason: String| RuntimeError::Unavailable {
+            socket: self.socket.clone(),
+            reason,
         };
-        let version = tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            VersionClient::new(this.channel.clone()).version(()),
-        )
-        .await
-        .map_err(|_| unavailable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
-        .map_err(|status| unavailable(describe_connect_failure(&status)))?
-        .into_inner();
-        tracing::debug!(socket = %socket.display(), version = %version.version, "connected to containerd");
-        Ok(this)
+        match std::fs::metadata(&self.socket) {
+            Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                return Err(unavailable("not a unix socket".into()));
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(unavailable(
+                    "no such socket: is containerd running? (set --containerd-address)".into(),
+                ));
+            }
+            Err(e) => return Err(unavailable(e.to_string())),
+        }
+        let version = self.version().await?;
+        tracing::debug!(socket = %self.socket.display(), %version, "connected to containerd");
+        Ok(())
     }
 
     pub fn namespace(&self) -> &Namespace {
