@@ -26,7 +26,7 @@ fi
 # --- packages --------------------------------------------------------------
 PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
           docker-registry skopeo python3 ca-certificates procps curl gcc libc6-dev
-          libzstd-dev pkg-config python3-venv tmux tcpdump iperf3 buildah)
+          libzstd-dev zstd pkg-config python3-venv tmux tcpdump iperf3 buildah)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")

@@ -638,6 +638,126 @@ async fn stats_survive_a_sigkill() {
     .await;
 }
 
+/// 44.10 and 44.7 (TS-8): a node moved from the reference agent keeps its
+/// history. Its log stream (closed zstd segment with index, active
+/// segment) and its `tsdb.bin` (version 1), written by a script from the
+/// spec's byte layouts, are read: QueryLogs and `zattera-agent logs` give
+/// the reference's lines, then this agent's, in time order; `Stats` answers
+/// the reference's points.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
+    use zattera_agent::proto::v1::{LogQuery, LogSelector, LogSource};
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-moved", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let id = "01JMOVED0000000000000000AA";
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let t0 = (now - 1800) / 300 * 300;
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/support/reference_store.py"
+        );
+        let agent = ControlledAgent::start_prepared(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztcv",
+            |data, node_id| {
+                let status = std::process::Command::new("python3")
+                    .arg(script)
+                    .arg(data)
+                    .args([node_id, id, &t0.to_string()])
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "{script}");
+            },
+        )
+        .await;
+        let healthy = InstanceState::Healthy as i32;
+        cp.push_set(set_of(
+            1,
+            vec![assignment(
+                id,
+                "env",
+                121,
+                "echo after the move; exec sleep 3600",
+            )],
+        ));
+        cp.wait_for("the moved instance HEALTHY", Duration::from_secs(60), |r| {
+            r.states_of(id).contains(&healthy).then_some(())
+        })
+        .await;
+
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let lines = loop {
+            let mut api = agent.api_as(&cp, control_plane::CONTROL_NODE_ID).await;
+            let mut stream = api
+                .query_logs(LogQuery {
+                    selector: Some(LogSelector {
+                        instance_id: id.into(),
+                        ..LogSelector::default()
+                    }),
+                    ..LogQuery::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            let mut lines = Vec::new();
+            while let Some(line) = stream.message().await.unwrap() {
+                lines.push(line);
+            }
+            if lines.iter().any(|l| l.line == "after the move")
+                || std::time::Instant::now() > deadline
+            {
+                break lines;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        };
+        let text: Vec<&str> = lines.iter().map(|l| l.line.as_str()).collect();
+        assert_eq!(
+            text,
+            [
+                "reference line 1",
+                "reference line 2",
+                "reference line 3",
+                "after the move"
+            ]
+        );
+        assert_eq!(lines[1].source, LogSource::Stderr as i32);
+        assert_eq!(lines[0].time.unwrap().seconds, i64::try_from(t0).unwrap());
+        assert!(lines.iter().all(|l| l.instance_id == id));
+
+        let out = agent.cli(&["logs", id]);
+        let printed = String::from_utf8_lossy(&out.stdout);
+        let order: Vec<usize> = ["reference line 1", "reference line 3", "after the move"]
+            .iter()
+            .map(|l| {
+                printed
+                    .find(l)
+                    .unwrap_or_else(|| panic!("{l:?} in {printed}"))
+            })
+            .collect();
+        assert!(order.is_sorted(), "{printed}");
+
+        let points = node_points(&agent, &cp).await;
+        let t0_ms = i64::try_from(t0).unwrap() * 1000;
+        for slot in 0..4 {
+            assert!(
+                points.contains(&(t0_ms + slot * 15_000)),
+                "the reference's point {slot} in {points:?}"
+            );
+        }
+    })
+    .await;
+}
+
 /// A TCP relay to `target` that keeps every byte its clients send (the
 /// request heads), to see what the agent sends to a registry.
 async fn recording_relay(

@@ -124,6 +124,28 @@ async fn join_stores_the_identity_and_reenrolls_with_the_same_node() {
     assert_ne!(std::fs::read_to_string(ids.key_path()).unwrap(), key_pem);
 }
 
+/// 44.10: a node moved from the reference agent joins as the node it was:
+/// the id in the reference's `<data-dir>/node-id` goes as
+/// `existing_node_id`, so control resumes its record and its assignments.
+#[tokio::test]
+async fn a_join_after_the_reference_agent_resumes_its_node_id() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let data = tempfile::tempdir().unwrap();
+    std::fs::write(data.path().join("node-id"), "01JREFERENCENODE0000000001\n").unwrap();
+    join(&options(&cp, cp.ca.token(SECRET), data.path()))
+        .await
+        .unwrap();
+    let req = cp.with(|r| r.joins[0].clone());
+    assert_eq!(req.existing_node_id, "01JREFERENCENODE0000000001");
+    // Not an id: ignored, a first join.
+    let other = tempfile::tempdir().unwrap();
+    std::fs::write(other.path().join("node-id"), "../../etc\n").unwrap();
+    join(&options(&cp, cp.ca.token(SECRET), other.path()))
+        .await
+        .unwrap();
+    assert!(cp.with(|r| r.joins[1].existing_node_id.is_empty()));
+}
+
 #[tokio::test]
 async fn join_failures_are_typed() {
     let cp = ControlPlane::start(&[SECRET]).await;

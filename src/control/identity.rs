@@ -115,7 +115,25 @@ impl IdentityDir {
     /// The node id of a previous enrollment, for re-enrolling; `None` when
     /// there is none or it cannot be read.
     pub fn previous_node_id(&self) -> Option<String> {
-        self.load_enrollment().ok().map(|e| e.node_id)
+        self.load_enrollment()
+            .ok()
+            .map(|e| e.node_id)
+            .or_else(|| self.reference_node_id())
+    }
+
+    /// The node id a reference agent left in `<data-dir>/node-id`
+    /// (AGENT-6), so a node moved from it joins again as the same node and
+    /// keeps its assignments; `None` if there is none or it is not an id.
+    fn reference_node_id(&self) -> Option<String> {
+        let data_dir = self.dir.parent()?;
+        let text = std::fs::read_to_string(data_dir.join("node-id")).ok()?;
+        let id = text.trim();
+        let fine = !id.is_empty()
+            && id.len() <= 128
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        fine.then(|| id.to_owned())
     }
 
     pub fn load_enrollment(&self) -> Result<Enrollment, IdentityError> {

@@ -1,9 +1,11 @@
 //! Container output: the log shim that writes it ([`shim`]), where it lies
 //! on disk ([`files`]) and how long it is kept ([`retention`], with the
-//! janitor's sweep).
+//! janitor's sweep), and the reference agent's store, read after a move
+//! from it ([`reference`]).
 
 pub mod files;
 pub mod janitor;
+pub mod reference;
 pub mod retention;
 pub mod shim;
 

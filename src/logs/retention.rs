@@ -149,6 +149,9 @@ pub fn sweep(
             remove(f, &mut done);
         }
     }
+    let (removed, bytes) = super::reference::expire(dir, caps.max_age, now);
+    done.removed += removed;
+    done.bytes_freed += bytes;
     Ok(done)
 }
 

@@ -14,6 +14,9 @@
 //! length, bytes: metric, scope, id), the open 5-minute bucket (`u8` flag,
 //! then `u32` start, `f64` sum, `u32` count), then the raw and the 5-minute
 //! points, each a `u32` count of `(u32 unix seconds, f32 value)`.
+//!
+//! A reference agent's file (version 1) is read too, so a node moved from
+//! the reference keeps its history; the next flush writes version 2.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -24,6 +27,8 @@ use super::store::Store;
 
 pub const MAGIC: u32 = 0x5A54_5344;
 pub const VERSION: u32 = 2;
+/// The reference agent's fixed-ring layout (TS-8): read, never written.
+pub const REFERENCE_VERSION: u32 = 1;
 /// A string longer than this is corruption.
 pub const MAX_STRING: usize = 1 << 20;
 pub const FLUSH_EVERY: Duration = Duration::from_secs(60);
@@ -147,7 +152,9 @@ mod tests {
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         for bytes in [
             b"garbage bytes".to_vec(),
-            [MAGIC.to_le_bytes(), 1u32.to_le_bytes(), 0u32.to_le_bytes()].concat(),
+            [MAGIC.to_le_bytes(), 7u32.to_le_bytes(), 0u32.to_le_bytes()].concat(),
+            // The reference's version with a series cut short.
+            [MAGIC.to_le_bytes(), 1u32.to_le_bytes(), 1u32.to_le_bytes()].concat(),
             [
                 MAGIC.to_le_bytes(),
                 VERSION.to_le_bytes(),
@@ -158,8 +165,8 @@ mod tests {
             std::fs::write(&p, bytes).unwrap();
             let mut s = load(&p);
             assert_eq!(s.newest(), None);
-            s.record(100, Scope::Node, "n1", "m", 1.0);
-            assert_eq!(s.newest(), Some(100), "usable");
+            s.record(105, Scope::Node, "n1", "m", 1.0);
+            assert_eq!(s.newest(), Some(105), "usable");
         }
     }
 

@@ -765,7 +765,7 @@ impl ControlledAgent {
         prefix: &str,
         join: &[&str],
     ) -> Self {
-        Self::start_full(cp, secret, rig, namespace, prefix, join, &[]).await
+        Self::start_full(cp, secret, rig, namespace, prefix, join, &[], |_, _| {}).await
     }
 
     /// [`Self::start`] with extra `run` flags.
@@ -777,9 +777,23 @@ impl ControlledAgent {
         prefix: &str,
         extra: &[&str],
     ) -> Self {
-        Self::start_full(cp, secret, rig, namespace, prefix, &[], extra).await
+        Self::start_full(cp, secret, rig, namespace, prefix, &[], extra, |_, _| {}).await
     }
 
+    /// [`Self::start`], with `prepare(data dir, node id)` run between the
+    /// join and the agent's start.
+    pub async fn start_prepared(
+        cp: &ControlPlane,
+        secret: &str,
+        rig: &crate::support::Rig,
+        namespace: &str,
+        prefix: &str,
+        prepare: impl FnOnce(&std::path::Path, &str),
+    ) -> Self {
+        Self::start_full(cp, secret, rig, namespace, prefix, &[], &[], prepare).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
     async fn start_full(
         cp: &ControlPlane,
         secret: &str,
@@ -788,6 +802,7 @@ impl ControlledAgent {
         prefix: &str,
         join: &[&str],
         extra: &[&str],
+        prepare: impl FnOnce(&std::path::Path, &str),
     ) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
@@ -798,6 +813,7 @@ impl ControlledAgent {
             .load_enrollment()
             .unwrap()
             .node_id;
+        prepare(&data, &node_id);
         let net_cfg = zattera_netns::NetConfig::for_namespace(namespace, &run_dir).unwrap();
         let net = crate::support::NetCleanup {
             prefix: prefix.into(),

@@ -12,7 +12,8 @@
 //! (every 250 ms; across a rotation, the old file is read to its end
 //! first) until the caller goes away. Unlike the
 //! reference there is no separate log store: the shim's files are it, so
-//! lines written while the agent was down are there too.
+//! lines written while the agent was down are there too. A stream the
+//! reference agent left (a node moved from it) is read before them.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
@@ -26,6 +27,7 @@ use tonic::Status;
 
 use crate::executor::labels::{OWNED_FILTER, OwnedContainer};
 use crate::logs::files::{self, StreamMeta};
+use crate::logs::reference;
 use crate::proto::cluster::AssignmentSet;
 use crate::proto::v1::{LogLine, LogQuery, LogSelector, LogSource};
 use crate::runtime::{Containerd, containers};
@@ -39,11 +41,14 @@ pub const MAX_LIMIT: usize = 10_000;
 const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
 /// One instance's output: the live file of each of its containers here,
-/// the one written to last, last.
+/// the one written to last, last; and the stream a reference agent kept
+/// for it before this node moved to this agent, if any (read first: it is
+/// older than anything this agent wrote).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogStream {
     pub instance_id: String,
     pub live: Vec<PathBuf>,
+    pub reference: Option<PathBuf>,
 }
 
 /// One parsed CRI line.
@@ -144,10 +149,17 @@ pub async fn streams(
             .filter(|(_, m)| selected_meta(sel, m))
             .map(|(_, m)| m.assignment_id.clone()),
     );
+    // A reference agent's stream is named by the instance alone.
+    if !sel.instance_id.is_empty() && reference::stream_dir(&dir, &sel.instance_id).is_some() {
+        wanted.insert(sel.instance_id.clone());
+    }
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
-    let mut live: BTreeMap<String, BTreeSet<PathBuf>> = BTreeMap::new();
+    let mut live: BTreeMap<String, BTreeSet<PathBuf>> = wanted
+        .iter()
+        .map(|id| (id.clone(), BTreeSet::new()))
+        .collect();
     for (cid, m) in &on_disk {
         if wanted.contains(&m.assignment_id) {
             let path = dir.join(format!("{cid}.log"));
@@ -178,8 +190,14 @@ pub async fn streams(
                         .and_then(|m| m.modified())
                         .unwrap_or(SystemTime::UNIX_EPOCH)
                 });
-                LogStream { instance_id, live }
+                let reference = reference::stream_dir(&dir, &instance_id);
+                LogStream {
+                    instance_id,
+                    live,
+                    reference,
+                }
             })
+            .filter(|s| !s.live.is_empty() || s.reference.is_some())
             .collect()
     })
     .await
@@ -308,6 +326,27 @@ fn open_live(live: &Path) -> Option<(std::fs::File, u64)> {
 fn history(stream: &LogStream, window: Window, limit: usize) -> (VecDeque<LogLine>, Vec<Offset>) {
     let mut keep: VecDeque<LogLine> = VecDeque::with_capacity(limit.min(4096));
     let mut offsets = Vec::with_capacity(stream.live.len());
+    if let Some(dir) = &stream.reference {
+        let ns = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        };
+        let (since, until) = (window.since.map(ns), window.until.map(ns));
+        reference::read(dir, since, until, |e| {
+            let time = u64::try_from(e.time_ns).map_or(SystemTime::UNIX_EPOCH, |t| {
+                SystemTime::UNIX_EPOCH + Duration::from_nanos(t)
+            });
+            let source = if e.stderr {
+                LogSource::Stderr
+            } else {
+                LogSource::Stdout
+            };
+            if keep.len() == limit {
+                keep.pop_front();
+            }
+            keep.push_back(log_line(&stream.instance_id, source, time, e.line));
+        });
+    }
     for live in &stream.live {
         let mut asm = Assembler::default();
         let mut offset = Offset {
@@ -676,6 +715,7 @@ mod tests {
         let s = LogStream {
             instance_id: "a1".into(),
             live: vec![old.clone(), path.clone()],
+            reference: None,
         };
         let all = Window {
             since: None,
