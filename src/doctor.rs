@@ -143,6 +143,7 @@ pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Re
     checks.push(containerd(&config.containerd_address, &config.namespace).await);
     checks.extend(host(&config));
     checks.push(wireguard(config.mesh.backend));
+    checks.push(build_platforms(Path::new("/proc/sys/fs/binfmt_misc")));
     checks.extend(node_api_callers(&config));
     Report::new(checks)
 }
@@ -447,6 +448,21 @@ fn wireguard(pref: zattera_mesh::BackendKind) -> Check {
             "modprobe wireguard, or modprobe tun",
         ),
     }
+}
+
+/// Which platforms builds on this node can target (BLD-7): its own, and
+/// those qemu emulates through binfmt_misc. Only native is no fault.
+fn build_platforms(binfmt_misc: &Path) -> Check {
+    let platforms = crate::build::strategy::serveable_platforms(binfmt_misc);
+    let detail = if platforms.len() == 1 {
+        format!(
+            "{} only (others need an emulator: apt install qemu-user-static, which registers its binfmt handlers)",
+            platforms[0]
+        )
+    } else {
+        platforms.join(", ")
+    };
+    Check::pass("build platforms", detail)
 }
 
 fn disk(data_dir: &Path) -> Check {

@@ -426,6 +426,21 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
                 end.error
             );
         }
+        // BLD-7: a platform with no emulator here is named, with the
+        // package that brings one (this rig registers no qemu handler).
+        let mut req = build_request(
+            "bad-platform",
+            &c.blobs.put(context(&[("Dockerfile", b"FROM x\n")])),
+            "",
+        );
+        req.build.as_mut().unwrap().platforms = vec!["linux/s390x".into()];
+        let (_lines, end) = run_build(&c.agent, &c.cp, req).await;
+        assert_eq!(end.status, BuildStatus::Failed as i32, "{end:?}");
+        assert!(
+            end.error.contains("linux/s390x") && end.error.contains("qemu-user-static"),
+            "{}",
+            end.error
+        );
         assert!(
             c.agent
                 .data_dir()

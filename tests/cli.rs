@@ -140,6 +140,12 @@ fn doctor_passes_against_the_rig() {
             "{name}: {report:#}"
         );
     }
+    // BLD-7: the platforms builds can target, this machine's first.
+    let platforms = check(&report, "build platforms")["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(platforms.starts_with("linux/"), "{platforms}");
     // The plain form: one line per check.
     let out = agent()
         .args(["--config", "/dev/null", "--containerd-address"])
@@ -148,7 +154,7 @@ fn doctor_passes_against_the_rig() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(text.lines().count(), 11, "{text}");
+    assert_eq!(text.lines().count(), 12, "{text}");
     assert!(
         text.lines()
             .all(|l| l.starts_with("PASS ") || l.starts_with("WARN ")),

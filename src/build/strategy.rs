@@ -99,6 +99,30 @@ pub fn missing_emulator<'a>(needed: &[&'a str], binfmt_misc: &Path) -> Option<&'
     })
 }
 
+/// The platforms this node can build for now: its own, then each one whose
+/// qemu handler is enabled under `binfmt_misc` (BLD-7).
+pub fn serveable_platforms(binfmt_misc: &Path) -> Vec<String> {
+    const KNOWN: [&str; 8] = [
+        "linux/amd64",
+        "linux/arm64",
+        "linux/arm",
+        "linux/386",
+        "linux/ppc64le",
+        "linux/s390x",
+        "linux/riscv64",
+        "linux/mips64le",
+    ];
+    let native = native_platform();
+    let mut out = vec![native.clone()];
+    out.extend(
+        KNOWN
+            .into_iter()
+            .filter(|p| *p != native && missing_emulator(&[p], binfmt_misc).is_none())
+            .map(str::to_owned),
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -143,6 +167,27 @@ mod tests {
         assert_eq!(resolve_platforms(&both), both);
         assert_eq!(needing_emulation(&both, "linux/amd64"), vec!["linux/arm64"]);
         assert!(needing_emulation(std::slice::from_ref(&native), &native).is_empty());
+    }
+
+    #[test]
+    fn serveable_platforms_are_the_native_one_and_the_emulated_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(serveable_platforms(dir.path()), [native_platform()]);
+        let other = if native_platform() == "linux/arm64" {
+            ("qemu-x86_64", "linux/amd64")
+        } else {
+            ("qemu-aarch64", "linux/arm64")
+        };
+        std::fs::write(
+            dir.path().join(other.0),
+            "enabled\ninterpreter /usr/bin/q\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("qemu-s390x"), "disabled\n").unwrap();
+        assert_eq!(
+            serveable_platforms(dir.path()),
+            [native_platform(), other.1.to_owned()]
+        );
     }
 
     #[test]
