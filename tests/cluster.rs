@@ -572,6 +572,79 @@ async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
     support::purge_namespace(&ctd).await;
 }
 
+/// 44.4: no status report is dropped. 300 instances are adopted at boot
+/// (after a SIGKILL) while control reads the stream slowly; every
+/// instance's HEALTHY reaches control on the new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hundred_instances_adopted_under_a_slow_control_all_report() {
+    use zattera_agent::proto::cluster::agent_message::Body;
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "cl-300", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let mut agent =
+            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztch").await;
+        // Two environments: a /24 holds 253 instances.
+        let ids: Vec<String> = (0..300).map(|i| format!("i{i:03}")).collect();
+        let set = ids
+            .iter()
+            .enumerate()
+            .map(|(n, id)| {
+                let (env, slot) = if n < 150 {
+                    ("env-a", 122)
+                } else {
+                    ("env-b", 123)
+                };
+                assignment(id, env, slot, "exec sleep 3600")
+            })
+            .collect();
+        cp.push_set(set_of(1, set));
+        let healthy = InstanceState::Healthy as i32;
+        // The 5 s poll repeats RUNNING, which control does not let replace
+        // the same container's HEALTHY (S-10): HEALTHY once is the last state.
+        let all_healthy = |r: &control_plane::Record, from_session: usize| {
+            let mut seen = std::collections::BTreeSet::new();
+            for (session, f) in &r.frames {
+                if let (true, Some(Body::Status(b))) = (*session >= from_session, &f.body) {
+                    seen.extend(
+                        b.observed
+                            .iter()
+                            .filter(|(_, o)| o.state == healthy)
+                            .map(|(id, _)| id.clone()),
+                    );
+                }
+            }
+            ids.iter().all(|id| seen.contains(id)).then_some(())
+        };
+        let started = std::time::Instant::now();
+        cp.wait_for("300 HEALTHY", Duration::from_secs(600), |r| {
+            all_healthy(r, 0)
+        })
+        .await;
+        eprintln!("300 HEALTHY after {:?}", started.elapsed());
+
+        cp.set_read_delay(Duration::from_millis(50));
+        agent.kill9_and_restart(&cp, &rig);
+        let started = std::time::Instant::now();
+        cp.wait_for(
+            "every instance HEALTHY again on the new session, read slowly",
+            Duration::from_secs(120),
+            |r| all_healthy(r, 1),
+        )
+        .await;
+        eprintln!("all adopted and reported after {:?}", started.elapsed());
+        let owned =
+            zattera_agent::runtime::containers::list(&ctd, &[("dev.zattera/managed", "true")])
+                .await
+                .unwrap();
+        assert_eq!(owned.len(), 300, "adopted, none replaced or duplicated");
+        drop(agent);
+    })
+    .await;
+}
+
 /// The times (unix ms) of the node's `Stats` points in the last hour.
 async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

@@ -215,6 +215,9 @@ struct Shared {
     /// Whether joins carry a peer set naming the control node (false: as
     /// the reference does on a cluster without the mesh).
     initial_peers: Mutex<bool>,
+    /// How long the sync handler waits after each frame it reads: a slow
+    /// control node, whose stream backs up into the agent.
+    read_delay: Mutex<Duration>,
 }
 
 /// The registry part of a JoinResponse; an empty user means `node-<id>`.
@@ -280,6 +283,7 @@ impl ControlPlane {
             }),
             cert_life: Mutex::new(Duration::from_secs(365 * 86_400)),
             initial_peers: Mutex::new(true),
+            read_delay: Mutex::new(Duration::ZERO),
         });
         let mut cp = Self {
             ca: Arc::new(TestCa::new("zattera-cluster-ca")),
@@ -298,6 +302,11 @@ impl ControlPlane {
 
     /// The next joins carry no peer set: a cluster without the mesh, where
     /// nothing names control's node ids.
+    /// Reads each sync frame `delay` after the one before.
+    pub fn set_read_delay(&self, delay: Duration) {
+        *self.shared.read_delay.lock().unwrap() = delay;
+    }
+
     pub fn without_initial_peers(&self) {
         *self.shared.initial_peers.lock().unwrap() = false;
     }
@@ -606,7 +615,13 @@ impl AgentSyncService for Svc {
             loop {
                 tokio::select! {
                     m = inbound.message() => match m {
-                        Ok(Some(m)) => shared.note(|r| r.frames.push((session, m))),
+                        Ok(Some(m)) => {
+                            shared.note(|r| r.frames.push((session, m)));
+                            let delay = *shared.read_delay.lock().unwrap();
+                            if !delay.is_zero() {
+                                tokio::time::sleep(delay).await;
+                            }
+                        }
                         _ => return,
                     },
                     // A stopped control plane drops its side of the stream.
