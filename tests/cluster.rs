@@ -831,6 +831,164 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
     .await;
 }
 
+/// 44.11: workers behind NAT, in the reference's shape. The hub (ctl-1)
+/// carries 10.90.0.0/16; each worker sits behind a NAT of its own (a
+/// namespace that masquerades) with no `mesh-endpoint`, so its join must
+/// advertise nothing (its default route's address is private), control
+/// then gives it a keepalive of 25 toward the hub and no direct peer, and
+/// the two workers reach each other through the hub. Had a worker
+/// advertised its private address, control would pair the two directly
+/// with /32s, which win over the hub's /16, and their traffic would go
+/// nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_behind_nat_reach_each_other_through_the_hub() {
+    use mesh_cluster::{Cluster, TestNet, run_in};
+    use std::net::Ipv4Addr;
+
+    let Some(rig) = rig() else { return };
+    let bin = std::path::PathBuf::from(support::agent::run_bin());
+    let mut net = TestNet::new("ztn");
+    let underlay = |n: u8| Ipv4Addr::new(10, 203, 78, n);
+    let c1 = net.add_host("c1", underlay(11));
+    let mut cluster = Cluster::new(SECRET, &bin);
+    cluster.set_hub("ctl-1");
+    cluster.add_control(
+        "ctl-1",
+        &c1,
+        underlay(11),
+        Ipv4Addr::new(10, 90, 0, 1),
+        "ztnc1",
+        true,
+    );
+    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["nata", "natb"]
+        .iter()
+        .map(|t| support::unique_namespace(t))
+        .collect();
+    let token = cluster.ca.token(SECRET);
+    let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
+        let ns = net.add_host_behind_nat(name, underlay(n), u8::try_from(idx).unwrap() + 1);
+        let dir = tempfile::tempdir().unwrap();
+        let args: Vec<String> = [
+            "--containerd-address",
+            rig.socket.to_str().unwrap(),
+            "--namespace",
+            namespaces[idx].as_str(),
+            "--config",
+            "/dev/null",
+            "--run-dir",
+            dir.path().join("run").to_str().unwrap(),
+            "--data-dir",
+            dir.path().join("data").to_str().unwrap(),
+            "run",
+            "--bridge-prefix",
+            &format!("ztn{name}"),
+            "--control",
+            &format!("{}:8443", underlay(11)),
+            "--join-token",
+            &token,
+            "--mesh-interface",
+            &format!("ztn{name}0"),
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        let mut m = MeshNode {
+            ns,
+            dir,
+            child: None,
+            args,
+        };
+        m.start();
+        m
+    };
+    let outcome = std::panic::AssertUnwindSafe(async {
+        let a = node("a", 21, 0, &mut net);
+        let b = node("b", 22, 1, &mut net);
+        let dump = |m: &MeshNode| format!("--- {} log:\n{}", m.ns, m.log());
+        eventually("two workers joined", 60, || async {
+            cluster.members().iter().filter(|m| !m.is_control).count() >= 2
+        })
+        .await;
+        let workers: Vec<mesh_cluster::Member> = cluster
+            .members()
+            .into_iter()
+            .filter(|m| !m.is_control)
+            .collect();
+        for w in &workers {
+            assert_eq!(
+                w.endpoint, "",
+                "a worker behind NAT advertised {:?}",
+                w.endpoint
+            );
+        }
+        // Each reaches the other's mesh IP through the hub.
+        for (from, target) in [(&a, workers[1].mesh_ip), (&b, workers[0].mesh_ip)] {
+            let (ns, ip) = (from.ns.clone(), target.to_string());
+            let ok = tokio::time::timeout(
+                Duration::from_secs(60),
+                eventually(&format!("ping {ip} from {ns}"), 60, || {
+                    let (ns, ip) = (ns.clone(), ip.clone());
+                    async move {
+                        tokio::task::spawn_blocking(move || {
+                            run_in(&ns, &["busybox", "ping", "-c1", "-W1", &ip])
+                                .status
+                                .success()
+                        })
+                        .await
+                        .unwrap()
+                    }
+                }),
+            )
+            .await;
+            assert!(ok.is_ok(), "{}\n{}", dump(&a), dump(&b));
+        }
+        // `zattera-netns mesh` on A shows the one peer: the hub, with the
+        // mesh CIDR, the keepalive and a handshake.
+        let netns_bin = std::path::Path::new(support::agent::BIN).with_file_name("zattera-netns");
+        let run_dir = a.dir.path().join("run");
+        let out = run_in(
+            &a.ns,
+            &[
+                netns_bin.to_str().unwrap(),
+                "--run-dir",
+                run_dir.to_str().unwrap(),
+                "mesh",
+                "--json",
+            ],
+        );
+        let view: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        let peers = view["peers"].as_array().unwrap();
+        assert_eq!(peers.len(), 1, "{view:#}");
+        assert_eq!(peers[0]["node_id"], "ctl-1", "{view:#}");
+        assert_eq!(
+            peers[0]["allowed_ips"],
+            serde_json::json!(["10.90.0.0/16"]),
+            "{view:#}"
+        );
+        assert_eq!(peers[0]["keepalive"], 25, "{view:#}");
+        assert!(
+            peers[0]["latest_handshake_seconds_ago"].is_number(),
+            "{view:#}"
+        );
+        drop(a);
+        drop(b);
+    })
+    .catch_unwind()
+    .await;
+    for ns in &namespaces {
+        if let Ok(ctd) = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.clone()).await
+        {
+            support::purge_namespace(&ctd).await;
+        }
+    }
+    drop(cluster);
+    drop(net);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
 /// A TCP relay to `target` that keeps every byte its clients send (the
 /// request heads), to see what the agent sends to a registry.
 async fn recording_relay(

@@ -150,7 +150,7 @@ impl TestNet {
             hosts: Vec::new(),
         };
         // What a killed earlier run left.
-        for name in ["c1", "c2", "a", "b", "c", "d"] {
+        for name in ["c1", "c2", "a", "b", "c", "d", "an", "bn"] {
             kill_all_in(&format!("{prefix}-{name}"));
             let _ = Command::new("ip")
                 .args(["netns", "del", &format!("{prefix}-{name}")])
@@ -187,6 +187,67 @@ impl TestNet {
         ] {
             let out = run_in(&ns, &argv);
             assert!(out.status.success(), "{argv:?} in {ns}: {out:?}");
+        }
+        ns
+    }
+
+    /// A host `name` behind a NAT of its own: a namespace `<name>n` on the
+    /// underlay at `addr` that masquerades, and behind it the host's
+    /// namespace on 192.168.`inner`.0/24, routed through it. Returns the
+    /// host's namespace.
+    pub fn add_host_behind_nat(&mut self, name: &str, addr: Ipv4Addr, inner: u8) -> String {
+        let nat = self.add_host(&format!("{name}n"), addr);
+        let ns = format!("{}-{name}", self.prefix);
+        ip(&["netns", "add", &ns]);
+        self.hosts.push(ns.clone());
+        ip(&[
+            "-n", &nat, "link", "add", "in0", "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
+        let (gw, me) = (
+            format!("192.168.{inner}.1/24"),
+            format!("192.168.{inner}.2/24"),
+        );
+        let via = format!("192.168.{inner}.1");
+        for (at, argv) in [
+            (&nat, vec!["ip", "link", "set", "in0", "up"]),
+            (&nat, vec!["ip", "addr", "add", gw.as_str(), "dev", "in0"]),
+            (&nat, vec!["nft", "add", "table", "ip", "ztnat"]),
+            (
+                &nat,
+                vec![
+                    "nft",
+                    "add",
+                    "chain",
+                    "ip",
+                    "ztnat",
+                    "post",
+                    "{ type nat hook postrouting priority 100 ; }",
+                ],
+            ),
+            (
+                &nat,
+                vec![
+                    "nft",
+                    "add",
+                    "rule",
+                    "ip",
+                    "ztnat",
+                    "post",
+                    "oifname",
+                    "eth0",
+                    "masquerade",
+                ],
+            ),
+            (&ns, vec!["ip", "link", "set", "lo", "up"]),
+            (&ns, vec!["ip", "link", "set", "eth0", "up"]),
+            (&ns, vec!["ip", "addr", "add", me.as_str(), "dev", "eth0"]),
+            (
+                &ns,
+                vec!["ip", "route", "add", "default", "via", via.as_str()],
+            ),
+        ] {
+            let out = run_in(at, &argv);
+            assert!(out.status.success(), "{argv:?} in {at}: {out:?}");
         }
         ns
     }
@@ -304,6 +365,9 @@ struct Shared {
     routes: watch::Sender<RouteSnapshot>,
     /// Nodes control will not talk to (it is "away" for them).
     away: Mutex<HashSet<String>>,
+    /// The control node that is the hub, in the reference's hub-and-spoke
+    /// shape; `None`: a full mesh.
+    hub: Mutex<Option<String>>,
     record: Mutex<Record>,
     changed: watch::Sender<u64>,
 }
@@ -314,8 +378,15 @@ impl Shared {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    /// The peer set `node` gets: every other member, each with its /32.
+    /// The peer set `node` gets: every other member, each with its /32;
+    /// for a worker under a hub, the reference's shape ([`Self::hub_set_for`]).
     fn peer_set_for(&self, node: &str) -> PeerSet {
+        if let Some(hub) = self.hub.lock().unwrap().clone() {
+            let members = self.members.lock().unwrap();
+            if let Some(me) = members.iter().find(|m| m.node_id == node && !m.is_control) {
+                return self.hub_set_for(me, &members, &hub);
+            }
+        }
         let members = self.members.lock().unwrap();
         PeerSet {
             version: *self.peers.borrow(),
@@ -326,7 +397,7 @@ impl Shared {
                     node_id: m.node_id.clone(),
                     wireguard_public_key: m.public_key.clone(),
                     mesh_ip: m.mesh_ip.to_string(),
-                    endpoints: vec![m.endpoint.clone()],
+                    endpoints: endpoints_of(m),
                     is_control: m.is_control,
                     allowed_ips: vec![format!("{}/32", m.mesh_ip)],
                     ..Peer::default()
@@ -337,11 +408,57 @@ impl Shared {
         }
     }
 
+    /// A worker's peer set as the reference's control plane builds it
+    /// under a hub: every control node, the hub carrying the mesh CIDR;
+    /// a worker that advertised no endpoint counts as behind NAT and keeps
+    /// its mappings open with a keepalive of 25 toward the controls; two
+    /// workers that both advertised one are paired directly with /32s.
+    fn hub_set_for(&self, me: &Member, members: &[Member], hub: &str) -> PeerSet {
+        let reachable = |m: &Member| !m.endpoint.is_empty();
+        PeerSet {
+            version: *self.peers.borrow(),
+            peers: members
+                .iter()
+                .filter(|m| m.node_id != me.node_id)
+                .filter(|m| m.is_control || (reachable(me) && reachable(m)))
+                .map(|m| Peer {
+                    node_id: m.node_id.clone(),
+                    wireguard_public_key: m.public_key.clone(),
+                    mesh_ip: m.mesh_ip.to_string(),
+                    endpoints: endpoints_of(m),
+                    is_control: m.is_control,
+                    persistent_keepalive_seconds: if m.is_control && !reachable(me) {
+                        25
+                    } else {
+                        0
+                    },
+                    allowed_ips: if m.node_id == hub {
+                        vec!["10.90.0.0/16".to_owned()]
+                    } else {
+                        vec![format!("{}/32", m.mesh_ip)]
+                    },
+                    ..Peer::default()
+                })
+                .collect(),
+            hub_and_spoke: true,
+            leader_node_id: self.leader.lock().unwrap().clone(),
+        }
+    }
+
     fn refuse_if_away(&self, node: &str) -> Result<(), Status> {
         if self.away.lock().unwrap().contains(node) {
             return Err(Status::unavailable("test: control is away for this node"));
         }
         Ok(())
+    }
+}
+
+/// What a member advertised: nothing, or its one endpoint.
+fn endpoints_of(m: &Member) -> Vec<String> {
+    if m.endpoint.is_empty() {
+        Vec::new()
+    } else {
+        vec![m.endpoint.clone()]
     }
 }
 
@@ -391,6 +508,7 @@ impl Cluster {
                 streams: Mutex::new(HashMap::new()),
                 routes: watch::channel(RouteSnapshot::default()).0,
                 away: Mutex::new(HashSet::new()),
+                hub: Mutex::new(None),
                 record: Mutex::new(Record::default()),
                 changed: watch::channel(0).0,
             }),
@@ -525,6 +643,13 @@ impl Cluster {
             interface: interface.into(),
             tasks,
         });
+    }
+
+    /// Workers get the reference's hub-and-spoke peer sets, with control
+    /// node `node` as the hub.
+    pub fn set_hub(&self, node: &str) {
+        *self.shared.hub.lock().unwrap() = Some(node.to_owned());
+        self.shared.peers.send_modify(|v| *v += 1);
     }
 
     /// `node`'s WireGuard public key as the control hosts know it.
