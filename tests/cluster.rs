@@ -820,6 +820,8 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
         assert!(order.is_sorted(), "{printed}");
 
         let points = node_points(&agent, &cp).await;
+        // TS-3: this agent's own points sit in 15 s slots too.
+        assert!(points.iter().all(|t| t % 15_000 == 0), "{points:?}");
         let t0_ms = i64::try_from(t0).unwrap() * 1000;
         for slot in 0..4 {
             assert!(
