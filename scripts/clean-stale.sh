@@ -28,7 +28,7 @@ fi
 
 ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 | while read -r link; do
   case "$link" in ztbr* | ztvm*) continue ;; esac
-  if [[ "$link" =~ ^zt[a-z]{1,6}(d|[0-9]{1,3}t?|dv[0-9]{1,3}|[0-9]{1,3}v[0-9]{1,3}|vip)$ ]]; then
+  if [[ "$link" =~ ^zt[a-z]{1,6}(d|b|[0-9]{1,3}t?|[db]v[0-9]{1,3}|[0-9]{1,3}v[0-9]{1,3}|vip|up0)$ ]]; then
     say "link $link"
     ip link del "$link" 2>/dev/null
   fi

@@ -54,6 +54,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
 
     let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
     net_cfg.default_subnet = config.default_subnet;
+    net_cfg.build_subnet = Some(config.build.subnet);
     if let Some(prefix) = &config.bridge_prefix {
         prefix.clone_into(&mut net_cfg.bridge_prefix);
         net_cfg.validate()?;
@@ -314,7 +315,17 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                     busy: Arc::default(),
                     stats: stats_on_close.clone(),
                 },
-                builder: builder(&config, &ctd, sync.tls.clone(), cluster_registry.clone()),
+                builder: builder(
+                    &config,
+                    &ctd,
+                    sync.tls.clone(),
+                    cluster_registry.clone(),
+                    crate::build::network::BuildNet::new(
+                        Arc::clone(&net),
+                        config.build.subnet,
+                        &dns.upstreams(),
+                    ),
+                ),
             };
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
@@ -774,6 +785,7 @@ fn builder(
     ctd: &Containerd,
     tls: crate::control::tls::CurrentTls,
     registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
+    sandbox: crate::build::network::BuildNet,
 ) -> Result<crate::control::node_api::build::Builder, String> {
     let backend = crate::build::choose_backend(&crate::build::Host {
         settings: &config.build,
@@ -791,6 +803,15 @@ fn builder(
     pipeline.node_tls = Some(tls);
     pipeline.cluster_registry = registry;
     pipeline.planner.binary.clone_from(&config.build.nixpacks);
+    pipeline.network = config.build.network;
+    pipeline.sandbox = Some(Arc::new(sandbox));
+    if config.build.network == crate::build::buildah::BuildNetwork::Private
+        && backend.as_ref().is_ok_and(|b| b.name() == "buildkit")
+    {
+        tracing::warn!(
+            "build-network = private is applied to buildah only: BuildKit's RUN steps still use the host's network"
+        );
+    }
     Ok(crate::control::node_api::build::Builder {
         pipeline: crate::build::Pipeline {
             config: pipeline,

@@ -141,9 +141,14 @@ pub struct Settings {
     /// The nixpacks planner (default /usr/lib/zattera/nixpacks).
     #[serde(alias = "nixpacks_binary")]
     pub nixpacks_binary: Option<PathBuf>,
-    /// The network of `RUN` steps: `host` (the default) or `none`.
+    /// The network of `RUN` steps: `private` (the default: a bridge of the
+    /// agent's own, guarded as containers are, and no route into the mesh),
+    /// `none`, or `host` (the node's own network: an operator's choice).
     #[serde(alias = "build_network")]
     pub build_network: Option<String>,
+    /// The /24 of the private build network (default 10.202.254.0/24).
+    #[serde(alias = "build_subnet")]
+    pub build_subnet: Option<String>,
     /// Builds this node runs at once; more are refused with
     /// RESOURCE_EXHAUSTED (default 2).
     #[serde(alias = "max_builds")]
@@ -216,6 +221,7 @@ impl Settings {
             buildkit_version: top.buildkit_version.or(self.buildkit_version),
             nixpacks_binary: top.nixpacks_binary.or(self.nixpacks_binary),
             build_network: top.build_network.or(self.build_network),
+            build_subnet: top.build_subnet.or(self.build_subnet),
             max_builds: top.max_builds.or(self.max_builds),
         }
     }
@@ -363,8 +369,18 @@ impl Settings {
                     message,
                 })?,
         };
+        let subnet = match self.build_subnet.as_deref() {
+            None => defaults.subnet,
+            Some(text) => {
+                zattera_netns::Subnet::any_24(text.trim()).map_err(|e| ConfigError::Invalid {
+                    key: "build-subnet",
+                    message: e.to_string(),
+                })?
+            }
+        };
         Ok(BuildSettings {
             backend,
+            subnet,
             buildkitd: self.buildkitd_binary.clone().unwrap_or(defaults.buildkitd),
             buildkit_version: self
                 .buildkit_version
@@ -536,6 +552,8 @@ pub struct BuildSettings {
     pub buildkit_version: String,
     pub nixpacks: PathBuf,
     pub network: crate::build::buildah::BuildNetwork,
+    /// The bridge's /24 when `network` is private.
+    pub subnet: zattera_netns::Subnet,
     /// Builds at once; more get RESOURCE_EXHAUSTED.
     pub max_builds: usize,
 }
@@ -547,7 +565,8 @@ impl Default for BuildSettings {
             buildkitd: PathBuf::from("/usr/bin/buildkitd"),
             buildkit_version: crate::build::buildkit::DEFAULT_BUILDKIT_VERSION.into(),
             nixpacks: PathBuf::from(crate::build::plan::DEFAULT_NIXPACKS_BINARY),
-            network: crate::build::buildah::BuildNetwork::Host,
+            network: crate::build::buildah::BuildNetwork::Private,
+            subnet: crate::build::network::DEFAULT_SUBNET,
             max_builds: 2,
         }
     }

@@ -95,7 +95,14 @@ async fn cluster(rig: &support::Rig, ns: &str, prefix: &str, backend: &[&str]) -
         password: "build-pw".into(),
     });
     let blobs = BlobServer::start((&chain, &key), &cp.ca.pem).await;
-    let agent = ControlledAgent::start_with(&cp, SECRET, rig, ns, prefix, backend).await;
+    // Build bridges of agents running side by side need subnets apart.
+    let build_subnet = format!(
+        "10.202.{}.0/24",
+        200 + u32::from(prefix.as_bytes()[prefix.len() - 1] - b'a')
+    );
+    let mut flags = backend.to_vec();
+    flags.extend(["--build-subnet", build_subnet.as_str()]);
+    let agent = ControlledAgent::start_with(&cp, SECRET, rig, ns, prefix, &flags).await;
     Cluster {
         cp,
         registry,
@@ -462,6 +469,170 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
             .map(|e| e.path())
             .collect();
         assert!(left.is_empty(), "scratch directories are removed: {left:?}");
+    })
+    .await;
+}
+
+/// A network namespace of the test's own, `10.203.90.2` behind a veth
+/// from the host (`10.203.90.1`), serving `ok.txt` over HTTP on 8088: the
+/// "outside" a build step may still reach. Removed when dropped.
+struct Upstream {
+    ns: String,
+    httpd: std::process::Child,
+    _www: tempfile::TempDir,
+}
+
+impl Upstream {
+    fn start(prefix: &str) -> Self {
+        let ns = format!("{prefix}-up");
+        let veth = format!("{prefix}up0");
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &ns])
+            .output();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &veth])
+            .output();
+        let run = |argv: &[&str]| {
+            let out = std::process::Command::new(argv[0])
+                .args(&argv[1..])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{argv:?}: {out:?}");
+        };
+        run(&["ip", "netns", "add", &ns]);
+        run(&[
+            "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
+        run(&["ip", "addr", "add", "10.203.90.1/24", "dev", &veth]);
+        run(&["ip", "link", "set", &veth, "up"]);
+        run(&[
+            "ip",
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            "10.203.90.2/24",
+            "dev",
+            "eth0",
+        ]);
+        run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
+        run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        let www = tempfile::tempdir().unwrap();
+        std::fs::write(www.path().join("ok.txt"), "upstream-ok\n").unwrap();
+        let httpd = std::process::Command::new("ip")
+            .args([
+                "netns", "exec", &ns, "busybox", "httpd", "-f", "-p", "8088", "-h",
+            ])
+            .arg(www.path())
+            .spawn()
+            .unwrap();
+        Self {
+            ns,
+            httpd,
+            _www: www,
+        }
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        let _ = self.httpd.kill();
+        let _ = self.httpd.wait();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .output();
+    }
+}
+
+/// 45.1: `RUN` steps run in a network of their own. From a step, another
+/// tenant's unpublished port and the host's loopback listener are refused
+/// (with the old default, the host's network, both answered), while a
+/// server outside, on a network of the test's own, still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn build_steps_run_in_a_network_of_their_own() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "build-net", |ctd, rig| async move {
+        let c = cluster(
+            &rig,
+            ctd.namespace().as_str(),
+            "ztgn",
+            &["--build-backend", "buildah"],
+        )
+        .await;
+        let _upstream = Upstream::start("ztgn");
+        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        // Another tenant's service, on no published port.
+        let (victim, rt) = assignment(
+            "victim",
+            "env-victim",
+            124,
+            "mkdir -p /w && echo victim-secret > /w/s.txt && exec httpd -f -p 8080 -h /w",
+        );
+        c.cp.push_set(set_of(1, vec![(victim, rt)]));
+        let healthy = InstanceState::Healthy as i32;
+        c.cp.wait_for("victim HEALTHY", Duration::from_secs(60), |r| {
+            r.latest_of("victim").filter(|o| o.state == healthy)
+        })
+        .await;
+        let status: serde_json::Value =
+            serde_json::from_slice(&c.agent.cli(&["status", "--json"]).stdout).unwrap();
+        let victim_ip = status["assignments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["id"] == "victim")
+            .and_then(|a| a["ip"].as_str())
+            .unwrap()
+            .to_owned();
+        // A service on the host's loopback only.
+        let lo = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let lo_port = lo.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            use std::io::Write as _;
+            for mut conn in lo.incoming().flatten() {
+                let _ = conn.write_all(
+                    b"HTTP/1.0 200 OK\r\nContent-Length: 15\r\n\r\nloopback-secret",
+                );
+            }
+        });
+        // `host:port/path` each; busybox's wget crashes on this Debian
+        // build, nc does not.
+        let urls = [
+            format!("{victim_ip}:8080/s.txt"),
+            format!("127.0.0.1:{lo_port}/"),
+            "10.203.90.2:8088/ok.txt".to_owned(),
+        ];
+        let dockerfile = format!(
+            "FROM {}\nRUN for u in {}; do h=${{u%%:*}}; r=${{u#*:}}; p=${{r%%/*}}; got=$(printf 'GET /%s HTTP/1.0\\r\\n\\r\\n' \"${{r#*/}}\" | nc -w 3 $h $p | tail -n 1); if [ -n \"$got\" ]; then echo \"GOT $u $got\"; else echo \"NOT $u\"; fi; done; echo {}\n",
+            c.base,
+            urls.join(" "),
+            rand::random::<u64>()
+        );
+        let url = c.blobs.put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+        let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-net", &url, "")).await;
+        assert_eq!(end.status, BuildStatus::Succeeded as i32, "{end:?}\n{lines:#?}");
+        let said = |prefix: &str, u: &str| lines.iter().any(|l| l.contains(&format!("{prefix} {u}")));
+        assert!(said("NOT", &urls[0]), "another tenant's port: {lines:#?}");
+        assert!(said("NOT", &urls[1]), "the host's loopback: {lines:#?}");
+        assert!(
+            lines.iter().any(|l| l.contains("upstream-ok")),
+            "the outside: {lines:#?}"
+        );
+        assert!(
+            !lines.iter().any(|l| l.contains("victim-secret") || l.contains("loopback-secret")),
+            "{lines:#?}"
+        );
+        // The build's namespace and veth are gone with it.
+        let netns = c.agent.dir.path().join("run/netns");
+        let left: Vec<_> = std::fs::read_dir(&netns)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            !left.iter().any(|n| n.to_string_lossy().starts_with("zt-build-")),
+            "{left:?}"
+        );
     })
     .await;
 }

@@ -25,6 +25,9 @@ pub struct NetConfig {
     /// The node-local network of assignments without a subnet:
     /// bridge `<prefix>d`, host veths `<prefix>dv<host octet>`.
     pub default_subnet: Option<Subnet>,
+    /// The network build steps run on ([`crate::firewall::BUILD_SCOPE`]):
+    /// bridge `<prefix>b`, host veths `<prefix>bv<host octet>`.
+    pub build_subnet: Option<Subnet>,
 }
 
 impl Default for NetConfig {
@@ -35,6 +38,7 @@ impl Default for NetConfig {
             netns_dir: PathBuf::from("/run/zattera/netns"),
             nft_binary: PathBuf::from("nft"),
             default_subnet: None,
+            build_subnet: None,
         }
     }
 }
@@ -93,6 +97,8 @@ impl NetConfig {
     pub fn bridge_name(&self, subnet: Subnet) -> String {
         if self.default_subnet == Some(subnet) {
             format!("{}d", self.bridge_prefix)
+        } else if self.build_subnet == Some(subnet) {
+            format!("{}b", self.bridge_prefix)
         } else {
             format!("{}{}", self.bridge_prefix, subnet.slot())
         }
@@ -114,6 +120,8 @@ impl NetConfig {
         let o = ip.octets();
         if self.default_subnet.is_some_and(|d| d.contains(ip)) {
             format!("{}dv{}", self.bridge_prefix, o[3])
+        } else if self.build_subnet.is_some_and(|b| b.contains(ip)) {
+            format!("{}bv{}", self.bridge_prefix, o[3])
         } else {
             format!("{}{}v{}", self.bridge_prefix, o[2], o[3])
         }
@@ -124,6 +132,9 @@ impl NetConfig {
         let rest = ifname.strip_prefix(&self.bridge_prefix)?;
         if let (Some(tail), Some(default)) = (rest.strip_prefix('d'), self.default_subnet) {
             return parse_tail(tail, default);
+        }
+        if let (Some(tail), Some(build)) = (rest.strip_prefix('b'), self.build_subnet) {
+            return parse_tail(tail, build);
         }
         let slot_end = rest
             .find(|c: char| !c.is_ascii_digit())
@@ -260,6 +271,20 @@ mod tests {
         for foreign in ["ztbrd5", "ztbrdd", "ztbrd5v3", "ztbrddv3"] {
             assert_eq!(with_default.parse_ifname(foreign), None, "{foreign}");
         }
+        // The build network's names.
+        let b = Subnet::any_24("10.202.254.0/24").unwrap();
+        let with_build = NetConfig {
+            build_subnet: Some(b),
+            ..cfg("ztbr")
+        };
+        assert_eq!(with_build.bridge_name(b), "ztbrb");
+        assert_eq!(with_build.host_veth_name(b.host(7)), "ztbrbv7");
+        assert_eq!(with_build.parse_ifname("ztbrb"), Some(OwnedName::Bridge(b)));
+        assert_eq!(
+            with_build.parse_ifname("ztbrbv7"),
+            Some(OwnedName::HostVeth(b.host(7)))
+        );
+        assert_eq!(c.parse_ifname("ztbrb"), None, "no build network configured");
         // A longer prefix never parses under a shorter one, nor the reverse.
         assert_eq!(cfg("zt").parse_ifname("ztbr5"), None);
         assert_eq!(cfg("ztbra").parse_ifname("ztbr5"), None);

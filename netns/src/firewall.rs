@@ -54,6 +54,14 @@ impl Proto {
     }
 }
 
+/// The scope of the bridge build steps run on: on top of what every bridge
+/// gets, its traffic may not go to the mesh ([`MESH_CIDR`]), so a tenant's
+/// `RUN` step cannot reach other nodes' node APIs and published ports.
+pub const BUILD_SCOPE: &str = "zattera-build";
+
+/// The mesh's address range (the reference's fixed 10.90.0.0/16).
+pub const MESH_CIDR: &str = "10.90.0.0/16";
+
 /// One environment bridge the rules cover.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BridgeRules {
@@ -279,6 +287,13 @@ pub fn render(table: &str, state: &FirewallState) -> String {
         let _ = writeln!(s, "    iifname \"{0}\" oifname \"{0}\" accept", b.bridge);
     }
     s.push_str("    iifname @bridges oifname @bridges drop\n");
+    for b in bridges.iter().filter(|b| b.scope == BUILD_SCOPE) {
+        let _ = writeln!(
+            s,
+            "    iifname \"{}\" ip daddr {MESH_CIDR} reject with icmpx type admin-prohibited",
+            b.bridge
+        );
+    }
     s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
 
     s.push_str("  chain guard {\n    type filter hook prerouting priority raw; policy accept;\n");
@@ -337,6 +352,30 @@ mod tests {
         ] {
             assert!(bad.parse::<PublishedPort>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_build_bridge_may_not_reach_the_mesh() {
+        let bridge = |name: &str, slot, scope: &str| BridgeRules {
+            bridge: name.into(),
+            subnet: Subnet::from_slot(slot),
+            scope: scope.into(),
+        };
+        let state = FirewallState {
+            bridges: vec![
+                bridge("ztbr5", 5, "zt-p-prod"),
+                bridge("ztbr9", 9, BUILD_SCOPE),
+            ],
+            ..FirewallState::default()
+        };
+        let text = render("zattera_t", &state);
+        let denied: Vec<&str> = text.lines().filter(|l| l.contains(MESH_CIDR)).collect();
+        assert_eq!(
+            denied,
+            ["    iifname \"ztbr9\" ip daddr 10.90.0.0/16 reject with icmpx type admin-prohibited"]
+        );
+        // Before the bridge's blanket accept of what leaves it.
+        assert!(text.find(denied[0]) < text.find("    iifname @bridges accept"));
     }
 
     #[test]

@@ -24,6 +24,11 @@ impl Subnet {
         }
     }
 
+    /// `a.b.c.0/24`, for a constant.
+    pub const fn from_octets(a: u8, b: u8, c: u8) -> Self {
+        Self { net: [a, b, c] }
+    }
+
     /// `a.b.c.0/24` wherever it is; for the default network. Only `FromStr`
     /// is strict about the pool (what control may push).
     pub fn any_24(cidr: &str) -> Result<Self, SubnetError> {

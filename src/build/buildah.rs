@@ -20,32 +20,27 @@ use super::progress::buildah_line;
 use super::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, RegistryFiles, say};
 use crate::runtime::Containerd;
 
-/// How `RUN` steps reach the network.
+/// How `RUN` steps reach the network (the `build-network` setting).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BuildNetwork {
-    /// The host's network, as BuildKit's default.
+    /// A namespace on the agent's build bridge ([`super::network`]).
     #[default]
-    Host,
+    Private,
     /// None at all.
     None,
+    /// The node's own network: every container, VIP and loopback service
+    /// is in reach. Only as an operator's explicit choice.
+    Host,
 }
 
 impl std::str::FromStr for BuildNetwork {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
+            "private" => Ok(Self::Private),
             "host" => Ok(Self::Host),
             "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not host or none")),
-        }
-    }
-}
-
-impl BuildNetwork {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Host => "host",
-            Self::None => "none",
+            other => Err(format!("{other:?} is not private, none or host")),
         }
     }
 }
@@ -59,7 +54,6 @@ pub struct Buildah {
     /// containers/storage root and run root, the agent's own.
     pub root: PathBuf,
     pub runroot: PathBuf,
-    pub network: BuildNetwork,
     /// Where [`Output::Load`] images go.
     pub ctd: Option<Containerd>,
     /// Builds running now. Storage is the agent's alone, so while none
@@ -73,7 +67,6 @@ impl Buildah {
             binary: PathBuf::from("buildah"),
             root: data_dir.join("buildah/storage"),
             runroot: run_dir.join("buildah"),
-            network: BuildNetwork::default(),
             ctd,
             active: std::sync::Arc::default(),
         }
@@ -235,7 +228,7 @@ impl Buildah {
         let mut bud = self.command();
         bud.arg("bud")
             .args(["--isolation", "oci"])
-            .args(["--network", self.network.as_str()])
+            .args(spec.network.buildah_args())
             .arg("--layers")
             .arg("--file")
             .arg(spec.context.join(&spec.dockerfile))

@@ -14,6 +14,7 @@ pub mod buildah;
 pub mod buildkit;
 pub mod builds;
 pub mod child;
+pub mod network;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
@@ -107,6 +108,8 @@ pub struct BuildSpec {
     /// A scratch directory of this build (removed with it) for the
     /// backend's own temporary files.
     pub scratch: PathBuf,
+    /// Where `RUN` steps' traffic goes.
+    pub network: network::StepNetwork,
 }
 
 /// What a successful build produced.
@@ -122,6 +125,9 @@ pub struct Built {
 pub enum BuildError {
     #[error("fetch source: {0}")]
     Source(String),
+    /// The build's own network could not be made.
+    #[error("build network: {0}")]
+    Network(String),
     #[error("unpack source: {0}")]
     Unpack(#[from] unpack::UnpackError),
     #[error("builder: scratch dir: {0}")]
@@ -251,8 +257,7 @@ pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, St
         std::sync::Arc::new(bk) as std::sync::Arc<dyn Backend>
     };
     let buildah = || {
-        let mut b = buildah::Buildah::new(host.data_dir, host.run_dir, host.ctd.clone());
-        b.network = s.network;
+        let b = buildah::Buildah::new(host.data_dir, host.run_dir, host.ctd.clone());
         std::sync::Arc::new(b) as std::sync::Arc<dyn Backend>
     };
     match s.backend {

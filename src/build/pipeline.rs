@@ -81,6 +81,11 @@ pub struct PipelineConfig {
     pub limits: Limits,
     pub timeout: Duration,
     pub heartbeat: Duration,
+    /// The `build-network` setting.
+    pub network: super::buildah::BuildNetwork,
+    /// The build bridge, for a private network; without it (a local
+    /// `zattera-agent build`, the operator's own) steps use the host's.
+    pub sandbox: Option<Arc<super::network::BuildNet>>,
 }
 
 impl PipelineConfig {
@@ -94,6 +99,8 @@ impl PipelineConfig {
             limits: Limits::default(),
             timeout: BUILD_TIMEOUT,
             heartbeat: HEARTBEAT_AFTER,
+            network: super::buildah::BuildNetwork::default(),
+            sandbox: None,
         }
     }
 }
@@ -193,6 +200,45 @@ impl Pipeline {
                 .plan(&context, &req.build_env, events, cancel)
                 .await?;
         }
+        let lease = match (self.config.network, &self.config.sandbox) {
+            (super::buildah::BuildNetwork::Private, Some(sandbox)) => {
+                Some(sandbox.enter(&req.id).await.map_err(BuildError::Network)?)
+            }
+            _ => None,
+        };
+        let network = match (&lease, self.config.network) {
+            (Some(lease), _) => lease.network.clone(),
+            (None, super::buildah::BuildNetwork::None) => super::network::StepNetwork::None,
+            (None, _) => super::network::StepNetwork::Host,
+        };
+        let result = self
+            .solve(
+                req,
+                context,
+                strategy,
+                scratch.0.clone(),
+                network,
+                events,
+                cancel,
+            )
+            .await;
+        if let Some(lease) = lease {
+            lease.leave().await;
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn solve(
+        &self,
+        req: &BuildRequest,
+        context: PathBuf,
+        strategy: Strategy,
+        scratch: PathBuf,
+        network: super::network::StepNetwork,
+        events: &Events,
+        cancel: &CancellationToken,
+    ) -> Result<Outcome, BuildError> {
         let platforms = strategy::resolve_platforms(&req.platforms);
         let platforms = &platforms;
         let spec = BuildSpec {
@@ -210,7 +256,8 @@ impl Pipeline {
                 },
             },
             registries: self.registries(req),
-            scratch: scratch.0.clone(),
+            scratch,
+            network,
         };
         let spec = &spec;
         let build = async {

@@ -106,6 +106,12 @@ pub struct RunArgs {
     /// The nixpacks planner [default: /usr/lib/zattera/nixpacks]
     #[arg(long, value_name = "PATH")]
     nixpacks_binary: Option<PathBuf>,
+    /// Where build steps' traffic goes: private, none or host [default: private]
+    #[arg(long, value_name = "KIND")]
+    build_network: Option<String>,
+    /// The private build network's bridge, a.b.c.0/24 [default: 10.202.254.0/24]
+    #[arg(long, value_name = "CIDR")]
+    build_subnet: Option<String>,
 }
 
 impl RunArgs {
@@ -143,6 +149,8 @@ impl RunArgs {
             build_backend: self.build_backend.clone(),
             buildkitd_binary: self.buildkitd_binary.clone(),
             nixpacks_binary: self.nixpacks_binary.clone(),
+            build_network: self.build_network.clone(),
+            build_subnet: self.build_subnet.clone(),
             ..base
         }
     }

@@ -967,11 +967,17 @@ impl Executor {
             let existing = zattera_netns::inventory::scoped_bridges(&net).await;
             self.networks_clean_at = existing
                 .as_ref()
-                .is_ok_and(|e| e.is_subset(&wanted))
+                .is_ok_and(|e| {
+                    e.iter()
+                        .all(|s| wanted.contains(s) || Some(*s) == net.config().build_subnet)
+                })
                 .then_some(now);
+            // The build bridge is the builds' (45.1), made per build.
+            let builds = net.config().build_subnet;
             for subnet in existing
                 .unwrap_or_else(|_| self.networks.clone())
                 .difference(&wanted)
+                .filter(|s| Some(**s) != builds)
             {
                 match net.remove_network(*subnet).await {
                     Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),

@@ -495,6 +495,7 @@ mod tests {
             },
             registries: Vec::new(),
             scratch: PathBuf::from("/s"),
+            network: crate::build::network::StepNetwork::Host,
         };
         let req = solve_request(&spec, "r1", "s1");
         assert_eq!(req.frontend, "dockerfile.v0");
