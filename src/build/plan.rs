@@ -146,23 +146,35 @@ impl Planner {
     }
 }
 
-/// Gives `dir` and everything under it (never following links) to `uid`.
+/// Gives `dir` and everything under it to `uid`, through directory
+/// handles: each entry is changed relative to its parent's open handle and
+/// never followed, and a directory is entered only as what it was when
+/// opened (`O_NOFOLLOW`), so nothing swapped in by a name race is touched.
 fn chown_tree(dir: &Path, uid: u32) -> std::io::Result<()> {
-    let id = Some(nix::unistd::Uid::from_raw(uid));
-    let gid = Some(nix::unistd::Gid::from_raw(uid));
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(path) = stack.pop() {
-        nix::unistd::fchownat(
-            nix::fcntl::AT_FDCWD,
-            &path,
-            id,
-            gid,
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+    use rustix::fs::{AtFlags, Mode, OFlags};
+    let open = |at: &dyn rustix::fd::AsFd, name: &std::ffi::OsStr| {
+        rustix::fs::openat(
+            at,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
         )
-        .map_err(std::io::Error::from)?;
-        if std::fs::symlink_metadata(&path)?.is_dir() {
-            for entry in std::fs::read_dir(&path)? {
-                stack.push(entry?.path());
+    };
+    let owner = Some(rustix::fs::Uid::from_raw(uid));
+    let group = Some(rustix::fs::Gid::from_raw(uid));
+    let root = open(&rustix::fs::CWD, dir.as_os_str())?;
+    rustix::fs::fchown(&root, owner, group)?;
+    let mut stack = vec![root];
+    while let Some(fd) = stack.pop() {
+        for entry in rustix::fs::Dir::read_from(&fd)? {
+            let entry = entry?;
+            let name = std::os::unix::ffi::OsStrExt::from_bytes(entry.file_name().to_bytes());
+            if name == "." || name == ".." {
+                continue;
+            }
+            rustix::fs::chownat(&fd, name, owner, group, AtFlags::SYMLINK_NOFOLLOW)?;
+            if entry.file_type() == rustix::fs::FileType::Directory {
+                stack.push(open(&fd, name)?);
             }
         }
     }
@@ -173,6 +185,41 @@ fn chown_tree(dir: &Path, uid: u32) -> std::io::Result<()> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn the_owner_changes_inside_the_tree_only() {
+        use std::os::unix::fs::MetadataExt;
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (ctx, outside) = (tmp.path().join("ctx"), tmp.path().join("outside"));
+        std::fs::create_dir_all(ctx.join("a/b")).unwrap();
+        std::fs::write(ctx.join("a/b/f"), b"x").unwrap();
+        std::fs::write(&outside, b"host file").unwrap();
+        std::os::unix::fs::symlink(&outside, ctx.join("a/link")).unwrap();
+        std::os::unix::fs::symlink(tmp.path(), ctx.join("dirlink")).unwrap();
+        chown_tree(&ctx, 65534).unwrap();
+        for p in ["a", "a/b", "a/b/f"] {
+            assert_eq!(std::fs::metadata(ctx.join(p)).unwrap().uid(), 65534, "{p}");
+        }
+        assert_eq!(
+            std::fs::symlink_metadata(ctx.join("a/link")).unwrap().uid(),
+            65534
+        );
+        assert_eq!(
+            std::fs::metadata(&outside).unwrap().uid(),
+            0,
+            "never followed"
+        );
+        assert_eq!(
+            std::fs::metadata(tmp.path()).unwrap().uid(),
+            0,
+            "never entered"
+        );
+        chown_tree(&ctx, 0).unwrap();
+        assert_eq!(std::fs::metadata(ctx.join("a/b/f")).unwrap().uid(), 0);
+    }
 
     #[tokio::test]
     async fn a_missing_planner_names_the_key_and_the_fix() {
