@@ -11,7 +11,7 @@ mod blobs;
 mod control_plane;
 mod support;
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::time::Duration;
 
 use blobs::{BlobServer, context};
@@ -44,6 +44,13 @@ fn build_request(id: &str, url: &str, push: &str) -> RunBuildRequest {
         push_image_ref: push.into(),
         ..Default::default()
     }
+}
+
+/// Where an agent with `data_dir` keeps build scratch, as the README says:
+/// `<data-dir>-build`, beside the data dir.
+fn scratch_root(data_dir: &std::path::Path) -> std::path::PathBuf {
+    let name = data_dir.file_name().unwrap().to_string_lossy().into_owned();
+    data_dir.with_file_name(format!("{name}-build"))
 }
 
 /// The lines and the terminal event of a RunBuild.
@@ -227,7 +234,7 @@ async fn a_tarball_build_is_pushed_and_deployed_healthy() {
             !lines.iter().any(|l| l.starts_with("Copying blob")),
             "per-layer noise is dropped: {lines:?}"
         );
-        let scratch: Vec<_> = std::fs::read_dir(c.agent.data_dir())
+        let scratch: Vec<_> = std::fs::read_dir(scratch_root(&c.agent.data_dir()))
             .unwrap()
             .filter_map(Result::ok)
             .filter(|e| e.file_name().to_string_lossy().starts_with("src-"))
@@ -462,7 +469,7 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
                 assert!(!dir.join(evil).exists(), "{}", dir.join(evil).display());
             }
         }
-        let left: Vec<_> = std::fs::read_dir(c.agent.data_dir())
+        let left: Vec<_> = std::fs::read_dir(scratch_root(&c.agent.data_dir()))
             .unwrap()
             .filter_map(Result::ok)
             .filter(|e| e.file_name().to_string_lossy().starts_with("src-"))
@@ -632,6 +639,92 @@ async fn build_steps_run_in_a_network_of_their_own() {
         assert!(
             !left.iter().any(|n| n.to_string_lossy().starts_with("zt-build-")),
             "{left:?}"
+        );
+    })
+    .await;
+}
+
+/// 45.4: the planner runs under the packaged layout: the data dir 0700 (as
+/// the package makes /var/lib/zattera) and the unit's `UMask=0077`, through
+/// `zattera-agent build` of an app with no Dockerfile. Planning must pass;
+/// the build then stops at once for a platform with no emulator (nothing
+/// is pulled). The old code put the scratch in the data dir and failed
+/// planning with EACCES.
+#[tokio::test]
+async fn the_planner_runs_under_the_packaged_layout() {
+    let Some(rig) = rig() else { return };
+    let Ok(planner) = std::env::var("ZATTERA_TEST_NIXPACKS") else {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI sets ZATTERA_TEST_NIXPACKS"
+        );
+        return;
+    };
+    with_namespace(&rig, "build-plan", |ctd, rig| async move {
+        let base = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let data = base.path().join("zattera");
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&data)
+            .unwrap();
+        let app = base.path().join("app");
+        std::fs::create_dir(&app).unwrap();
+        std::fs::write(
+            app.join("package.json"),
+            r#"{"name":"hello","version":"1.0.0","scripts":{"start":"node index.js"}}"#,
+        )
+        .unwrap();
+        std::fs::write(app.join("index.js"), "console.log('hi')\n").unwrap();
+        let config = base.path().join("agent.toml");
+        std::fs::write(
+            &config,
+            format!("build-backend = \"buildah\"\nnixpacks-binary = \"{planner}\"\n"),
+        )
+        .unwrap();
+        let out = std::process::Command::new("sh")
+            .args(["-c", "umask 077; exec \"$0\" \"$@\""])
+            .arg(support::agent::run_bin())
+            .arg("--config")
+            .arg(&config)
+            .arg("--containerd-address")
+            .arg(&rig.socket)
+            .args(["--namespace", ctd.namespace().as_str()])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--run-dir")
+            .arg(base.path().join("run"))
+            .arg("build")
+            .arg(&app)
+            // No emulator for it here: the build stops right after
+            // planning, before buildah would try to pull the plan's base.
+            .args(["--platform", "linux/s390x"])
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(said.contains("planning with nixpacks"), "{said}");
+        assert!(
+            !said.contains("nixpacks plan:"),
+            "the planner failed: {said}"
+        );
+        assert!(said.contains("starting build"), "{said}");
+        assert!(said.contains("no emulator for linux/s390x"), "{said}");
+        let root = scratch_root(&data);
+        let mode = std::fs::metadata(&root).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o711, "{}", root.display());
+        assert_eq!(
+            std::fs::read_dir(&root).unwrap().count(),
+            0,
+            "scratch removed"
+        );
+        assert_eq!(
+            std::fs::metadata(&data).unwrap().permissions().mode() & 0o777,
+            0o700,
+            "the data dir stays closed"
         );
     })
     .await;

@@ -418,24 +418,39 @@ async fn a_hanging_pull_stalls_nothing_else() {
     .await;
 }
 
-/// Issue 13.10: containerd restarts in the middle of a sync session. The
-/// running tasks are not touched, a set pushed while containerd is down
-/// converges once it is back, and every report reaches control.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_containerd_restart_during_sync_loses_nothing() {
-    let Some(rig) = rig() else { return };
-    let mut private = support::private::PrivateContainerd::start();
+/// A containerd of the test's own (to stop and start), the rig pointing
+/// at it, a namespace `zt-test-cl-<tag>-<pid>` and the test image in it.
+async fn private_containerd(
+    rig: support::Rig,
+    tag: &str,
+) -> (
+    support::private::PrivateContainerd,
+    support::Rig,
+    String,
+    zattera_agent::runtime::Containerd,
+) {
+    let private = support::private::PrivateContainerd::start();
     let rig = support::Rig {
         socket: private.socket.clone(),
         ..rig
     };
-    let ns = format!("zt-test-cl-ctd-{}", std::process::id());
+    let ns = format!("zt-test-cl-{tag}-{}", std::process::id());
     let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
         .await
         .unwrap();
     import_archive(&ctd, &rig.oci_archive(), None)
         .await
         .unwrap();
+    (private, rig, ns, ctd)
+}
+
+/// Issue 13.10: containerd restarts in the middle of a sync session. The
+/// running tasks are not touched, a set pushed while containerd is down
+/// converges once it is back, and every report reaches control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_containerd_restart_during_sync_loses_nothing() {
+    let Some(rig) = rig() else { return };
+    let (mut private, rig, ns, ctd) = private_containerd(rig, "ctd").await;
     let cp = ControlPlane::start(&[SECRET]).await;
     let agent = ControlledAgent::start(&cp, SECRET, &rig, &ns, "ztcr").await;
     let healthy = InstanceState::Healthy as i32;
@@ -504,18 +519,7 @@ async fn a_containerd_restart_during_sync_loses_nothing() {
 async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
     use zattera_agent::proto::cluster::agent_message::Body;
     let Some(rig) = rig() else { return };
-    let mut private = support::private::PrivateContainerd::start();
-    let rig = support::Rig {
-        socket: private.socket.clone(),
-        ..rig
-    };
-    let ns = format!("zt-test-cl-down-{}", std::process::id());
-    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
+    let (mut private, rig, ns, _ctd) = private_containerd(rig, "down").await;
     private.down();
 
     let cp = ControlPlane::start(&[SECRET]).await;

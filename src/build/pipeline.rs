@@ -73,6 +73,8 @@ pub struct Outcome {
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub data_dir: PathBuf,
+    /// Where scratch directories go ([`scratch_root`]).
+    pub scratch_root: PathBuf,
     /// The node identity for source fetches; `None` without a control plane.
     pub node_tls: Option<CurrentTls>,
     pub cluster_registry: Option<ClusterRegistryWatch>,
@@ -92,6 +94,7 @@ impl PipelineConfig {
     pub fn new(data_dir: &Path) -> Self {
         Self {
             data_dir: data_dir.to_path_buf(),
+            scratch_root: scratch_root(data_dir),
             node_tls: None,
             cluster_registry: None,
             planner: Planner::default(),
@@ -112,21 +115,46 @@ pub struct Pipeline {
     pub backend: Arc<dyn Backend>,
 }
 
-/// The scratch directory `<data-dir>/src-*`, removed when dropped.
+/// Where builds' scratch directories go: beside the data dir, never in it
+/// (`<data-dir>-build`, so /var/lib/zattera-build on a packaged node). The
+/// data dir is 0700 (keys, volumes), and the unprivileged nixpacks planner
+/// must reach its context (45.4); this root is root's and 0711, so other
+/// users may pass through it but not list it.
+pub fn scratch_root(data_dir: &Path) -> PathBuf {
+    let name = data_dir
+        .file_name()
+        .map_or_else(|| "zattera".into(), |n| n.to_string_lossy().into_owned());
+    data_dir.with_file_name(format!("{name}-build"))
+}
+
+/// The scratch directory `<scratch root>/src-*`, removed when dropped.
 struct Scratch(PathBuf);
 
 impl Scratch {
-    fn create(data_dir: &Path, id: &str) -> std::io::Result<Self> {
-        use std::os::unix::fs::DirBuilderExt;
+    fn create(root: &Path, id: &str) -> std::io::Result<Self> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
         let tag: String = id
             .chars()
             .filter(char::is_ascii_alphanumeric)
             .take(24)
             .collect();
-        let dir = data_dir.join(format!("src-{tag}-{:08x}", rand::random::<u32>()));
-        std::fs::create_dir_all(data_dir)?;
-        // 0711: the unprivileged planner reaches its context inside.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o711)
+            .create(root)?;
+        let meta = std::fs::symlink_metadata(root)?;
+        if !meta.is_dir() || meta.uid() != rustix::process::geteuid().as_raw() {
+            return Err(std::io::Error::other(format!(
+                "{}: not a directory of this user's; remove it",
+                root.display()
+            )));
+        }
+        // Modes are set, not asked for: the unit's UMask=0077 would make
+        // them 0700, and the planner could not pass.
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711))?;
+        let dir = root.join(format!("src-{tag}-{:08x}", rand::random::<u32>()));
         std::fs::DirBuilder::new().mode(0o711).create(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))?;
         Ok(Self(dir))
     }
 }
@@ -178,7 +206,7 @@ impl Pipeline {
         cancel: &CancellationToken,
     ) -> Result<Outcome, BuildError> {
         let scratch =
-            Scratch::create(&self.config.data_dir, &req.id).map_err(BuildError::Scratch)?;
+            Scratch::create(&self.config.scratch_root, &req.id).map_err(BuildError::Scratch)?;
         let context = match &req.source {
             // A local directory with its Dockerfile is built where it is:
             // nothing writes into it, and copying it would cost more than

@@ -393,15 +393,7 @@ impl Shared {
             peers: members
                 .iter()
                 .filter(|m| m.node_id != node)
-                .map(|m| Peer {
-                    node_id: m.node_id.clone(),
-                    wireguard_public_key: m.public_key.clone(),
-                    mesh_ip: m.mesh_ip.to_string(),
-                    endpoints: endpoints_of(m),
-                    is_control: m.is_control,
-                    allowed_ips: vec![format!("{}/32", m.mesh_ip)],
-                    ..Peer::default()
-                })
+                .map(|m| peer_of(m, vec![format!("{}/32", m.mesh_ip)], 0))
                 .collect(),
             hub_and_spoke: false,
             leader_node_id: self.leader.lock().unwrap().clone(),
@@ -421,23 +413,18 @@ impl Shared {
                 .iter()
                 .filter(|m| m.node_id != me.node_id)
                 .filter(|m| m.is_control || (reachable(me) && reachable(m)))
-                .map(|m| Peer {
-                    node_id: m.node_id.clone(),
-                    wireguard_public_key: m.public_key.clone(),
-                    mesh_ip: m.mesh_ip.to_string(),
-                    endpoints: endpoints_of(m),
-                    is_control: m.is_control,
-                    persistent_keepalive_seconds: if m.is_control && !reachable(me) {
-                        25
-                    } else {
-                        0
-                    },
-                    allowed_ips: if m.node_id == hub {
+                .map(|m| {
+                    let allowed = if m.node_id == hub {
                         vec!["10.90.0.0/16".to_owned()]
                     } else {
                         vec![format!("{}/32", m.mesh_ip)]
-                    },
-                    ..Peer::default()
+                    };
+                    let keepalive = if m.is_control && !reachable(me) {
+                        25
+                    } else {
+                        0
+                    };
+                    peer_of(m, allowed, keepalive)
                 })
                 .collect(),
             hub_and_spoke: true,
@@ -450,6 +437,20 @@ impl Shared {
             return Err(Status::unavailable("test: control is away for this node"));
         }
         Ok(())
+    }
+}
+
+/// `m` as a peer routed `allowed_ips`, with `keepalive` seconds.
+fn peer_of(m: &Member, allowed_ips: Vec<String>, keepalive: u32) -> Peer {
+    Peer {
+        node_id: m.node_id.clone(),
+        wireguard_public_key: m.public_key.clone(),
+        mesh_ip: m.mesh_ip.to_string(),
+        endpoints: endpoints_of(m),
+        is_control: m.is_control,
+        persistent_keepalive_seconds: keepalive,
+        allowed_ips,
+        ..Peer::default()
     }
 }
 
