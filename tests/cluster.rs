@@ -873,39 +873,15 @@ async fn workers_behind_nat_reach_each_other_through_the_hub() {
     let token = cluster.ca.token(SECRET);
     let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
         let ns = net.add_host_behind_nat(name, underlay(n), u8::try_from(idx).unwrap() + 1);
-        let dir = tempfile::tempdir().unwrap();
-        let args: Vec<String> = [
-            "--containerd-address",
-            rig.socket.to_str().unwrap(),
-            "--namespace",
-            namespaces[idx].as_str(),
-            "--config",
-            "/dev/null",
-            "--run-dir",
-            dir.path().join("run").to_str().unwrap(),
-            "--data-dir",
-            dir.path().join("data").to_str().unwrap(),
-            "run",
-            "--bridge-prefix",
-            &format!("ztn{name}"),
-            "--control",
-            &format!("{}:8443", underlay(11)),
-            "--join-token",
-            &token,
-            "--mesh-interface",
-            &format!("ztn{name}0"),
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-        let mut m = MeshNode {
+        MeshNode::spawn(
             ns,
-            dir,
-            child: None,
-            args,
-        };
-        m.start();
-        m
+            &rig.socket,
+            namespaces[idx].as_str(),
+            &format!("ztn{name}"),
+            &format!("{}:8443", underlay(11)),
+            &token,
+            &[],
+        )
     };
     let outcome = std::panic::AssertUnwindSafe(async {
         let a = node("a", 21, 0, &mut net);
@@ -1360,6 +1336,55 @@ struct MeshNode {
 }
 
 impl MeshNode {
+    /// The agent binary in host namespace `ns`, a worker of the mesh
+    /// cluster: containerd namespace `namespace`, bridge prefix and mesh
+    /// interface `<prefix>` / `<prefix>0`, joining `control` with `token`;
+    /// `extra` are more `run` flags.
+    fn spawn(
+        ns: String,
+        socket: &std::path::Path,
+        namespace: &str,
+        prefix: &str,
+        control: &str,
+        token: &str,
+        extra: &[String],
+    ) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args: Vec<String> = [
+            "--containerd-address",
+            socket.to_str().unwrap(),
+            "--namespace",
+            namespace,
+            "--config",
+            "/dev/null",
+            "--run-dir",
+            dir.path().join("run").to_str().unwrap(),
+            "--data-dir",
+            dir.path().join("data").to_str().unwrap(),
+            "run",
+            "--bridge-prefix",
+            prefix,
+            "--control",
+            control,
+            "--join-token",
+            token,
+            "--mesh-interface",
+            &format!("{prefix}0"),
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        args.extend(extra.iter().cloned());
+        let mut m = MeshNode {
+            ns,
+            dir,
+            child: None,
+            args,
+        };
+        m.start();
+        m
+    }
+
     fn start(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -1467,42 +1492,18 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
     let token = cluster.ca.token(SECRET);
     let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
         let ns = net.add_host(name, underlay(n));
-        let dir = tempfile::tempdir().unwrap();
-        let interface = format!("ztm{name}0");
-        let args: Vec<String> = [
-            "--containerd-address",
-            rig.socket.to_str().unwrap(),
-            "--namespace",
-            namespaces[idx].as_str(),
-            "--config",
-            "/dev/null",
-            "--run-dir",
-            dir.path().join("run").to_str().unwrap(),
-            "--data-dir",
-            dir.path().join("data").to_str().unwrap(),
-            "run",
-            "--bridge-prefix",
-            &format!("ztm{name}"),
-            "--control",
-            &format!("{}:8443", underlay(11)),
-            "--join-token",
-            &token,
-            "--mesh-interface",
-            &interface,
-            "--mesh-endpoint",
-            &format!("{}:51820", underlay(n)),
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-        let mut m = MeshNode {
+        MeshNode::spawn(
             ns,
-            dir,
-            child: None,
-            args,
-        };
-        m.start();
-        m
+            &rig.socket,
+            namespaces[idx].as_str(),
+            &format!("ztm{name}"),
+            &format!("{}:8443", underlay(11)),
+            &token,
+            &[
+                "--mesh-endpoint".to_owned(),
+                format!("{}:51820", underlay(n)),
+            ],
+        )
     };
     let outcome = std::panic::AssertUnwindSafe(async {
         let a = node("a", 21, 0, &mut net);

@@ -109,15 +109,8 @@ pub fn stream_dir(logs: &Path, stream: &str) -> Option<PathBuf> {
         return None;
     }
     let dir = logs.join(name);
-    dir.join("active.log")
-        .symlink_metadata()
-        .is_ok()
-        .then_some(dir.clone())
-        .or_else(|| has_segments(&dir).then_some(dir))
-}
-
-fn has_segments(dir: &Path) -> bool {
-    !segments(dir).is_empty()
+    let found = dir.join("active.log").symlink_metadata().is_ok() || !segments(&dir).is_empty();
+    found.then_some(dir)
 }
 
 /// A segment file and how to read it.
