@@ -115,9 +115,25 @@ async fn a_simulated_reboot_is_recovered() {
         agent.write_manifest("svc.toml", &sleeper("svc", 2));
         agent.start();
         let before = agent.wait_all(2, "HEALTHY");
+        let created = |ctd: Containerd, ids: Vec<String>| async move {
+            let mut out = Vec::new();
+            for id in ids {
+                out.push(
+                    containers::get(&ctd, &id)
+                        .await
+                        .unwrap()
+                        .unwrap()
+                        .created_at,
+                );
+            }
+            out
+        };
+        let ids: Vec<String> = before.values().cloned().collect();
+        let created_before = created(ctd.clone(), ids.clone()).await;
         agent.kill9();
 
-        // The "reboot": every task gone, every network namespace file gone.
+        // The "reboot": every task gone, and the run dir (a tmpfs) empty:
+        // network namespace files, the files bind-mounted over /etc.
         for cid in before.values() {
             containers::stop(&ctd, cid, 9, Duration::from_secs(1))
                 .await
@@ -126,6 +142,7 @@ async fn a_simulated_reboot_is_recovered() {
             let _ = Command::new("umount").arg(&path).status();
             let _ = std::fs::remove_file(&path);
         }
+        std::fs::remove_dir_all(agent.run_dir().join("containers")).unwrap();
         agent.start();
         let deadline = Instant::now() + Duration::from_secs(30);
         let mut running = BTreeMap::new();
@@ -141,6 +158,13 @@ async fn a_simulated_reboot_is_recovered() {
             agent.wait_all(2, "HEALTHY"),
             before,
             "the same containers, not new ones"
+        );
+        // Started again, not re-created (which would lose their writable
+        // layers): the lane found every container re-created after a reboot.
+        assert_eq!(
+            created(ctd.clone(), ids).await,
+            created_before,
+            "the containers were re-created"
         );
         for cid in before.values() {
             assert!(

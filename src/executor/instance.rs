@@ -433,6 +433,7 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
                 .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
         }
     }
+    restore_files(h, owned)?;
     let log_path = owned.log_path.clone().map_or_else(
         || {
             h.cfg
@@ -447,6 +448,28 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
         .await
         .map(|_| ())
         .map_err(|e| Failure(format!("start: {e}")))
+}
+
+/// The files bind-mounted over the image's `/etc` live in the run dir, a
+/// tmpfs that a reboot empties: written again, as at creation, or runc
+/// cannot start the container and it would be re-created, losing its
+/// writable layer.
+fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
+    let dir = h.cfg.run_dir.join("containers").join(&owned.container_id);
+    if ["resolv.conf", "hosts", "hostname"]
+        .iter()
+        .all(|f| dir.join(f).exists())
+    {
+        return Ok(());
+    }
+    let gateway = owned
+        .subnet
+        .filter(|s| h.net.is_some() && owned.ip.is_some() && Some(*s) != h.cfg.default_subnet)
+        .map(Subnet::gateway);
+    let hostname: String = owned.container_id.chars().take(63).collect();
+    files::write(&dir, &hostname, owned.ip, gateway, &read_host_resolv())
+        .map(|_| ())
+        .map_err(|e| Failure(format!("restart: writing {}: {e}", dir.display())))
 }
 
 /// Stops and removes an instance, then its network attachment (E-6).
