@@ -257,6 +257,15 @@ class GuestError(Exception):
     pass
 
 
+class CaseFailed(Exception):
+    pass
+
+
+def expect(cond, what):
+    if not cond:
+        raise CaseFailed(what)
+
+
 class Guest:
     """One booted guest, on an overlay of its image (the image is never
     written), with its console log in `self.dir`."""
@@ -384,6 +393,18 @@ class Guest:
         self.disk.unlink(missing_ok=True)
 
 
+def hold(guests):
+    """With ZATTERA_VM_HOLD=SECS, keeps failed guests running that long,
+    saying how to reach them (a failure to look at by hand)."""
+    secs = int(os.environ.get("ZATTERA_VM_HOLD", "0") or 0)
+    if secs <= 0:
+        return
+    for g in guests:
+        say(f"  {g.name}: {' '.join(g.ssh_argv('')[:-1])}")
+    say(f"holding the failed guests for {secs} s")
+    time.sleep(secs)
+
+
 def clean_stale():
     """Removes what earlier, killed runs of the lane left: qemu processes
     named after a lane namespace, and the namespaces themselves."""
@@ -397,4 +418,11 @@ def clean_stale():
     for ns in names:
         if ns.startswith(PREFIX + "-"):
             say(f"removing namespace {ns} left by an earlier run")
+            # The cluster case's control hosts run WireGuard devices there.
+            pids = run(["ip", "netns", "pids", ns], check=False, capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             run(["ip", "netns", "del", ns], check=False)

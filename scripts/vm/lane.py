@@ -21,11 +21,18 @@ Cases (default: all on bookworm; install and restart on trixie too):
               use, then poweroff and a cold boot: every instance comes back,
               nothing from before is left, the SIGTERM trap of a container
               wrote into its volume both times; reports boot to all HEALTHY
+    cluster   three guests join the test control plane (tests/vm_control.rs,
+              on the host side of the bridge) with kernel WireGuard: a
+              client on one reaches web.internal -> VIP -> a port on another
+              over the mesh, with only WireGuard on the bridge; the leader
+              moves and the streams follow; a guest reboots, rejoins, and
+              its container is adopted, not replaced
 
 As root, after scripts/package.sh. A failed case keeps its guest's console
 log and journal under the run's directory, which the output names.
     ZATTERA_VM_ACCEL=tcg|kvm   skip the KVM probe
     ZATTERA_VM_KEEP=1          keep every case's directory
+    ZATTERA_VM_HOLD=SECS       keep a failed case's guests up that long (ssh to them)
 """
 import argparse
 import json
@@ -39,11 +46,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import guest as vm  # noqa: E402
+import cluster  # noqa: E402
+from guest import CaseFailed, expect  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[2]
 HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "openssh-client",
-              "iproute2", "busybox-static", "procps"]
-DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot"],
+              "iproute2", "busybox-static", "procps", "tcpdump"]
+DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster"],
                  "trixie": ["install", "restart"]}
 # Under TCG a guest is 5-20x slower than this host: generous bounds.
 HEALTHY_WITHIN = 300
@@ -85,15 +94,6 @@ KEEPER = app("keeper", "trap 'echo stopped >> /data/stops; exit 0' TERM; echo st
              'stop_grace = "10s"\n[[env.production.volumes]]\nname = "data"\nmount_path = "/data"\n')
 
 
-class CaseFailed(Exception):
-    pass
-
-
-def expect(cond, what):
-    if not cond:
-        raise CaseFailed(what)
-
-
 def host_tools():
     missing = [p for p in HOST_TOOLS if subprocess.run(
         ["dpkg-query", "-W", "-f=${Status}", p], capture_output=True, text=True
@@ -133,15 +133,18 @@ class Node:
         self.ctx = ctx
 
     def install(self, manifests):
+        """The .deb, the test image, and `manifests` (name: text) in
+        /etc/zattera/manifests; `None`: no manifests (a cluster node)."""
         g = self.g
         g.put(self.ctx.deb, f"/root/{self.ctx.deb.name}")
         g.put(self.ctx.upgrade, f"/root/{self.ctx.upgrade.name}")
         g.put(self.ctx.image, "/root/busybox-oci.tar")
         g.sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/{self.ctx.deb.name}",
              timeout=600)
-        for name, text in manifests.items():
-            g.write(f"/etc/zattera/manifests/{name}", text)
-        g.sh("echo 'manifests = \"/etc/zattera/manifests\"' >> /etc/zattera/agent.toml")
+        if manifests is not None:
+            for name, text in manifests.items():
+                g.write(f"/etc/zattera/manifests/{name}", text)
+            g.sh("echo 'manifests = \"/etc/zattera/manifests\"' >> /etc/zattera/agent.toml")
         g.sh("zattera-agent image import /root/busybox-oci.tar", timeout=600)
 
     def status(self):
@@ -168,6 +171,14 @@ class Node:
                     return s
             time.sleep(2)
         raise CaseFailed(f"not {what} within {timeout} s; last status: {json.dumps(last)[:3000]}")
+
+    def created(self):
+        """Each container's id with the time containerd created it: the
+        same after a reboot when the agent adopted it, not re-created it."""
+        out = self.g.sh("for c in $(ctr -n zattera containers ls -q); do "
+                        "echo \"$c $(ctr -n zattera containers info $c | grep -m1 CreatedAt)\"; done",
+                        timeout=60)
+        return sorted(out.splitlines())
 
     def task_cgroups(self):
         """Each task's pid with its cgroup, as the kernel says."""
@@ -353,6 +364,7 @@ def case_reboot(ctx, g):
     data = os.path.dirname(volume)
     web_ips = [r.get("ip") for r in rows(node.status(), "web") if r.get("ip")]
     expect(web_ips, "the web instances have no IP in status")
+    created = node.created()
     for round_, how in [(1, "reboot"), (2, "poweroff")]:
         if how == "reboot":
             _, t_down = g.reboot("reboot")
@@ -366,6 +378,8 @@ def case_reboot(ctx, g):
             g.power_on()
             g.wait_up(400)
         node.wait(f"every instance HEALTHY after {how}", up)
+        # Started again, not re-created: a container keeps its writable layer.
+        expect(node.created() == created, f"after {how}: containers re-created: {created} -> {node.created()}")
         uptime = float(g.sh("cut -d' ' -f1 /proc/uptime").strip())
         ctx.facts[f"{ctx.suite} boot to all HEALTHY after {how} (guest uptime, TCG)"] = f"{uptime:.0f} s"
         stops = g.sh(f"cat {data}/stops", check=False).stdout.split()
@@ -394,12 +408,20 @@ def case_reboot(ctx, g):
         del t_down
 
 
+def case_cluster(ctx, g):
+    cluster.case_cluster(ctx, g, lambda guest: Node(guest, ctx))
+
+
 CASES = {"install": case_install, "cgroup": case_cgroup, "restart": case_restart,
-         "reboot": case_reboot}
+         "reboot": case_reboot, "cluster": case_cluster}
 
 
 class Ctx:
-    def __init__(self, suite, deb, upgrade, image, facts):
+    def __init__(self, suite, deb, upgrade, image, facts, img=None, net=None, accel=None,
+                 artifacts=None):
+        # What a case that boots more guests needs: the suite's image, the
+        # lane's network, the accelerator and the run's directory.
+        self.img, self.net, self.accel, self.artifacts = img, net, accel, artifacts
         self.suite = suite
         self.deb = deb
         self.upgrade = upgrade
@@ -449,7 +471,7 @@ def main():
             try:
                 g.wait_up(400)
                 facts[f"{suite} boot to ssh"] = f"{time.time() - t0:.0f} s"
-                CASES[case](Ctx(suite, deb, upgrade, image, facts), g)
+                CASES[case](Ctx(suite, deb, upgrade, image, facts, img, net, accel, artifacts), g)
                 vm.say(f"PASS {case} on {suite} ({time.time() - t0:.0f} s)")
                 if os.environ.get("ZATTERA_VM_KEEP") != "1":
                     g.stop()
@@ -460,6 +482,7 @@ def main():
                 if not isinstance(e, CaseFailed):
                     traceback.print_exc()
                 vm.say(f"  console log and journal: {g.dir}")
+                vm.hold([g])
                 failed.append(f"{case} on {suite}")
             finally:
                 g.stop()

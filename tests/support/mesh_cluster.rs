@@ -25,7 +25,7 @@ use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use zattera_agent::control::tls::{self, ClientAuth, PeerIdentity};
+use zattera_agent::link::tls::{self, ClientAuth, PeerIdentity};
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::agent_sync_service_server::{
     AgentSyncService, AgentSyncServiceServer,
@@ -139,15 +139,36 @@ pub struct TestNet {
     pub bridge: String,
     prefix: String,
     hosts: Vec<String>,
+    /// The namespace of a bridge made by someone else (the VM lane's),
+    /// which the net joins and leaves in place; `None`: the bridge is the
+    /// net's own, in the test's namespace.
+    foreign: Option<String>,
 }
 
 impl TestNet {
     /// A bridge named `<prefix>br`; host namespaces will be `<prefix>-<name>`.
     pub fn new(prefix: &str) -> Self {
+        let net = Self::joining(prefix, None, &format!("{prefix}br"));
+        let _ = Command::new("ip")
+            .args(["link", "del", &net.bridge])
+            .output();
+        ip(&["link", "add", &net.bridge, "type", "bridge"]);
+        ip(&["link", "set", &net.bridge, "up"]);
+        net
+    }
+
+    /// Hosts on `bridge` in namespace `bridge_ns`, made by someone else and
+    /// left as it is; host namespaces will be `<prefix>-<name>`.
+    pub fn on_bridge(prefix: &str, bridge_ns: &str, bridge: &str) -> Self {
+        Self::joining(prefix, Some(bridge_ns.to_owned()), bridge)
+    }
+
+    fn joining(prefix: &str, foreign: Option<String>, bridge: &str) -> Self {
         let net = Self {
-            bridge: format!("{prefix}br"),
+            bridge: bridge.to_owned(),
             prefix: prefix.to_owned(),
             hosts: Vec::new(),
+            foreign,
         };
         // What a killed earlier run left.
         for name in ["c1", "c2", "a", "b", "c", "d", "an", "bn"] {
@@ -157,15 +178,18 @@ impl TestNet {
                 .output();
             // A namespace lingers while orphaned TCP sockets in it time out.
             let _ = Command::new("ip")
-                .args(["link", "del", &format!("{prefix}v{name}")])
+                .args(net.on_bridge_side(&["link", "del", &format!("{prefix}v{name}")]))
                 .output();
         }
-        let _ = Command::new("ip")
-            .args(["link", "del", &net.bridge])
-            .output();
-        ip(&["link", "add", &net.bridge, "type", "bridge"]);
-        ip(&["link", "set", &net.bridge, "up"]);
         net
+    }
+
+    /// `ip` arguments run where the bridge is.
+    fn on_bridge_side<'a>(&'a self, args: &[&'a str]) -> Vec<&'a str> {
+        match &self.foreign {
+            Some(ns) => [&["-n", ns.as_str()], args].concat(),
+            None => args.to_vec(),
+        }
     }
 
     /// A host `name` at `addr` on the underlay; returns its namespace name.
@@ -174,10 +198,10 @@ impl TestNet {
         let outside = format!("{}v{name}", self.prefix);
         ip(&["netns", "add", &ns]);
         self.hosts.push(ns.clone());
-        ip(&[
+        ip(&self.on_bridge_side(&[
             "link", "add", &outside, "type", "veth", "peer", "name", "eth0", "netns", &ns,
-        ]);
-        ip(&["link", "set", &outside, "master", &self.bridge, "up"]);
+        ]));
+        ip(&self.on_bridge_side(&["link", "set", &outside, "master", &self.bridge, "up"]));
         let cidr = format!("{addr}/24");
         for argv in [
             vec!["ip", "link", "set", "lo", "up"],
@@ -278,9 +302,11 @@ impl Drop for TestNet {
         for ns in std::mem::take(&mut self.hosts) {
             self.remove_host(&ns);
         }
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.bridge])
-            .output();
+        if self.foreign.is_none() {
+            let _ = Command::new("ip")
+                .args(["link", "del", &self.bridge])
+                .output();
+        }
         // The UAPI sockets the killed devices left.
         if let Ok(dir) = std::fs::read_dir(zattera_mesh::uapi::socket_path("x").parent().unwrap()) {
             for e in dir.flatten() {
