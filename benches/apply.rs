@@ -36,8 +36,8 @@ use containerd_client::services::v1::Container;
 use prost::Message;
 use zattera_agent::control::sync;
 use zattera_agent::executor::diff;
-use zattera_agent::executor::labels::{self, NamedPort, OwnedContainer};
 use zattera_agent::executor::listing::Listing;
+use zattera_agent::labels::{self, NamedPort, OwnedContainer};
 use zattera_agent::proto::cluster::control_message::Body;
 use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet, ControlMessage};
 use zattera_agent::proto::v1::{

@@ -15,9 +15,9 @@ use zattera_netns::{NetConfig, NetNode};
 
 use crate::admin;
 use crate::config::Config;
-use crate::executor::status::SourceError;
 use crate::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use crate::runtime::Containerd;
+use crate::status::SourceError;
 
 /// Runs the agent with `config`. `logger_binary` is the executable the runc
 /// shims start as container loggers (normally this very binary).
@@ -98,7 +98,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     let mut mesh_ip = None;
     let cluster_registry = match &mut control {
         Some((sync, _, _)) => {
-            let enrollment = crate::control::identity::IdentityDir::new(&config.data_dir)
+            let enrollment = crate::link::identity::IdentityDir::new(&config.data_dir)
                 .load_enrollment()
                 .context("the node enrollment")?;
             if let Some(why) = crate::control::node_api::refuses_everyone(
@@ -206,7 +206,10 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             config.data_dir.join("logs"),
             config.log_retention,
             crate::logs::janitor::EVERY,
-            Arc::clone(&metrics),
+            {
+                let metrics = Arc::clone(&metrics);
+                move |bytes| metrics.gc_run("log", bytes)
+            },
         ),
     ));
     // Kept for the host's shutdown, whichever source owns `handle`.
@@ -536,7 +539,7 @@ async fn feed_dns_from_routes(
 /// background instead ([`crate::control::renew`]), so a control plane that
 /// is away does not delay the start.
 async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) -> Result<()> {
-    let ids = crate::control::identity::IdentityDir::new(&config.data_dir);
+    let ids = crate::link::identity::IdentityDir::new(&config.data_dir);
     if ids.load_enrollment().is_ok() {
         return Ok(());
     }
@@ -563,7 +566,7 @@ async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) ->
 /// node that joined runs under control with a bare `run`, unless it is
 /// pointed at manifests. `None`: standalone (or nothing to run).
 fn sync_target(config: &Config) -> Result<Option<String>> {
-    let ids = crate::control::identity::IdentityDir::new(&config.data_dir);
+    let ids = crate::link::identity::IdentityDir::new(&config.data_dir);
     let enrolled = ids.state_path().exists();
     if !enrolled && config.control.is_none() {
         return Ok(None);
@@ -599,7 +602,7 @@ fn sync_target(config: &Config) -> Result<Option<String>> {
 /// the leader it names. Returns the node's mesh IP.
 async fn start_mesh(
     config: &Config,
-    enrollment: &crate::control::identity::Enrollment,
+    enrollment: &crate::link::identity::Enrollment,
     sync: &mut crate::control::sync::SyncConfig,
     device_binary: &std::path::Path,
     controls: crate::mesh::watch::ControlFeed,
@@ -626,7 +629,7 @@ async fn start_mesh(
     )
     .await;
     let (targets, targets_rx) =
-        tokio::sync::watch::channel(crate::control::target::Targets::initial(&sync.control_addr));
+        tokio::sync::watch::channel(crate::link::target::Targets::initial(&sync.control_addr));
     sync.targets = targets_rx;
     let task = crate::mesh::watch::MeshTask {
         backend,
@@ -783,7 +786,7 @@ async fn shutdown_signal() {
 fn builder(
     config: &Config,
     ctd: &Containerd,
-    tls: crate::control::tls::CurrentTls,
+    tls: crate::link::tls::CurrentTls,
     registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
     sandbox: crate::build::network::BuildNet,
 ) -> Result<crate::control::node_api::build::Builder, String> {

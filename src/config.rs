@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::build::settings::{BuildBackendKind, BuildSettings};
 use crate::runtime::Namespace;
 
 /// Where the config file is looked for when `--config` is not given.
@@ -533,43 +534,6 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     pub mesh: MeshSettings,
     pub build: BuildSettings,
-}
-
-/// Which backend builds images.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BuildBackendKind {
-    Auto,
-    BuildKit,
-    Buildah,
-    Off,
-}
-
-/// Builds (RunBuild, the `build` command), resolved.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BuildSettings {
-    pub backend: BuildBackendKind,
-    pub buildkitd: PathBuf,
-    pub buildkit_version: String,
-    pub nixpacks: PathBuf,
-    pub network: crate::build::buildah::BuildNetwork,
-    /// The bridge's /24 when `network` is private.
-    pub subnet: zattera_netns::Subnet,
-    /// Builds at once; more get RESOURCE_EXHAUSTED.
-    pub max_builds: usize,
-}
-
-impl Default for BuildSettings {
-    fn default() -> Self {
-        Self {
-            backend: BuildBackendKind::Auto,
-            buildkitd: PathBuf::from("/usr/bin/buildkitd"),
-            buildkit_version: crate::build::buildkit::DEFAULT_BUILDKIT_VERSION.into(),
-            nixpacks: PathBuf::from(crate::build::plan::DEFAULT_NIXPACKS_BINARY),
-            network: crate::build::buildah::BuildNetwork::Private,
-            subnet: crate::build::network::DEFAULT_SUBNET,
-            max_builds: 2,
-        }
-    }
 }
 
 /// The node's side of the WireGuard mesh, resolved.

@@ -5,7 +5,7 @@
 //! waits for it (boot ordering, a containerd restart) instead of failing.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -151,7 +151,7 @@ pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Re
 /// On a joined node: whether control can call the node API at all. `None`
 /// on a node that never joined (standalone).
 fn node_api_callers(config: &Config) -> Option<Check> {
-    let e = crate::control::identity::IdentityDir::new(&config.data_dir)
+    let e = crate::link::identity::IdentityDir::new(&config.data_dir)
         .load_enrollment()
         .ok()?;
     Some(
@@ -265,16 +265,6 @@ fn root() -> Check {
     }
 }
 
-/// The first `name` on PATH.
-pub(crate) fn on_path(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-}
-
 /// The first line a program prints for `args`.
 fn first_line(program: &Path, args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new(program)
@@ -294,7 +284,7 @@ fn first_line(program: &Path, args: &[&str]) -> Result<String, String> {
 
 fn runc() -> Check {
     let fix = "install runc (`apt install runc` / `dnf install runc`): containerd's runc shim runs it from PATH";
-    let Some(path) = on_path("runc") else {
+    let Some(path) = crate::programs::on_path("runc") else {
         return Check::fail("runc", "not found on PATH", fix);
     };
     match first_line(&path, &["--version"]) {
@@ -370,7 +360,7 @@ fn cgroups() -> Check {
 fn nftables() -> Check {
     let fix =
         "install nftables (`apt install nftables` / `dnf install nftables`) and load nf_tables";
-    let Some(nft) = on_path("nft") else {
+    let Some(nft) = crate::programs::on_path("nft") else {
         return Check::fail("nftables", "nft not found on PATH", fix);
     };
     let version = match first_line(&nft, &["--version"]) {

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::executor::status::State;
 use crate::proto::v1::{HealthCheckType, ServiceSpec};
 use crate::runtime::Containerd;
 use crate::runtime::exec::{ExecRequest, exec};
+use crate::status::State;
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);

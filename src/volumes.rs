@@ -108,8 +108,7 @@ pub async fn users(
     local: &str,
 ) -> Result<Vec<String>, crate::runtime::RuntimeError> {
     let dir = volume_dir(data_dir, local);
-    let listed =
-        crate::runtime::containers::list(ctd, &crate::executor::labels::OWNED_FILTER).await?;
+    let listed = crate::runtime::containers::list(ctd, &crate::labels::OWNED_FILTER).await?;
     let aliases: Vec<PathBuf> = std::fs::read_dir(data_dir.join("volumes"))
         .into_iter()
         .flatten()

@@ -1178,7 +1178,7 @@ async fn a_kept_join_token_renews_the_identity_before_it_ends() {
             "every re-join resumes node {}: {resumed:?}",
             agent.node_id
         );
-        let end = |pem: &[u8]| zattera_agent::control::tls::validity_of(pem).unwrap().1;
+        let end = |pem: &[u8]| zattera_agent::link::tls::validity_of(pem).unwrap().1;
         // Control notes a join before it answers: the agent stores it after.
         let mut stored = false;
         for _ in 0..50 {
@@ -1580,14 +1580,14 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             async move {
                 let addr = forward_from(&c1, SocketAddr::from((m.mesh_ip, 8444))).await;
                 let (cert, key) = cluster_ca.node_identity(caller, false);
-                let cfg = zattera_agent::control::tls::node_client(&zattera_agent::control::tls::NodeTls {
+                let cfg = zattera_agent::link::tls::node_client(&zattera_agent::link::tls::NodeTls {
                     key_pem: key.into_bytes(),
                     cert_pem: cert.into_bytes(),
                     ca_pem: cluster_ca.pem.clone().into_bytes(),
                 })
                 .unwrap();
                 let name = rustls::pki_types::ServerName::try_from(format!("node-{}", m.node_id)).unwrap();
-                let channel = zattera_agent::control::tls::connect_as(&addr, name, cfg).await.unwrap();
+                let channel = zattera_agent::link::tls::connect_as(&addr, name, cfg).await.unwrap();
                 zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(channel)
             }
         };

@@ -21,15 +21,13 @@ use std::time::Duration;
 use control_plane::{AgentRun, ControlPlane, Record, TestCa};
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
-use zattera_agent::control::identity::IdentityDir;
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
 use zattera_agent::control::node_api::{NodeApi, control_ids};
 use zattera_agent::control::routes::{self, RoutesConfig};
 use zattera_agent::control::sync::{self, SyncConfig};
-use zattera_agent::control::tls::{self, NodeTls};
-use zattera_agent::executor::status::StatusSnapshot;
-use zattera_agent::executor::status::{Observation, State};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::link::identity::IdentityDir;
+use zattera_agent::link::tls::{self, NodeTls};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
@@ -43,6 +41,8 @@ use zattera_agent::proto::v1::{
     ServiceSpec, VolumeLease, VolumeMount,
 };
 use zattera_agent::runtime::{Containerd, containers, import_archive};
+use zattera_agent::status::StatusSnapshot;
+use zattera_agent::status::{Observation, State};
 use zattera_netns::{NetConfig, NetNode};
 
 const SECRET: &str = "join-secret";
@@ -865,7 +865,7 @@ async fn route_snapshots_are_persisted_and_served_while_control_is_away() {
     let (data, node_id) = joined(&cp).await;
     let cfg = RoutesConfig {
         control_addr: cp.address(),
-        targets: tokio::sync::watch::channel(zattera_agent::control::target::Targets::initial(
+        targets: tokio::sync::watch::channel(zattera_agent::link::target::Targets::initial(
             &cp.address(),
         ))
         .1,
@@ -935,10 +935,7 @@ async fn call_top(
 fn no_targets() -> zattera_agent::control::node_api::proxy::Targets {
     zattera_agent::control::node_api::proxy::Targets {
         host_ips: vec!["127.0.0.1".parse().unwrap()],
-        status: watch::channel(Arc::new(
-            zattera_agent::executor::status::StatusSnapshot::default(),
-        ))
-        .1,
+        status: watch::channel(Arc::new(zattera_agent::status::StatusSnapshot::default())).1,
     }
 }
 

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::{Rig, TEST_IMAGE, rig, with_namespace};
-use zattera_agent::executor::status::{State, StatusSnapshot};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use zattera_agent::proto::v1::{
@@ -22,6 +21,7 @@ use zattera_agent::proto::v1::{
     ServiceSpec,
 };
 use zattera_agent::runtime::{Containerd, import_archive};
+use zattera_agent::status::{State, StatusSnapshot};
 use zattera_netns::NetNode;
 
 /// One test's agent: its executor task, handle and directories.

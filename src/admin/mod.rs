@@ -18,7 +18,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
-use crate::executor::status::StatusSnapshot;
+use crate::status::StatusSnapshot;
 
 pub const SOCKET_NAME: &str = "agent.sock";
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);

@@ -12,11 +12,11 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 use super::frames::{self, Frame};
 use super::target;
-use crate::executor::status::StatusSnapshot;
 use crate::proto::v1::{LogQuery, LogSelector, LogSource};
 use crate::runtime::containers::{self, TaskState};
 use crate::runtime::exec_session::{self, ExecEvent, SessionRequest};
 use crate::runtime::{Containerd, ImageRef, images, stats};
+use crate::status::StatusSnapshot;
 
 /// What these requests read.
 #[derive(Debug, Clone)]

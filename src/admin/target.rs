@@ -1,7 +1,7 @@
 //! TARGET as DESIGN.md defines it ([`zattera_netns::target`]), over the
 //! status board's rows.
 
-use crate::executor::status::{AssignmentStatus, StatusSnapshot};
+use crate::status::{AssignmentStatus, StatusSnapshot};
 
 /// The instance `target` names; the error lists what runs.
 pub fn resolve<'a>(

@@ -18,6 +18,7 @@ pub mod network;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
+pub mod settings;
 pub mod source;
 pub mod strategy;
 pub mod unpack;
@@ -226,13 +227,16 @@ fn installed(program: &std::path::Path) -> bool {
     if program.components().count() > 1 {
         return program.is_file();
     }
-    program.to_str().and_then(crate::doctor::on_path).is_some()
+    program
+        .to_str()
+        .and_then(crate::programs::on_path)
+        .is_some()
 }
 
 /// What [`choose_backend`] needs of the node.
 #[derive(Debug, Clone)]
 pub struct Host<'a> {
-    pub settings: &'a crate::config::BuildSettings,
+    pub settings: &'a settings::BuildSettings,
     pub ctd: Option<crate::runtime::Containerd>,
     pub containerd_address: &'a std::path::Path,
     pub namespace: &'a str,
@@ -243,7 +247,7 @@ pub struct Host<'a> {
 /// The configured backend; `Err` says why there is none (a node without a
 /// builder answers UNIMPLEMENTED with it).
 pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, String> {
-    use crate::config::BuildBackendKind as Kind;
+    use self::settings::BuildBackendKind as Kind;
     let s = host.settings;
     let buildkit = || {
         let mut bk = buildkit::BuildKit::new(

@@ -16,7 +16,7 @@ use super::source::{self, GitSource};
 use super::strategy::{self, Strategy};
 use super::unpack::{self, Limits};
 use super::{Backend, BuildError, BuildSpec, Events, Output, Phase, RegistryAuth, say};
-use crate::control::tls::CurrentTls;
+use crate::link::tls::CurrentTls;
 use crate::runtime::pull::{ClusterRegistryWatch, Credentials};
 
 /// BLD-8: emulators, provisioning and the solve, not the plan.

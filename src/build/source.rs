@@ -9,7 +9,7 @@ use std::time::Duration;
 use sha2::{Digest as _, Sha256};
 
 use super::unpack::Limits;
-use crate::control::tls::NodeTls;
+use crate::link::tls::NodeTls;
 
 /// The whole fetch, body included (BLD-2).
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(600);
@@ -34,7 +34,7 @@ pub async fn fetch_tarball(url: &str, tls: &NodeTls, dest: &Path) -> Result<u64,
     if !url.starts_with("https://") {
         return Err(format!("{shown}: only https:// sources are fetched"));
     }
-    let mut config = crate::control::tls::node_client(tls).map_err(|e| e.to_string())?;
+    let mut config = crate::link::tls::node_client(tls).map_err(|e| e.to_string())?;
     // reqwest speaks HTTP/1.1 here.
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let client = reqwest::Client::builder()

@@ -62,7 +62,7 @@ pub async fn run(config: &Config, args: BuildArgs) -> Result<()> {
         .binary
         .clone_from(&config.build.nixpacks);
     // An enrolled node pushes to the cluster registry with its credential.
-    let identity = zattera_agent::control::identity::IdentityDir::new(&config.data_dir);
+    let identity = zattera_agent::link::identity::IdentityDir::new(&config.data_dir);
     if let (Ok(enrollment), Ok(tls)) = (identity.load_enrollment(), identity.load_tls()) {
         let registry = enrollment.cluster_registry(&tls).map(std::sync::Arc::new);
         pipeline_config.cluster_registry = Some(tokio::sync::watch::channel(registry).1);

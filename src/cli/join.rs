@@ -33,7 +33,7 @@ pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
         } else {
             &joined.mesh_ip
         },
-        zattera_agent::control::identity::IdentityDir::new(&config.data_dir)
+        zattera_agent::link::identity::IdentityDir::new(&config.data_dir)
             .dir()
             .display()
     );

@@ -4,8 +4,8 @@
 use anyhow::Result;
 use clap::Args;
 use zattera_agent::config::Config;
-use zattera_agent::executor::status::StatusSnapshot;
 use zattera_agent::runtime::Containerd;
+use zattera_agent::status::StatusSnapshot;
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {

@@ -11,9 +11,9 @@ use crate::proto::cluster::JoinRequest;
 use crate::proto::cluster::join_service_client::JoinServiceClient;
 use crate::proto::v1::ResourceLimits;
 
-use super::host;
-use super::identity::{Enrollment, IdentityDir, IdentityError};
-use super::tls::{self, NodeTls, TlsError};
+use crate::link::identity::{Enrollment, IdentityDir, IdentityError};
+use crate::link::tls::{self, NodeTls, TlsError};
+use crate::metrics::host;
 
 const TOKEN_PREFIX: &str = "K10";
 

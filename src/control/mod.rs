@@ -11,10 +11,6 @@
 //! - [`node_api`]: the `AgentLocalService` server control dials;
 //! - [`services`]: starts those two beside the sync stream.
 
-pub mod backoff;
-pub mod follow;
-pub mod host;
-pub mod identity;
 pub mod join;
 pub mod node_api;
 pub mod queue;
@@ -22,6 +18,4 @@ pub mod renew;
 pub mod routes;
 pub mod services;
 pub mod sync;
-pub mod target;
-pub mod tls;
 pub mod vip;

@@ -18,9 +18,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::executor::status::Observation;
 use crate::proto::cluster::StatusBatch;
 use crate::proto::v1::AssignmentObserved;
+use crate::status::Observation;
 
 /// Batches waiting, as in the reference (wire.md §1.6).
 pub const DEFAULT_BATCHES: usize = 64;
@@ -399,22 +399,16 @@ mod tests {
     async fn task_hands_out_batches_and_keeps_them_for_a_dead_taker() {
         let (tx, rx) = mpsc::unbounded_channel();
         let q = spawn(StatusQueue::new(8, 64), rx);
-        tx.send(vec![Observation::new(
-            "a",
-            crate::executor::status::State::Pulling,
-        )])
-        .unwrap();
+        tx.send(vec![Observation::new("a", crate::status::State::Pulling)])
+            .unwrap();
         let b = q.next_batch().await.unwrap();
         assert_eq!(state(&b, "a"), Some(InstanceState::Pulling as i32));
         // A taker that gives up loses nothing.
         let gave_up =
             tokio::time::timeout(std::time::Duration::from_millis(50), q.next_batch()).await;
         assert!(gave_up.is_err());
-        tx.send(vec![Observation::new(
-            "b",
-            crate::executor::status::State::Running,
-        )])
-        .unwrap();
+        tx.send(vec![Observation::new("b", crate::status::State::Running)])
+            .unwrap();
         let b = q.next_batch().await.unwrap();
         assert_eq!(state(&b, "b"), Some(InstanceState::Running as i32));
     }

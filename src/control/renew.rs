@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 
-use super::identity::IdentityDir;
 use super::join::{self, JoinError, JoinOptions};
-use super::tls::{self, NodeTls};
+use crate::link::identity::IdentityDir;
+use crate::link::tls::{self, NodeTls};
 use crate::runtime::pull::ClusterRegistry;
 
 /// Without a token, warnings start this long before the certificate ends.

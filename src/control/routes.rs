@@ -18,9 +18,9 @@ use tokio::sync::watch;
 use crate::proto::cluster::route_service_client::RouteServiceClient;
 use crate::proto::cluster::{RouteSnapshot, WatchRoutesRequest};
 
-use super::follow;
-use super::target::{Dialer, Targets};
-use super::tls::{self, TlsError};
+use crate::link::follow;
+use crate::link::target::{Dialer, Targets};
+use crate::link::tls::{self, TlsError};
 
 /// What the route client needs.
 #[derive(Debug, Clone)]

@@ -49,7 +49,7 @@ pub async fn spawn(
         targets: sync.targets.clone(),
         node_id: sync.node_id.clone(),
         tls: sync.tls.clone(),
-        state_file: super::identity::IdentityDir::new(&sync.data_dir)
+        state_file: crate::link::identity::IdentityDir::new(&sync.data_dir)
             .dir()
             .join("routes.pb"),
     };

@@ -15,7 +15,6 @@ use rustls::ClientConfig;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::executor::status::Observation;
 use crate::metrics::InstanceSamples;
 use crate::proto::cluster::agent_message::Body;
 use crate::proto::cluster::agent_sync_service_client::AgentSyncServiceClient;
@@ -24,12 +23,13 @@ use crate::proto::cluster::{
     AgentHello, AgentMessage, AssignmentSet, AssignmentsAck, Heartbeat, StatusBatch,
 };
 use crate::proto::v1::Assignment;
+use crate::status::Observation;
 
-use super::backoff::Backoff;
-use super::host::{self, CpuMeter};
 use super::queue::{self, QueueHandle};
-use super::target::{Dialer, Targets};
-use super::tls::{self, CurrentTls, TlsError};
+use crate::link::backoff::Backoff;
+use crate::link::target::{Dialer, Targets};
+use crate::link::tls::{self, CurrentTls, TlsError};
+use crate::metrics::host::{self, CpuMeter};
 
 /// The reference's heartbeat interval (wire.md §1.6).
 pub const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -41,7 +41,7 @@ const OUTGOING: usize = 8;
 pub struct SyncConfig {
     /// `host:port` of the control API the join returned.
     pub control_addr: String,
-    /// Where to dial: the leader, followed (see [`super::target`]).
+    /// Where to dial: the leader, followed (see [`crate::link::target`]).
     pub targets: watch::Receiver<Targets>,
     pub node_id: String,
     /// The node identity; a renewal reconnects with the new one at once.
@@ -62,8 +62,8 @@ impl SyncConfig {
     pub fn load(
         control_addr: &str,
         data_dir: &std::path::Path,
-    ) -> Result<Self, super::identity::IdentityError> {
-        let ids = super::identity::IdentityDir::new(data_dir);
+    ) -> Result<Self, crate::link::identity::IdentityError> {
+        let ids = crate::link::identity::IdentityDir::new(data_dir);
         let enrollment = ids.load_enrollment()?;
         Ok(Self {
             control_addr: control_addr.to_owned(),
@@ -162,7 +162,7 @@ async fn run(
             }
         }
         let lasted = started.elapsed();
-        if lasted >= super::backoff::HEALTHY_SESSION {
+        if lasted >= crate::link::backoff::HEALTHY_SESSION {
             dialer.reached();
         } else {
             // Not the leader, or not there: the next try rotates.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use tokio::sync::mpsc;
 
-use super::status::{Observation, State};
+use crate::status::{Observation, State};
 
 /// Bring-up attempts before an assignment is parked until its hash changes (E-9).
 pub const MAX_FAILURES: u32 = 3;

@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 
 use zattera_netns::Subnet;
 
-use super::labels::OwnedContainer;
-use super::status::{Observation, State};
+use crate::labels::OwnedContainer;
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::{Assignment, AssignmentDesired};
+use crate::status::{Observation, State};
 
 /// This node's assignments with their runtime payloads, by assignment id.
 pub type Desired = BTreeMap<String, (Assignment, Option<AssignmentRuntime>)>;

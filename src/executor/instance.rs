@@ -10,9 +10,8 @@ use std::time::{Duration, Instant};
 
 use zattera_netns::{NetNode, Subnet, network_name};
 
-use super::labels::{self, NamedPort, OwnedContainer};
-use super::status::{Observation, State};
 use super::{ExecutorConfig, files};
+use crate::labels::{self, NamedPort, OwnedContainer};
 use crate::logs::{self, files::StreamMeta};
 use crate::proto::cluster::AssignmentRuntime;
 use crate::proto::v1::Assignment;
@@ -20,6 +19,7 @@ use crate::runtime::containers::{self, NewContainer};
 use crate::runtime::pull::{Credentials, ProgressFn, PullEvent, Puller};
 use crate::runtime::spec::{self, BindMount, ContainerSpec};
 use crate::runtime::{Containerd, ImageRef};
+use crate::status::{Observation, State};
 
 /// Shared handles a bring-up or teardown needs.
 #[derive(Debug, Clone)]

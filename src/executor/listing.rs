@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use super::labels::OwnedContainer;
+use crate::labels::OwnedContainer;
 
 /// A listing older than this is refreshed even if no event said so.
 pub const MAX_AGE: Duration = Duration::from_secs(30);
@@ -161,7 +161,7 @@ impl Listing {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::executor::labels::{ASSIGNMENT_ID, MANAGED, ROLE, ROLE_SERVICE};
+    use crate::labels::{ASSIGNMENT_ID, MANAGED, ROLE, ROLE_SERVICE};
 
     fn owned(id: &str) -> OwnedContainer {
         let c = containerd_client::services::v1::Container {

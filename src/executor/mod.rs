@@ -21,9 +21,7 @@ mod board;
 pub mod diff;
 pub mod files;
 pub mod instance;
-pub mod labels;
 pub mod listing;
-pub mod status;
 mod worker;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -43,16 +41,16 @@ use zattera_netns::{
 
 use self::board::Board;
 use self::instance::{Handles, Plan};
-use self::labels::{NamedPort, OwnedContainer};
 use self::listing::{Listing, Need, Refresh};
-use self::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
+use crate::labels::{self, NamedPort, OwnedContainer};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::{Assignment, AssignmentDesired, Protocol};
 use crate::runtime::containers::{self, TaskState};
 use crate::runtime::events::{self, TaskEvent};
 use crate::runtime::pull::{ClusterRegistryWatch, Puller};
 use crate::runtime::{Containerd, RuntimeError};
+use crate::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
 
 const TICK: Duration = Duration::from_secs(5);
 /// Stale containers read from containerd at once (see [`listing`]).

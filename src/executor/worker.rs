@@ -17,11 +17,11 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::backoff;
 use super::instance::{self, Failure, Handles, Plan};
-use super::labels::{self, OwnedContainer};
-use super::status::{Observation, State};
 use crate::health::{self, ExecContext, HealthUpdate, Monitor};
+use crate::labels::{self, OwnedContainer};
 use crate::proto::v1::ServiceSpec;
 use crate::runtime::containers::{self, TaskState};
+use crate::status::{Observation, State};
 
 /// The slow liveness poll; exits are also routed in as they happen.
 const POLL: Duration = Duration::from_secs(5);

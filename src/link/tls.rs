@@ -106,7 +106,7 @@ impl fmt::Debug for NodeTls {
     }
 }
 
-/// The node identity as it is now; a renewal ([`super::renew`]) sends the
+/// The node identity as it is now; a renewal (control's `renew`) sends the
 /// next one, and every connection made after that presents it.
 pub type CurrentTls = tokio::sync::watch::Receiver<Arc<NodeTls>>;
 

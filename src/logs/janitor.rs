@@ -7,18 +7,19 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use super::retention::{Retention, Swept, sweep};
-use crate::executor::labels::MANAGED;
+use crate::labels::MANAGED;
 use crate::runtime::{Containerd, containers};
 
 pub const EVERY: Duration = Duration::from_secs(3600);
 
-/// Sweeps `dir` every `every` until the task is dropped.
+/// Sweeps `dir` every `every` until the task is dropped, counting what
+/// each sweep freed with `freed` (bytes).
 pub async fn run(
     ctd: Containerd,
     dir: PathBuf,
     caps: Retention,
     every: Duration,
-    metrics: std::sync::Arc<crate::telemetry::AgentMetrics>,
+    freed: impl Fn(u64) + Send,
 ) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -26,7 +27,7 @@ pub async fn run(
         tick.tick().await;
         let swept = once(&ctd, dir.clone(), caps).await;
         if let Ok(s) = &swept {
-            metrics.gc_run("log", s.bytes_freed);
+            freed(s.bytes_freed);
         }
         match swept {
             Ok(s) if s.removed + s.compressed > 0 || !s.errors.is_empty() => tracing::info!(

@@ -3,7 +3,7 @@
 //! the mesh comes back before control answers), the `PeerSet` →
 //! [`zattera_mesh::MeshState`] mapping, and the task that keeps
 //! `MeshService.WatchPeers` open ([`watch`]), applies every set and feeds
-//! the leader to [`crate::control::target`].
+//! the leader to [`crate::link::target`].
 //!
 //! The interface itself, kernel or userspace, is `zattera-mesh`'s.
 
@@ -46,12 +46,12 @@ pub enum MeshError {
     #[error(transparent)]
     Mesh(#[from] zattera_mesh::Error),
     #[error(transparent)]
-    Identity(#[from] crate::control::identity::IdentityError),
+    Identity(#[from] crate::link::identity::IdentityError),
 }
 
 /// `<data>/node/wireguard.key`, beside the node key.
 pub fn key_path(data_dir: &Path) -> PathBuf {
-    crate::control::identity::IdentityDir::new(data_dir)
+    crate::link::identity::IdentityDir::new(data_dir)
         .dir()
         .join("wireguard.key")
 }
@@ -73,7 +73,7 @@ pub fn load_or_create_key(data_dir: &Path) -> Result<PrivateKey, MeshError> {
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir).map_err(io)?;
             }
-            crate::control::identity::write_atomic(
+            crate::link::identity::write_atomic(
                 &path,
                 format!("{}\n", key.to_base64()).as_bytes(),
                 0o600,

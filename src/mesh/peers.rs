@@ -10,7 +10,7 @@ use super::MeshError;
 use crate::proto::cluster::PeerSet;
 
 pub fn path(data_dir: &Path) -> PathBuf {
-    crate::control::identity::IdentityDir::new(data_dir)
+    crate::link::identity::IdentityDir::new(data_dir)
         .dir()
         .join("peers.pb")
 }
@@ -34,7 +34,7 @@ pub fn load(path: &Path) -> Result<Option<PeerSet>, MeshError> {
 
 /// Replaces the persisted set atomically.
 pub fn store(path: &Path, set: &PeerSet) -> Result<(), MeshError> {
-    crate::control::identity::write_atomic(path, &set.encode_to_vec(), 0o600)?;
+    crate::link::identity::write_atomic(path, &set.encode_to_vec(), 0o600)?;
     Ok(())
 }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 use zattera_mesh::status::{MeshStatus, PeerName};
 
 use super::NodeMesh;
-use crate::control::target::Targets;
+use crate::link::target::Targets;
 use crate::proto::cluster::PeerSet;
 
 /// Writes what the node knows after `set` to `path`.

@@ -12,9 +12,9 @@ use tokio::sync::watch;
 use zattera_mesh::Backend;
 
 use super::{NodeMesh, peers};
-use crate::control::follow;
-use crate::control::target::{Dialer, Targets};
-use crate::control::tls::{self, CurrentTls};
+use crate::link::follow;
+use crate::link::target::{Dialer, Targets};
+use crate::link::tls::{self, CurrentTls};
 use crate::proto::cluster::mesh_service_client::MeshServiceClient;
 use crate::proto::cluster::{PeerSet, WatchPeersRequest};
 

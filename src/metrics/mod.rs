@@ -11,6 +11,7 @@
 //! ([`crate::runtime::stats`]). A container that cannot be sampled is
 //! skipped (M-4).
 
+pub mod host;
 pub mod persist;
 pub mod store;
 
@@ -21,10 +22,10 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 
-use crate::executor::status::StatusSnapshot;
 use crate::proto::cluster::InstanceSample;
 use crate::runtime::containers::{self, TaskState};
 use crate::runtime::{Containerd, stats};
+use crate::status::StatusSnapshot;
 
 /// The reference's sampling interval (wire.md §1.6).
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
@@ -74,7 +75,7 @@ impl Sampler {
     async fn run(self, out: watch::Sender<InstanceSamples>) {
         let mut previous: HashMap<String, stats::Sample> = HashMap::new();
         // Its own CPU baseline, not the heartbeat's (M-8 deviation).
-        let mut cpu = crate::control::host::CpuMeter::default();
+        let mut cpu = crate::metrics::host::CpuMeter::default();
         let mut tick = tokio::time::interval(self.every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -131,7 +132,7 @@ pub fn unix_now() -> u32 {
 }
 
 fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, InstanceSample>) {
-    use crate::control::host;
+    use crate::metrics::host;
     use store::Scope;
     let at = unix_now();
     let (mem_used, mem_total) = host::memory();

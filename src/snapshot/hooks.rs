@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::executor::labels::MANAGED;
+use crate::labels::MANAGED;
 use crate::runtime::Containerd;
 use crate::runtime::containers::{self, TaskState};
 use crate::runtime::exec::{ExecRequest, exec};

@@ -15,8 +15,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use tokio::sync::watch;
 
-use crate::executor::status::{AssignmentStatus, State, StatusSnapshot};
 use crate::metrics::InstanceSamples;
+use crate::status::{AssignmentStatus, State, StatusSnapshot};
 
 const STATES: [State; 8] = [
     State::Pending,

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use sha2::{Digest as _, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use zattera_agent::control::tls::{self, ClientAuth};
+use zattera_agent::link::tls::{self, ClientAuth};
 
 pub struct BlobServer {
     pub addr: std::net::SocketAddr,

@@ -20,7 +20,7 @@ use rcgen::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use zattera_agent::control::tls::{self, ClientAuth, PeerIdentity};
+use zattera_agent::link::tls::{self, ClientAuth, PeerIdentity};
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::agent_sync_service_server::{
     AgentSyncService, AgentSyncServiceServer,
@@ -824,7 +824,7 @@ impl ControlledAgent {
         let run_dir = dir.path().join("run");
         let bin = crate::support::agent::run_bin();
         join_cli(&data, &cp.address(), &cp.ca.token(secret), join);
-        let node_id = zattera_agent::control::identity::IdentityDir::new(&data)
+        let node_id = zattera_agent::link::identity::IdentityDir::new(&data)
             .load_enrollment()
             .unwrap()
             .node_id;
@@ -945,7 +945,7 @@ impl ControlledAgent {
         tonic::transport::Channel,
     > {
         let (cert, key) = cp.ca.node_identity(caller, false);
-        let cfg = tls::node_client(&zattera_agent::control::tls::NodeTls {
+        let cfg = tls::node_client(&zattera_agent::link::tls::NodeTls {
             key_pem: key.into_bytes(),
             cert_pem: cert.into_bytes(),
             ca_pem: cp.ca.pem.clone().into_bytes(),

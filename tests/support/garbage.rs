@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 
 use tokio::sync::oneshot;
 use tonic::codegen::{BoxFuture, Service, http};
-use zattera_agent::control::tls::{self, ClientAuth};
+use zattera_agent::link::tls::{self, ClientAuth};
 use zattera_agent::proto::cluster::AgentMessage;
 
 use crate::control_plane::TestCa;

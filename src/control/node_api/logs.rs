@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::executor::labels::{OWNED_FILTER, OwnedContainer};
+use crate::labels::{OWNED_FILTER, OwnedContainer};
 use crate::logs::files::{self, StreamMeta};
 use crate::logs::reference;
 use crate::proto::cluster::AssignmentSet;

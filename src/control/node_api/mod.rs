@@ -55,7 +55,7 @@ use crate::proto::cluster::{
 use crate::proto::v1::{LogLine, LogQuery, StatsQuery, StatsResponse};
 use crate::runtime::Containerd;
 
-use super::tls::{self, ClientAuth, CurrentTls, NodeTls, PeerIdentity, TlsError};
+use crate::link::tls::{self, ClientAuth, CurrentTls, NodeTls, PeerIdentity, TlsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeApiError {

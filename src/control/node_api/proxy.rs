@@ -20,8 +20,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
-use crate::executor::status::StatusSnapshot;
 use crate::proto::cluster::TcpChunk;
+use crate::status::StatusSnapshot;
 
 use super::Out;
 
@@ -146,7 +146,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::executor::status::{AssignmentStatus, State};
+    use crate::status::{AssignmentStatus, State};
 
     fn targets() -> Targets {
         let snapshot = StatusSnapshot {

@@ -1,0 +1,42 @@
+//! What the operator chose for builds, resolved from the config file and
+//! flags: the backend, its binaries, the steps' network, the cap on builds
+//! at once. The agent's config embeds it; nothing here reads the config.
+
+use std::path::PathBuf;
+
+/// Which backend builds images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildBackendKind {
+    Auto,
+    BuildKit,
+    Buildah,
+    Off,
+}
+
+/// Builds (RunBuild, the `build` command), resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildSettings {
+    pub backend: BuildBackendKind,
+    pub buildkitd: PathBuf,
+    pub buildkit_version: String,
+    pub nixpacks: PathBuf,
+    pub network: super::buildah::BuildNetwork,
+    /// The bridge's /24 when `network` is private.
+    pub subnet: zattera_netns::Subnet,
+    /// Builds at once; more get RESOURCE_EXHAUSTED.
+    pub max_builds: usize,
+}
+
+impl Default for BuildSettings {
+    fn default() -> Self {
+        Self {
+            backend: BuildBackendKind::Auto,
+            buildkitd: PathBuf::from("/usr/bin/buildkitd"),
+            buildkit_version: super::buildkit::DEFAULT_BUILDKIT_VERSION.into(),
+            nixpacks: PathBuf::from(super::plan::DEFAULT_NIXPACKS_BINARY),
+            network: super::buildah::BuildNetwork::Private,
+            subnet: super::network::DEFAULT_SUBNET,
+            max_builds: 2,
+        }
+    }
+}
