@@ -662,14 +662,35 @@ async fn feed_from_manifests(
             .filter(|s| *s < pool.0 || *s > pool.1)
             .map(zattera_netns::Subnet::from_slot),
     );
-    let watched = watch(&dir)
-        .map_err(|e| tracing::error!(dir = %dir.display(), error = %e, "cannot watch the manifest directory; edits need a restart"))
-        .ok();
-    let (_watcher, mut changes) = watched.map_or((None, None), |(w, rx)| (Some(w), Some(rx)));
+    // A directory that is missing (not made yet, or removed) cannot be
+    // watched: it is looked for again every WATCH_RETRY, and found, loaded.
+    let mut watched = None;
+    // What was logged last: the same again (a directory still missing) is
+    // not logged every WATCH_RETRY.
+    let (mut watch_error, mut load_errors) = (None, Vec::new());
     loop {
+        if watched.is_none() {
+            match watch(&dir) {
+                Ok(w) => {
+                    watched = Some(w);
+                    watch_error = None;
+                }
+                Err(e) => {
+                    let text = e.to_string();
+                    if watch_error.as_ref() != Some(&text) {
+                        tracing::error!(dir = %dir.display(), error = %e, "cannot watch the manifest directory; looking again every {} s", WATCH_RETRY.as_secs());
+                    }
+                    watch_error = Some(text);
+                }
+            }
+        }
         let loaded = source.load();
-        for e in &loaded.errors {
-            tracing::error!(file = %e.file.display(), "{}", e.message);
+        let texts: Vec<String> = loaded.errors.iter().map(|e| e.message.clone()).collect();
+        if texts != load_errors {
+            for e in &loaded.errors {
+                tracing::error!(file = %e.file.display(), "{}", e.message);
+            }
+            load_errors = texts;
         }
         let errors = loaded
             .errors
@@ -685,16 +706,20 @@ async fn feed_from_manifests(
             "manifests loaded"
         );
         let _ = handle.desired.send(Some(loaded.set));
-        match changes.as_mut() {
-            Some(rx) => {
-                if rx.recv().await.is_none() {
-                    return;
+        match watched.as_mut() {
+            // The watch ends when the directory goes: look for it again.
+            Some((_, changes)) => {
+                if changes.recv().await.is_none() {
+                    watched = None;
                 }
             }
-            None => std::future::pending::<()>().await,
+            None => tokio::time::sleep(WATCH_RETRY).await,
         }
     }
 }
+
+/// How often a manifest directory that cannot be watched is looked for.
+const WATCH_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Holds `<LOCK_DIR>/<namespace>.lock` for the agent's life: a second agent
 /// on the same containerd namespace refuses to start, whatever its run dir.

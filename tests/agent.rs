@@ -176,6 +176,38 @@ async fn a_simulated_reboot_is_recovered() {
     .await;
 }
 
+/// A manifest directory that is missing at start (made after the agent's
+/// first start, or removed and made again) is looked for until it exists:
+/// its manifests converge without a restart. Before, the agent logged
+/// "edits need a restart" and never read it again.
+#[tokio::test]
+async fn a_manifest_directory_made_after_start_is_picked_up() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-late-dir", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkp", "125-126");
+        std::fs::remove_dir(agent.manifests()).unwrap();
+        agent.start();
+        agent.wait_for("the missing directory reported", |s| {
+            s["errors"]
+                .to_string()
+                .contains("cannot read the manifest directory")
+        });
+        std::fs::create_dir(agent.manifests()).unwrap();
+        agent.write_manifest("svc.toml", &sleeper("svc", 1));
+        agent.wait_all(1, "HEALTHY");
+
+        // Removed and made again, with another manifest in it.
+        std::fs::remove_dir_all(agent.manifests()).unwrap();
+        std::fs::create_dir(agent.manifests()).unwrap();
+        agent.write_manifest("svc.toml", &sleeper("svc", 2));
+        agent.wait_all(2, "HEALTHY");
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_broken_manifest_is_reported_and_harms_nothing() {
     let Some(rig) = rig() else { return };

@@ -142,6 +142,7 @@ class Node:
         g.sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/{self.ctx.deb.name}",
              timeout=600)
         if manifests is not None:
+            g.sh("mkdir -p /etc/zattera/manifests")
             for name, text in manifests.items():
                 g.write(f"/etc/zattera/manifests/{name}", text)
             g.sh("echo 'manifests = \"/etc/zattera/manifests\"' >> /etc/zattera/agent.toml")

@@ -12,8 +12,8 @@
 //! Only events that can change what [`super::standalone`] reads count: a
 //! non-hidden `*.toml` file, the directory itself, or an event that names no
 //! path (an inotify queue overflow, which asks for a rescan). The watch is not
-//! recursive. If the directory itself is deleted the watch ends; the agent's
-//! periodic reload still reports the error.
+//! recursive. If the directory itself is deleted the watch ends; the agent
+//! then looks for it every few seconds, and watches it again once it exists.
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
