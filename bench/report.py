@@ -36,6 +36,7 @@ BENCHES = {
     "logs": ({"LINES": "1000000", "RUNS": "3"}, 900),
     "metrics": ({"INSTANCES": "100", "SCRAPES": "50"}, 900),
     "mesh": ({"SECS": "10", "COUNT": "200"}, 600),
+    "vm": ({"MIB": "32", "PINGS": "30"}, 2400),
 }
 # Plots: file name, title, y label, curves drawn on it.
 PLOTS = [
