@@ -10,10 +10,16 @@
 //! speed only.
 
 use crate::name::{InternalName, NameClass, Scope};
-#[cfg(test)]
-use crate::request::CLASSIC_UDP;
-use crate::request::{HEADER_LEN, TTL};
 use crate::table::NameTable;
+
+/// TTL of every internal answer (D-3).
+pub const TTL: u32 = 5;
+
+/// Plain DNS over UDP without EDNS (RFC 1035).
+pub(crate) const CLASSIC_UDP: usize = 512;
+
+/// A DNS header is 12 bytes; anything shorter has no id to answer to.
+pub(crate) const HEADER_LEN: usize = 12;
 
 /// A name of at most 255 bytes has at most 127 labels; ours have 2 or 4.
 const MAX_LABELS: usize = 4;

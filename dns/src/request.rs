@@ -10,22 +10,14 @@ use hickory_proto::rr::rdata::A;
 use hickory_proto::rr::{DNSClass, RData, Record, RecordType};
 use tracing::debug;
 
-use crate::fast;
+pub use crate::fast::TTL;
+use crate::fast::{self, CLASSIC_UDP, HEADER_LEN};
 use crate::name::{InternalName, NameClass, Scope};
 use crate::table::NameTable;
-
-/// TTL of every internal answer (D-3).
-pub const TTL: u32 = 5;
 
 /// The UDP payload size we advertise and answer up to: the DNS flag day
 /// value, which stays clear of IP fragmentation on any sane link.
 pub const UDP_PAYLOAD: u16 = 1232;
-
-/// Plain DNS over UDP without EDNS (RFC 1035).
-pub(crate) const CLASSIC_UDP: usize = 512;
-
-/// A DNS header is 12 bytes; anything shorter has no id to answer to.
-pub(crate) const HEADER_LEN: usize = 12;
 
 /// How the query arrived, which decides how big an answer may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

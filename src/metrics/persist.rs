@@ -24,13 +24,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::store::Store;
+pub use super::store::{MAGIC, MAX_STRING, REFERENCE_VERSION, VERSION};
 
-pub const MAGIC: u32 = 0x5A54_5344;
-pub const VERSION: u32 = 2;
-/// The reference agent's fixed-ring layout (TS-8): read, never written.
-pub const REFERENCE_VERSION: u32 = 1;
-/// A string longer than this is corruption.
-pub const MAX_STRING: usize = 1 << 20;
 pub const FLUSH_EVERY: Duration = Duration::from_secs(60);
 /// Series whose newest raw point is older than this are dropped on flush.
 pub const GC_AFTER: Duration = Duration::from_secs(48 * 3600);

@@ -12,6 +12,14 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::proto::v1::{Point, Series, StatsQuery, StatsResponse};
 
+/// `tsdb.bin`'s magic and the layout this agent writes.
+pub const MAGIC: u32 = 0x5A54_5344;
+pub const VERSION: u32 = 2;
+/// The reference agent's fixed-ring layout (TS-8): read, never written.
+pub const REFERENCE_VERSION: u32 = 1;
+/// A string longer than this is corruption.
+pub const MAX_STRING: usize = 1 << 20;
+
 const RAW_STEP_SECS: u32 = 15;
 /// The reference's ring sizes (TS-3): 24 h of raw slots, 30 days of 5-minute ones.
 const RAW_SLOTS: u32 = 5760;
@@ -146,11 +154,11 @@ impl Store {
             .retain(|_, p| p.raw.back().is_some_and(|(t, _)| t + keep_secs >= now));
     }
 
-    /// The store as bytes (see [`super::persist`] for the layout).
+    /// The store as bytes (the layout is described in the metrics persist module).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
-        out.extend_from_slice(&super::persist::MAGIC.to_le_bytes());
-        out.extend_from_slice(&super::persist::VERSION.to_le_bytes());
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&VERSION.to_le_bytes());
         put_len(&mut out, self.series.len());
         for (k, p) in &self.series {
             for text in [k.metric.as_str(), k.scope.label(), k.id.as_str()] {
@@ -180,18 +188,16 @@ impl Store {
     /// The store [`Self::encode`] wrote; an error says what is wrong.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let mut r = Reader(bytes);
-        if r.u32()? != super::persist::MAGIC {
+        if r.u32()? != MAGIC {
             return Err("bad magic".into());
         }
         let version = r.u32()?;
-        if version == super::persist::REFERENCE_VERSION {
+        if version == REFERENCE_VERSION {
             return Self::decode_reference(r);
         }
-        if version != super::persist::VERSION {
+        if version != VERSION {
             return Err(format!(
-                "version {version}, not {} (or the reference's {})",
-                super::persist::VERSION,
-                super::persist::REFERENCE_VERSION
+                "version {version}, not {VERSION} (or the reference's {REFERENCE_VERSION})"
             ));
         }
         let mut store = Store::default();
@@ -412,7 +418,7 @@ impl<'a> Reader<'a> {
 
     fn text(&mut self) -> Result<String, String> {
         let n = self.u32()? as usize;
-        if n > super::persist::MAX_STRING {
+        if n > MAX_STRING {
             return Err(format!("a string of {n} bytes"));
         }
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| "a string that is not UTF-8".into())

@@ -5,6 +5,7 @@
 //! reconnects by itself when containerd restarts; a call made while containerd
 //! is down fails with [`RuntimeError::Unavailable`].
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ use containerd_client::services::v1::{
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
+use super::digest::Digest;
 use super::error::RuntimeError;
 use super::names::Namespace;
 
@@ -30,11 +32,11 @@ pub struct Containerd {
     namespace: Namespace,
     socket: PathBuf,
     /// One writer per blob at a time, across this connection's clones.
-    ingests: super::content::IngestLocks,
+    ingests: IngestLocks,
 }
 
 impl Containerd {
-    pub(crate) fn ingests(&self) -> &super::content::IngestLocks {
+    pub(crate) fn ingests(&self) -> &IngestLocks {
         &self.ingests
     }
 
@@ -66,7 +68,7 @@ impl Containerd {
             channel,
             namespace,
             socket: socket.to_path_buf(),
-            ingests: super::content::IngestLocks::default(),
+            ingests: IngestLocks::default(),
         }
     }
 
@@ -215,4 +217,25 @@ fn describe_connect_failure(status: &tonic::Status) -> String {
         source = s.source();
     }
     innermost.unwrap_or_else(|| status.message().to_owned())
+}
+
+/// Per-digest locks on writing a blob. Two pulls of one layer (two images
+/// that share it, from two registries) would otherwise share the ingest ref,
+/// and each one's clean-up of a stale ingest would abort the other's write:
+/// in step, on every retry.
+#[derive(Debug, Clone, Default)]
+pub struct IngestLocks(
+    std::sync::Arc<std::sync::Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>>,
+);
+
+impl IngestLocks {
+    pub(crate) fn of(&self, digest: &Digest) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+        let mut map = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Locks nobody holds or waits for are dropped as new ones come.
+        map.retain(|_, l| std::sync::Arc::strong_count(l) > 1);
+        std::sync::Arc::clone(map.entry(digest.to_string()).or_default())
+    }
 }

@@ -38,27 +38,6 @@ pub async fn exists(ctd: &Containerd, digest: &Digest) -> Result<bool, RuntimeEr
     }
 }
 
-/// Per-digest locks on writing a blob. Two pulls of one layer (two images
-/// that share it, from two registries) would otherwise share the ingest ref,
-/// and each one's clean-up of a stale ingest would abort the other's write:
-/// in step, on every retry.
-#[derive(Debug, Clone, Default)]
-pub struct IngestLocks(
-    std::sync::Arc<std::sync::Mutex<HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>>>,
-);
-
-impl IngestLocks {
-    fn of(&self, digest: &Digest) -> std::sync::Arc<tokio::sync::Mutex<()>> {
-        let mut map = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Locks nobody holds or waits for are dropped as new ones come.
-        map.retain(|_, l| std::sync::Arc::strong_count(l) > 1);
-        std::sync::Arc::clone(map.entry(digest.to_string()).or_default())
-    }
-}
-
 /// Makes sure the blob is in the store and held by `lease`: skipped when
 /// present, otherwise streamed from `source` and committed, which containerd
 /// refuses unless size and digest match `desc`. Returns whether it was
