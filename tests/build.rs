@@ -21,6 +21,9 @@ use support::{rig, with_namespace};
 use zattera_agent::proto::cluster::{BuildEvent, CancelBuildRequest, RunBuildRequest};
 use zattera_agent::proto::v1::{BuildStatus, HealthCheck, HealthCheckType, InstanceState, Meta};
 
+/// The package.json of the tests' smallest Node app.
+const NODE_PACKAGE_JSON: &str =
+    r#"{"name":"hello","version":"1.0.0","scripts":{"start":"node index.js"}}"#;
 const SECRET: &str = "build-secret";
 const CONTROL: &str = control_plane::CONTROL_NODE_ID;
 
@@ -670,11 +673,7 @@ async fn the_planner_runs_under_the_packaged_layout() {
             .unwrap();
         let app = base.path().join("app");
         std::fs::create_dir(&app).unwrap();
-        std::fs::write(
-            app.join("package.json"),
-            r#"{"name":"hello","version":"1.0.0","scripts":{"start":"node index.js"}}"#,
-        )
-        .unwrap();
+        std::fs::write(app.join("package.json"), NODE_PACKAGE_JSON).unwrap();
         std::fs::write(app.join("index.js"), "console.log('hi')\n").unwrap();
         let config = base.path().join("agent.toml");
         std::fs::write(
@@ -748,11 +747,7 @@ async fn nixpacks_plans_a_node_app_without_a_dockerfile() {
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let ctx = dir.path().join("context");
     std::fs::create_dir(&ctx).unwrap();
-    std::fs::write(
-        ctx.join("package.json"),
-        r#"{"name":"hello","version":"1.0.0","scripts":{"start":"node index.js"}}"#,
-    )
-    .unwrap();
+    std::fs::write(ctx.join("package.json"), NODE_PACKAGE_JSON).unwrap();
     std::fs::write(
         ctx.join("index.js"),
         "require('http').createServer((q,s)=>s.end('ok')).listen(process.env.PORT)\n",

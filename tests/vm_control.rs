@@ -21,7 +21,6 @@ mod control_plane;
 mod mesh_cluster;
 mod support;
 
-use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
@@ -221,8 +220,6 @@ fn assignment_of(
         rt.env = vars
             .iter()
             .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
-            .collect::<BTreeMap<_, _>>()
-            .into_iter()
             .collect();
     }
     if let Some(port) = v["http_port"].as_u64() {

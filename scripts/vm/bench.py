@@ -61,7 +61,7 @@ def path(src, ip):
     return speed * 8 / 1e6, float(rtt.group(1))
 
 
-def mesh_rows(ctx, guests, control):
+def mesh_rows(guests, control):
     a, b = guests
     serve(b)
     workers = control.call("workers", count=2, timeout=300)["workers"]
@@ -137,7 +137,7 @@ def main():
             nodes = [lane.Node(g, ctx) for g in guests]
             cluster.each(lambda n: n.install(None), nodes)
             cluster.join(nodes, control.hello)
-            mesh_rows(ctx, guests, control)
+            mesh_rows(guests, control)
         for g in guests:
             g.stop()
         if "boot" not in PARTS:

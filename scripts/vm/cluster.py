@@ -148,8 +148,6 @@ def case_cluster(ctx, first, node_of):
         each(lambda g: g.wait_up(400), guests[1:])
         nodes = [node_of(g) for g in guests]
         each(lambda n: n.install(None), nodes)
-        for g in guests:  # what changes links, for a failure's record
-            g.sh("setsid -f ip -ts monitor link address > /root/links.log 2>&1 < /dev/null")
         join(nodes, control.hello)
         t0 = time.time()
         workers = control.call("workers", count=3, timeout=300)["workers"]

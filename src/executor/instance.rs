@@ -198,7 +198,7 @@ pub async fn bring_up(
     let cid = plan.container_id.clone();
     // The whole container id (a DNS label holds 63): Docker's 12-character
     // prefix of a random id is unique, a prefix of ours would not be (C-11).
-    let hostname: String = cid.chars().take(63).collect();
+    let hostname = hostname_of(&cid);
 
     let mut mounts = Vec::new();
     // A volume at its first use gets the image's content at its path (C-8,
@@ -466,10 +466,20 @@ fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
         .subnet
         .filter(|s| h.net.is_some() && owned.ip.is_some() && Some(*s) != h.cfg.default_subnet)
         .map(Subnet::gateway);
-    let hostname: String = owned.container_id.chars().take(63).collect();
-    files::write(&dir, &hostname, owned.ip, gateway, &read_host_resolv())
-        .map(|_| ())
-        .map_err(|e| Failure(format!("restart: writing {}: {e}", dir.display())))
+    files::write(
+        &dir,
+        &hostname_of(&owned.container_id),
+        owned.ip,
+        gateway,
+        &read_host_resolv(),
+    )
+    .map(|_| ())
+    .map_err(|e| Failure(format!("restart: writing {}: {e}", dir.display())))
+}
+
+/// A container's hostname: its id, cut to a DNS label's 63 characters.
+fn hostname_of(container_id: &str) -> String {
+    container_id.chars().take(63).collect()
 }
 
 /// Stops and removes an instance, then its network attachment (E-6).
