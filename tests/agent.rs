@@ -854,3 +854,106 @@ async fn a_restarted_agent_ends_the_exec_processes_the_old_one_left() {
     })
     .await;
 }
+
+/// SIGSTOPs a process, and SIGCONTs it when dropped (a failing test too).
+struct Frozen(nix::unistd::Pid);
+
+impl Frozen {
+    fn new(pid: u32) -> Self {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap());
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        Self(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+/// The parent of a task's init process: its runc shim (a subreaper).
+fn shim_of(task_pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{task_pid}/stat")).unwrap();
+    let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
+    after_comm.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+/// A shim that does not answer (a loaded host: the VM lane saw containerd's
+/// "get state ...: context deadline exceeded" under TCG) makes containerd
+/// report the task's status as UNKNOWN. That is no verdict: the task runs.
+/// Before, UNKNOWN read as "stopped", so an adopting agent "restarted" the
+/// running task and, when that failed, re-created the container; a running
+/// agent's poll took it for a crash.
+#[tokio::test]
+async fn a_shim_that_does_not_answer_is_not_taken_for_a_dead_task() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "agent-frozen-shim", |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkq", "204-204");
+        agent.write_manifest("svc.toml", &sleeper("svc", 1));
+        agent.start();
+        let before = agent.wait_all(1, "HEALTHY");
+        let id = before.values().next().unwrap().clone();
+        let pids = task_pids(&ctd, before.values()).await;
+        let shim = shim_of(pids[&id]);
+        let created = containers::get(&ctd, &id)
+            .await
+            .unwrap()
+            .unwrap()
+            .created_at;
+
+        // While the agent runs: two polls meet a shim that does not answer,
+        // and the instance is never reported as anything but HEALTHY.
+        let mut seen = std::collections::BTreeSet::new();
+        {
+            let _frozen = Frozen::new(shim);
+            let until = Instant::now() + Duration::from_secs(12);
+            while Instant::now() < until {
+                if let Some(s) = agent.status() {
+                    let r = &s["assignments"][0];
+                    seen.insert(format!("{} {}", r["state"], r["message"]));
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert!(
+            seen.iter().all(|s| s.starts_with("\"HEALTHY\"")),
+            "a live task was reported as {seen:?}"
+        );
+        assert_eq!(
+            task_pids(&ctd, before.values()).await,
+            pids,
+            "the running agent restarted the task"
+        );
+
+        // While the agent starts: adoption meets it.
+        agent.kill9();
+        {
+            let _frozen = Frozen::new(shim);
+            agent.start();
+            tokio::time::sleep(Duration::from_secs(8)).await;
+        }
+        assert_eq!(agent.wait_all(1, "HEALTHY"), before, "the same container");
+        assert_eq!(
+            task_pids(&ctd, before.values()).await,
+            pids,
+            "the adopting agent restarted the task"
+        );
+        assert_eq!(
+            containers::get(&ctd, &id)
+                .await
+                .unwrap()
+                .unwrap()
+                .created_at,
+            created,
+            "the container was re-created"
+        );
+        let status = agent.status().unwrap();
+        assert_eq!(status["assignments"][0]["restarts"], 0, "{status}");
+    })
+    .await;
+}

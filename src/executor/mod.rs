@@ -1158,6 +1158,10 @@ pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapsho
             TaskState::Absent | TaskState::Created => {
                 (State::Pending, "no task (the agent starts it)".to_owned())
             }
+            TaskState::Unknown => (
+                State::Pending,
+                "containerd could not read its task (the shim did not answer)".to_owned(),
+            ),
         };
         rows.push(AssignmentStatus {
             id: o.assignment_id.clone(),

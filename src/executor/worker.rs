@@ -380,7 +380,9 @@ impl<'a> Supervisor<'a> {
                     }
                 }
             }
-            // A job that ran (the poll reports it), or an unknown state.
+            // A job that ran (the poll reports it), or a shim that did not
+            // answer (a loaded host): never restarted on a guess, the poll
+            // asks again.
             Ok(_) | Err(_) => true,
         }
     }
@@ -521,6 +523,11 @@ impl<'a> Supervisor<'a> {
             }
             // Lost (reboot) or never started: bring the task back now.
             TaskState::Absent | TaskState::Created => return self.restart().await,
+            // A shim that did not answer in time (a loaded host) says
+            // nothing about the task: restarting on it would kill a live one.
+            TaskState::Unknown => {
+                tracing::warn!(container = %self.owned.container_id, "containerd could not read the task (its shim did not answer); asking again at the next poll");
+            }
         }
         true
     }

@@ -58,6 +58,10 @@ pub enum TaskState {
     Stopped {
         exit_code: u32,
     },
+    /// containerd could not read it: its shim did not answer in time (a
+    /// loaded or frozen host). Not a verdict: the task may well be running,
+    /// so nobody restarts or removes on it; ask again later.
+    Unknown,
 }
 
 /// Creates the container record and its rootfs snapshot. An existing
@@ -221,9 +225,12 @@ pub async fn task_state(ctd: &Containerd, id: &str) -> Result<TaskState, Runtime
             Status::Running | Status::Pausing => TaskState::Running { pid: p.pid },
             Status::Created => TaskState::Created,
             Status::Paused => TaskState::Paused,
-            Status::Stopped | Status::Unknown => TaskState::Stopped {
+            Status::Stopped => TaskState::Stopped {
                 exit_code: p.exit_status,
             },
+            // containerd answers UNKNOWN when the shim's state call timed
+            // out ("get state for ...: context deadline exceeded").
+            Status::Unknown => TaskState::Unknown,
         },
     )
 }
@@ -279,7 +286,7 @@ pub async fn stop(
     let exit = match task_state(ctd, id).await? {
         TaskState::Absent => return Ok(None),
         TaskState::Stopped { exit_code } => Some(exit_code),
-        TaskState::Created | TaskState::Running { .. } | TaskState::Paused => {
+        TaskState::Created | TaskState::Running { .. } | TaskState::Paused | TaskState::Unknown => {
             // Like Docker: the stop signal goes to PID 1, which owns shutdown.
             kill(ctd, id, signal, false).await?;
             if let Some(code) = wait_exit(ctd, id, grace).await? {

@@ -41,7 +41,8 @@ pub async fn running_users(ctd: &Containerd, root: &Path) -> Result<Vec<String>,
         }
         if matches!(
             containers::task_state(ctd, &c.id).await?,
-            TaskState::Running { .. }
+            // A task whose shim did not answer may be writing: a user.
+            TaskState::Running { .. } | TaskState::Unknown
         ) {
             out.push(c.id.clone());
         }
@@ -61,7 +62,7 @@ pub async fn running_users_of(
     for id in crate::volumes::users(ctd, data_dir, local).await? {
         if matches!(
             containers::task_state(ctd, &id).await?,
-            TaskState::Running { .. }
+            TaskState::Running { .. } | TaskState::Unknown
         ) {
             out.push(id);
         }
