@@ -833,11 +833,11 @@ fn builder(
     pipeline.planner.binary.clone_from(&config.build.nixpacks);
     pipeline.network = config.build.network;
     pipeline.sandbox = Some(Arc::new(sandbox));
-    if config.build.network == crate::build::buildah::BuildNetwork::Private
-        && backend.as_ref().is_ok_and(|b| b.name() == "buildkit")
+    if config.build.network == crate::build::buildah::BuildNetwork::None
+        && backend.as_ref().is_ok_and(|b| b.attaches_steps_itself())
     {
         tracing::warn!(
-            "build-network = private is applied to buildah only: BuildKit's RUN steps still use the host's network"
+            "build-network = none is not available with BuildKit: its builds will fail until build-network is private or host"
         );
     }
     Ok(crate::control::node_api::build::Builder {

@@ -483,9 +483,9 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
     .await;
 }
 
-/// A network namespace of the test's own, `10.203.90.2` behind a veth
-/// from the host (`10.203.90.1`), serving `ok.txt` over HTTP on 8088: the
-/// "outside" a build step may still reach. Removed when dropped.
+/// A network namespace of the test's own, `10.203.<octet>.2` behind a veth
+/// from the host (`.1`), serving `ok.txt` over HTTP on 8088: the "outside"
+/// a build step may still reach. Removed when dropped.
 struct Upstream {
     ns: String,
     httpd: std::process::Child,
@@ -493,7 +493,7 @@ struct Upstream {
 }
 
 impl Upstream {
-    fn start(prefix: &str) -> Self {
+    fn start(prefix: &str, octet: u8) -> Self {
         let ns = format!("{prefix}-up");
         let veth = format!("{prefix}up0");
         let _ = std::process::Command::new("ip")
@@ -513,18 +513,11 @@ impl Upstream {
         run(&[
             "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
         ]);
-        run(&["ip", "addr", "add", "10.203.90.1/24", "dev", &veth]);
+        let host = format!("10.203.{octet}.1/24");
+        let inside = format!("10.203.{octet}.2/24");
+        run(&["ip", "addr", "add", &host, "dev", &veth]);
         run(&["ip", "link", "set", &veth, "up"]);
-        run(&[
-            "ip",
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            "10.203.90.2/24",
-            "dev",
-            "eth0",
-        ]);
+        run(&["ip", "-n", &ns, "addr", "add", &inside, "dev", "eth0"]);
         run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
         run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
         let www = tempfile::tempdir().unwrap();
@@ -569,15 +562,99 @@ async fn build_steps_run_in_a_network_of_their_own() {
             &["--build-backend", "buildah"],
         )
         .await;
-        let _upstream = Upstream::start("ztgn");
-        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
+        steps_stay_in_their_network(&c, &ctd, &rig, "ztgn", 90, 124).await;
+        // The build's namespace and veth are gone with it.
+        let netns = c.agent.dir.path().join("run/netns");
+        let left: Vec<_> = std::fs::read_dir(&netns)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            !left
+                .iter()
+                .any(|n| n.to_string_lossy().starts_with("zt-build-")),
+            "{left:?}"
+        );
+    })
+    .await;
+}
+
+/// 45.1 for BuildKit: its steps join the build bridge through CNI, under
+/// the same guard. On the old code buildkitd ran them in the host's
+/// network, where the other tenant's port and the loopback listener answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buildkit_steps_run_in_a_network_of_their_own() {
+    let Some(bin) = buildkitd() else { return };
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "build-bkn", |ctd, rig| async move {
+        let c = cluster(
+            &rig,
+            ctd.namespace().as_str(),
+            "ztgo",
+            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
+        )
+        .await;
+        let cleanup = buildkit_cleanup(&c, &rig);
+        let checked = tokio::spawn({
+            let (ctd, rig) = (ctd.clone(), rig.clone());
+            async move {
+                let c = c;
+                steps_stay_in_their_network(&c, &ctd, &rig, "ztgo", 91, 205).await;
+                // The loaded image was copied out of BuildKit's namespace
+                // into the agent's, unpacked, and its record there removed.
+                let name = "zattera.local/builds/bld-net:latest".parse().unwrap();
+                let local = zattera_agent::runtime::get_local(&ctd, &name)
+                    .await
+                    .unwrap();
+                assert!(
+                    local.is_some_and(|l| l.unpacked),
+                    "the loaded image in the agent's namespace"
+                );
+                let worker = zattera_agent::runtime::Containerd::connect(
+                    &rig.socket,
+                    zattera_agent::build::buildkit::worker_namespace(ctd.namespace().as_str())
+                        .parse()
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+                assert!(
+                    zattera_agent::runtime::images::list_images(&worker)
+                        .await
+                        .unwrap()
+                        .is_empty(),
+                    "no image record is left in BuildKit's namespace"
+                );
+                c
+            }
+        })
+        .await;
+        cleanup.run().await;
+        drop(checked.unwrap());
+    })
+    .await;
+}
+
+/// Builds a step that tries another tenant's unpublished port, the host's
+/// loopback and a server outside (`10.203.<upstream>.2`); only the outside
+/// may answer.
+async fn steps_stay_in_their_network(
+    c: &Cluster,
+    ctd: &zattera_agent::runtime::Containerd,
+    rig: &support::Rig,
+    prefix: &str,
+    upstream: u8,
+    victim_slot: u8,
+) {
+    {
+        let _upstream = Upstream::start(prefix, upstream);
+        zattera_agent::runtime::import_archive(ctd, &rig.oci_archive(), None)
             .await
             .unwrap();
         // Another tenant's service, on no published port.
         let (victim, rt) = assignment(
             "victim",
             "env-victim",
-            124,
+            victim_slot,
             "mkdir -p /w && echo victim-secret > /w/s.txt && exec httpd -f -p 8080 -h /w",
         );
         c.cp.push_set(set_of(1, vec![(victim, rt)]));
@@ -602,9 +679,8 @@ async fn build_steps_run_in_a_network_of_their_own() {
         std::thread::spawn(move || {
             use std::io::Write as _;
             for mut conn in lo.incoming().flatten() {
-                let _ = conn.write_all(
-                    b"HTTP/1.0 200 OK\r\nContent-Length: 15\r\n\r\nloopback-secret",
-                );
+                let _ =
+                    conn.write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 15\r\n\r\nloopback-secret");
             }
         });
         // `host:port/path` each; busybox's wget crashes on this Debian
@@ -612,7 +688,7 @@ async fn build_steps_run_in_a_network_of_their_own() {
         let urls = [
             format!("{victim_ip}:8080/s.txt"),
             format!("127.0.0.1:{lo_port}/"),
-            "10.203.90.2:8088/ok.txt".to_owned(),
+            format!("10.203.{upstream}.2:8088/ok.txt"),
         ];
         let dockerfile = format!(
             "FROM {}\nRUN for u in {}; do h=${{u%%:*}}; r=${{u#*:}}; p=${{r%%/*}}; got=$(printf 'GET /%s HTTP/1.0\\r\\n\\r\\n' \"${{r#*/}}\" | nc -w 3 $h $p | tail -n 1); if [ -n \"$got\" ]; then echo \"GOT $u $got\"; else echo \"NOT $u\"; fi; done; echo {}\n",
@@ -620,10 +696,17 @@ async fn build_steps_run_in_a_network_of_their_own() {
             urls.join(" "),
             rand::random::<u64>()
         );
-        let url = c.blobs.put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+        let url = c
+            .blobs
+            .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
         let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-net", &url, "")).await;
-        assert_eq!(end.status, BuildStatus::Succeeded as i32, "{end:?}\n{lines:#?}");
-        let said = |prefix: &str, u: &str| lines.iter().any(|l| l.contains(&format!("{prefix} {u}")));
+        assert_eq!(
+            end.status,
+            BuildStatus::Succeeded as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        let said =
+            |prefix: &str, u: &str| lines.iter().any(|l| l.contains(&format!("{prefix} {u}")));
         assert!(said("NOT", &urls[0]), "another tenant's port: {lines:#?}");
         assert!(said("NOT", &urls[1]), "the host's loopback: {lines:#?}");
         assert!(
@@ -631,20 +714,12 @@ async fn build_steps_run_in_a_network_of_their_own() {
             "the outside: {lines:#?}"
         );
         assert!(
-            !lines.iter().any(|l| l.contains("victim-secret") || l.contains("loopback-secret")),
+            !lines
+                .iter()
+                .any(|l| l.contains("victim-secret") || l.contains("loopback-secret")),
             "{lines:#?}"
         );
-        // The build's namespace and veth are gone with it.
-        let netns = c.agent.dir.path().join("run/netns");
-        let left: Vec<_> = std::fs::read_dir(&netns)
-            .map(|d| d.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
-        assert!(
-            !left.iter().any(|n| n.to_string_lossy().starts_with("zt-build-")),
-            "{left:?}"
-        );
-    })
-    .await;
+    }
 }
 
 /// 45.4: the planner runs under the packaged layout: the data dir 0700 (as
@@ -808,12 +883,13 @@ fn buildkitd() -> Option<String> {
     path
 }
 
-/// Stops the agent's buildkitd (it outlives the agent by design) and
-/// removes the `<ns>_history` namespace BuildKit keeps beside the worker's.
+/// Stops the agent's buildkitd (it outlives the agent by design; SIGTERM
+/// first, so that it gives its CNI namespaces back) and removes the
+/// worker's namespace and the `_history` one BuildKit keeps beside it.
 struct BuildkitdCleanup {
     pid_file: std::path::PathBuf,
     socket: std::path::PathBuf,
-    history: String,
+    namespaces: Vec<String>,
 }
 
 impl BuildkitdCleanup {
@@ -822,25 +898,37 @@ impl BuildkitdCleanup {
             .ok()
             .and_then(|t| t.trim().parse::<i32>().ok())
         {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+            let pid = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            for _ in 0..100 {
+                if nix::sys::signal::kill(pid, None).is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        if let Ok(ns) = self.history.parse()
-            && let Ok(ctd) = zattera_agent::runtime::Containerd::connect(&self.socket, ns).await
-        {
-            support::purge_namespace(&ctd).await;
+        for ns in &self.namespaces {
+            if let Ok(ns) = ns.parse()
+                && let Ok(ctd) = zattera_agent::runtime::Containerd::connect(&self.socket, ns).await
+            {
+                support::purge_namespace(&ctd).await;
+            }
         }
     }
 }
 
 fn buildkit_cleanup(c: &Cluster, rig: &support::Rig) -> BuildkitdCleanup {
+    let worker = zattera_agent::build::buildkit::worker_namespace(&c.agent.namespace);
     BuildkitdCleanup {
         pid_file: c.agent.dir.path().join("run/buildkit/buildkitd.pid"),
         socket: rig.socket.clone(),
-        history: format!("{}_history", c.agent.namespace),
+        namespaces: vec![
+            format!("{worker}_history"),
+            worker,
+            format!("{}_history", c.agent.namespace),
+        ],
     }
 }
 
@@ -961,6 +1049,61 @@ async fn buildkit_cancel_stops_the_solve() {
             "{terminal:?} {lines:?}"
         );
         assert!(!still, "the RUN step's process is gone");
+    })
+    .await;
+}
+
+/// 45.2: a build cannot read an image another tenant pulled. The agent's
+/// namespace holds `<private registry>/tenant-a/app:1` (pulled for one app
+/// with credentials no build has); a build `FROM` it must fail with the
+/// registry's refusal. On the old code BuildKit's worker lived in the
+/// agent's namespace and, refused by the registry, fell back to that copy:
+/// the build succeeded on the other tenant's files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buildkit_builds_never_read_images_another_tenant_pulled() {
+    let Some(bin) = buildkitd() else { return };
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "build-bkp", |ctd, rig| async move {
+        let c = cluster(
+            &rig,
+            ctd.namespace().as_str(),
+            "ztgp",
+            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
+        )
+        .await;
+        let cleanup = buildkit_cleanup(&c, &rig);
+        let private = Registry::start(Some(("tenant-a", "tenant-a-pw")));
+        let image = format!("{}/tenant-a/app:1", private.addr);
+        zattera_agent::runtime::import_archive(
+            &ctd,
+            &rig.oci_archive(),
+            Some(image.parse().unwrap()),
+        )
+        .await
+        .unwrap();
+        let marker = rand::random::<u64>();
+        let dockerfile = format!("FROM {image}\nRUN echo read-tenant-a-{marker}\n");
+        let url = c
+            .blobs
+            .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+        let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-priv", &url, "")).await;
+        cleanup.run().await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Failed as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        assert!(
+            !lines
+                .iter()
+                .any(|l| l.contains(&format!("read-tenant-a-{marker}"))),
+            "a step ran on the other tenant's image: {lines:#?}"
+        );
+        let said = format!("{} {}", end.error, lines.join("\n")).to_lowercase();
+        assert!(
+            said.contains("401") || said.contains("unauthorized"),
+            "the registry's refusal: {end:?}\n{lines:#?}"
+        );
     })
     .await;
 }

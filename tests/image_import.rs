@@ -188,3 +188,51 @@ async fn archive_that_is_not_an_image_names_the_file() {
     })
     .await;
 }
+
+/// An image copied from one of the agent's namespaces into another (a
+/// BuildKit build loaded into the agent's): complete, unpacked, held by its
+/// record alone, and runnable there; a missing one is an error naming it.
+#[tokio::test]
+async fn an_image_copied_between_namespaces_is_complete_and_runs() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "copy-from", |from, rig| async move {
+        with_namespace(&rig, "copy-to", |to, rig| async move {
+            import_archive(&from, &rig.oci_archive(), None)
+                .await
+                .expect("import");
+            let name: ImageRef = TEST_IMAGE.parse().unwrap();
+            let copied = zattera_agent::runtime::transfer::copy_image(&from, &to, &name)
+                .await
+                .expect("copy");
+            assert_eq!(copied.names, vec![name.clone()]);
+            assert!(
+                snapshot_exists(&to, copied.chain_id.as_str())
+                    .await
+                    .unwrap()
+            );
+            assert_eq!(
+                support::lease_count(&to).await,
+                0,
+                "the copy lease is released"
+            );
+            let out = ctr_run(
+                &rig.socket,
+                to.namespace().as_str(),
+                TEST_IMAGE,
+                &["cat", "/var/www/index.html"],
+            );
+            assert_eq!(out, "hello from zattera\n");
+            let missing: ImageRef = "zattera.local/none:1".parse().unwrap();
+            let err = zattera_agent::runtime::transfer::copy_image(&from, &to, &missing)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("zattera.local/none:1") && err.contains("no such image"),
+                "{err}"
+            );
+        })
+        .await;
+    })
+    .await;
+}

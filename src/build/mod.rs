@@ -169,6 +169,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         events: &Events,
         cancel: &CancellationToken,
     ) -> Result<Built, BuildError>;
+
+    /// Whether the backend's daemon attaches `RUN` steps to the build
+    /// bridge itself (BuildKit, through CNI) rather than joining a
+    /// namespace the pipeline makes per build (buildah).
+    fn attaches_steps_itself(&self) -> bool {
+        false
+    }
 }
 
 /// The files that give a backend its registries: `<dir>/config.json`

@@ -5,6 +5,11 @@
 //! scope only, no route into the mesh. What leaves through the host's
 //! uplink is masqueraded: registries, package mirrors and the source host
 //! stay in reach.
+//!
+//! buildah's steps join a namespace the agent makes per build (host octets
+//! up to [`NAMESPACE_LAST`]). BuildKit's daemon attaches its steps itself,
+//! through CNI: [`cni_config`] puts them on the same bridge, addresses from
+//! the rest of the /24, under the same guard.
 
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
@@ -18,6 +23,13 @@ use zattera_netns::{NetNode, Subnet};
 /// pool (10.201.0.0/16).
 pub const DEFAULT_SUBNET: Subnet = Subnet::from_octets(10, 202, 254);
 
+/// The last host octet a per-build namespace takes; BuildKit's CNI range
+/// is the rest of the /24 (its pool holds addresses while idle).
+pub const NAMESPACE_LAST: u8 = 127;
+
+/// The CNI network name BuildKit's steps are attached under.
+pub const CNI_NETWORK: &str = "zattera-build";
+
 /// Where one build's `RUN` steps send their traffic.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StepNetwork {
@@ -26,6 +38,12 @@ pub enum StepNetwork {
     Namespace {
         path: PathBuf,
         dns: Vec<Ipv4Addr>,
+    },
+    /// The build bridge itself, for a daemon that attaches its steps
+    /// (BuildKit, through [`cni_config`]).
+    Bridge {
+        name: String,
+        subnet: Subnet,
     },
     None,
     Host,
@@ -48,7 +66,9 @@ impl StepNetwork {
                 }
                 args
             }
-            Self::None => vec!["--network".to_owned(), "none".to_owned()],
+            // Only a daemon attaches to the bridge itself: buildah given
+            // it would otherwise run on the host's network.
+            Self::Bridge { .. } | Self::None => vec!["--network".to_owned(), "none".to_owned()],
             Self::Host => vec!["--network".to_owned(), "host".to_owned()],
         }
     }
@@ -102,7 +122,7 @@ impl BuildNet {
                 .held
                 .lock()
                 .map_err(|_| "build network state poisoned")?;
-            let free = (2..=254u8)
+            let free = (2..=NAMESPACE_LAST)
                 .find(|o| !held.contains(o))
                 .ok_or("no free address on the build network")?;
             held.insert(free);
@@ -148,6 +168,53 @@ impl BuildNet {
     }
 }
 
+impl BuildNet {
+    /// The build bridge (made if missing, with its guard), for a backend
+    /// whose daemon attaches its steps itself.
+    pub async fn bridge(&self) -> Result<StepNetwork, String> {
+        let net = self
+            .net
+            .ensure_network(zattera_netns::firewall::BUILD_SCOPE, self.subnet)
+            .await
+            .map_err(|e| format!("build network {}: {e}", self.subnet))?;
+        Ok(StepNetwork::Bridge {
+            name: net.bridge,
+            subnet: self.subnet,
+        })
+    }
+}
+
+/// A CNI network config for BuildKit's containerd worker: each step on
+/// bridge `bridge`, an address above [`NAMESPACE_LAST`] of `subnet`, its
+/// default route through the agent's gateway `.1`. CNI makes no gateway and
+/// no masquerade of its own: the agent's bridge and firewall own both, so
+/// the steps get exactly the guard a buildah build's namespace gets.
+/// `ipam_dir` keeps host-local's leases with the daemon's state.
+pub fn cni_config(bridge: &str, subnet: Subnet, ipam_dir: &std::path::Path) -> String {
+    serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": CNI_NETWORK,
+        "type": "bridge",
+        "bridge": bridge,
+        "isGateway": false,
+        "isDefaultGateway": false,
+        "ipMasq": false,
+        "hairpinMode": false,
+        "ipam": {
+            "type": "host-local",
+            "ranges": [[{
+                "subnet": subnet.to_string(),
+                "rangeStart": subnet.host(NAMESPACE_LAST + 1).to_string(),
+                "rangeEnd": subnet.host(254).to_string(),
+                "gateway": subnet.gateway().to_string(),
+            }]],
+            "routes": [{ "dst": "0.0.0.0/0" }],
+            "dataDir": ipam_dir.display().to_string(),
+        },
+    })
+    .to_string()
+}
+
 impl Lease {
     /// Removes the namespace and its veth, and frees the address.
     pub async fn leave(self) {
@@ -180,6 +247,31 @@ mod tests {
             ]
         );
         assert_eq!(StepNetwork::None.buildah_args(), ["--network", "none"]);
+        let bridge = StepNetwork::Bridge {
+            name: "ztb".into(),
+            subnet: DEFAULT_SUBNET,
+        };
+        assert_eq!(bridge.buildah_args(), ["--network", "none"]);
         assert_eq!(DEFAULT_SUBNET.to_string(), "10.202.254.0/24");
+    }
+
+    #[test]
+    fn buildkit_steps_get_the_upper_half_of_the_bridge_and_no_cni_gateway() {
+        let text = cni_config(
+            "ztb",
+            DEFAULT_SUBNET,
+            std::path::Path::new("/var/lib/zattera/buildkit/cni-ipam"),
+        );
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["type"], "bridge");
+        assert_eq!(v["bridge"], "ztb");
+        assert_eq!(v["isGateway"], false);
+        assert_eq!(v["ipMasq"], false);
+        let range = &v["ipam"]["ranges"][0][0];
+        assert_eq!(range["rangeStart"], "10.202.254.128");
+        assert_eq!(range["rangeEnd"], "10.202.254.254");
+        assert_eq!(range["gateway"], "10.202.254.1");
+        assert_eq!(v["ipam"]["routes"][0]["dst"], "0.0.0.0/0");
+        assert_eq!(v["ipam"]["dataDir"], "/var/lib/zattera/buildkit/cni-ipam");
     }
 }

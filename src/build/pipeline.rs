@@ -228,16 +228,24 @@ impl Pipeline {
                 .plan(&context, &req.build_env, events, cancel)
                 .await?;
         }
+        let mut bridge = None;
         let lease = match (self.config.network, &self.config.sandbox) {
+            (super::buildah::BuildNetwork::Private, Some(sandbox))
+                if self.backend.attaches_steps_itself() =>
+            {
+                bridge = Some(sandbox.bridge().await.map_err(BuildError::Network)?);
+                None
+            }
             (super::buildah::BuildNetwork::Private, Some(sandbox)) => {
                 Some(sandbox.enter(&req.id).await.map_err(BuildError::Network)?)
             }
             _ => None,
         };
-        let network = match (&lease, self.config.network) {
-            (Some(lease), _) => lease.network.clone(),
-            (None, super::buildah::BuildNetwork::None) => super::network::StepNetwork::None,
-            (None, _) => super::network::StepNetwork::Host,
+        let network = match (&lease, bridge, self.config.network) {
+            (Some(lease), _, _) => lease.network.clone(),
+            (None, Some(bridge), _) => bridge,
+            (None, None, super::buildah::BuildNetwork::None) => super::network::StepNetwork::None,
+            (None, None, _) => super::network::StepNetwork::Host,
         };
         let result = self
             .solve(

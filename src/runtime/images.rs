@@ -211,11 +211,11 @@ pub struct LocalImage {
     pub layer_bytes: u64,
 }
 
-/// Looks an image up by name; `None` when there is no record.
-pub async fn get_local(
+/// The target of image record `name`; `None` when there is no record.
+pub async fn get_target(
     ctd: &Containerd,
     name: &ImageRef,
-) -> Result<Option<LocalImage>, RuntimeError> {
+) -> Result<Option<Descriptor>, RuntimeError> {
     let got = ctd
         .images()
         .get(ctd.request(GetImageRequest {
@@ -230,15 +230,27 @@ pub async fn get_local(
     let Some(target) = image.and_then(|i| i.target) else {
         return Ok(None);
     };
-    let bad = |what: String| RuntimeError::Invalid(format!("image {name}: {what}"));
-    let target = Descriptor {
+    Ok(Some(Descriptor {
         digest: target
             .digest
             .parse()
-            .map_err(|e: super::digest::InvalidDigest| bad(e.to_string()))?,
+            .map_err(|e: super::digest::InvalidDigest| {
+                RuntimeError::Invalid(format!("image {name}: {e}"))
+            })?,
         size: u64::try_from(target.size).unwrap_or(0),
         media_type: target.media_type,
+    }))
+}
+
+/// Looks an image up by name; `None` when there is no record.
+pub async fn get_local(
+    ctd: &Containerd,
+    name: &ImageRef,
+) -> Result<Option<LocalImage>, RuntimeError> {
+    let Some(target) = get_target(ctd, name).await? else {
+        return Ok(None);
     };
+    let bad = |what: String| RuntimeError::Invalid(format!("image {name}: {what}"));
     let manifest_digest = if media::is_index(&target.media_type) {
         let index = ImageIndex::from_reader(&content::read_blob(ctd, &target.digest).await?[..])
             .map_err(|e| bad(format!("index {}: {e}", target.digest)))?;

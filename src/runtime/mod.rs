@@ -28,6 +28,7 @@ pub mod rootfs;
 pub mod seccomp;
 pub mod spec;
 pub mod stats;
+pub mod transfer;
 pub mod unpack;
 pub mod user;
 

@@ -1,6 +1,10 @@
 //! The BuildKit backend: a buildkitd the agent supervises on the host
-//! with the containerd worker in the agent's own namespace (BLD-6's
-//! containerd equivalent), driven by a native client of its control API
+//! with the containerd worker in a namespace of its own, `<ns>-build`
+//! (BLD-6's containerd equivalent; 45.2: a build never sees the images
+//! tenants pulled into the agent's namespace, and BuildKit's fallback to
+//! its local store finds no image record, as each is removed once the
+//! build hands it over). `RUN` steps join the build bridge through CNI
+//! (45.1, [`crate::build::network::cni_config`]). Driven by a native client of its control API
 //! (types from `bollard-buildkit-proto`): `Info` for the version pin,
 //! `Solve` with the Dockerfile frontend (BLD-8) and the image exporter
 //! (BLD-9), `Status` mapped to log lines (BLD-10), the exporter response's
@@ -26,22 +30,52 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::build::network::StepNetwork;
 use crate::build::progress::{SolveStatus, Vertex, status_lines};
 use crate::build::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, say};
+use crate::runtime::{Containerd, ImageRef};
 
 /// The release buildkitd must report.
 pub const DEFAULT_BUILDKIT_VERSION: &str = "v0.18.2";
 /// BLD-6's readiness deadline.
 const READY_DEADLINE: Duration = Duration::from_secs(90);
+/// How long a replaced daemon gets to close its network namespaces.
+const STOP_GRACE: Duration = Duration::from_secs(10);
 /// Worker GC budget (BLD-6: BuildKit's default is left to chance).
 const KEEP_STORAGE_MB: u64 = 10 * 1024;
+/// Network namespaces BuildKit keeps ready on the build bridge (each holds
+/// an address while idle): as many as builds may run at once by default.
+const CNI_POOL: u32 = 2;
+/// Where Debian's containernetworking-plugins and upstream's tarball put
+/// the CNI plugins.
+const CNI_PLUGIN_DIRS: [&str; 2] = ["/usr/lib/cni", "/opt/cni/bin"];
+
+/// The containerd namespace BuildKit's worker uses for the agent's
+/// namespace `ns`.
+pub fn worker_namespace(ns: &str) -> String {
+    format!("{ns}-build")
+}
+
+/// How buildkitd's `RUN` steps reach the network: a daemon-wide choice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum DaemonNetwork {
+    /// On the build bridge through CNI: the config file and plugin dir.
+    Cni {
+        config: PathBuf,
+        plugins: PathBuf,
+    },
+    Host,
+}
 
 #[derive(Debug)]
 pub struct BuildKit {
     pub buildkitd: PathBuf,
     pub version: String,
     pub containerd_address: PathBuf,
+    /// The agent's namespace, where a loaded image goes.
     pub namespace: String,
+    /// The worker's namespace ([`worker_namespace`]).
+    pub worker_namespace: String,
     /// `<data-dir>/buildkit`: the daemon's root and its config.
     pub root: PathBuf,
     /// `<run-dir>/buildkit/buildkitd.sock`, root-only.
@@ -62,6 +96,7 @@ impl BuildKit {
             version: DEFAULT_BUILDKIT_VERSION.to_owned(),
             containerd_address: containerd_address.to_path_buf(),
             namespace: namespace.to_owned(),
+            worker_namespace: worker_namespace(namespace),
             root: data_dir.join("buildkit"),
             socket: run_dir.join("buildkit/buildkitd.sock"),
             daemon: Mutex::new(None),
@@ -72,8 +107,9 @@ impl BuildKit {
         format!("unix://{}", self.socket.display())
     }
 
-    /// `buildkitd.toml`: the worker, GC budget and registry trust.
-    pub fn config_text(&self, trusted: &[(String, PathBuf)]) -> String {
+    /// `buildkitd.toml`: the worker, its network, GC budget and registry
+    /// trust.
+    fn config_text(&self, trusted: &[(String, PathBuf)], network: &DaemonNetwork) -> String {
         let mut text = format!(
             "root = {root:?}\n\n[grpc]\n  address = [{addr:?}]\n  uid = 0\n  gid = 0\n\n\
              [worker.oci]\n  enabled = false\n\n[worker.containerd]\n  enabled = true\n  \
@@ -81,9 +117,20 @@ impl BuildKit {
             root = self.root.display().to_string(),
             addr = self.addr(),
             ctd = self.containerd_address.display().to_string(),
-            ns = self.namespace,
+            ns = self.worker_namespace,
             keep = KEEP_STORAGE_MB,
         );
+        match network {
+            DaemonNetwork::Cni { config, plugins } => {
+                let _ = write!(
+                    text,
+                    "  networkMode = \"cni\"\n  cniConfigPath = {:?}\n  cniBinaryPath = {:?}\n  cniPoolSize = {CNI_POOL}\n",
+                    config.display().to_string(),
+                    plugins.display().to_string(),
+                );
+            }
+            DaemonNetwork::Host => text.push_str("  networkMode = \"host\"\n"),
+        }
         for (host, ca) in trusted {
             let _ = write!(
                 text,
@@ -135,9 +182,11 @@ impl BuildKit {
         &self,
         events: &Events,
         trust: &[(&str, &[u8])],
+        steps: &StepNetwork,
     ) -> Result<(), BuildError> {
         let provision = |e: std::io::Error| BuildError::Provision(e.to_string());
         let mut daemon = self.daemon.lock().await;
+        let network = self.daemon_network(steps)?;
         let mut trusted = Vec::new();
         for (host, ca) in trust {
             let dir = self.root.join("ca");
@@ -147,7 +196,7 @@ impl BuildKit {
             trusted.push(((*host).to_owned(), file));
         }
         let config = self.root.join("buildkitd.toml");
-        let text = self.config_text(&trusted);
+        let text = self.config_text(&trusted, &network);
         let same_config = std::fs::read_to_string(&config).is_ok_and(|old| old == text);
         match self.running_version().await {
             Some(v) if v == self.version && same_config => return Ok(()),
@@ -203,7 +252,7 @@ impl BuildKit {
             .arg("--containerd-worker-addr")
             .arg(&self.containerd_address)
             .arg("--containerd-worker-namespace")
-            .arg(&self.namespace)
+            .arg(&self.worker_namespace)
             .arg("--root")
             .arg(&self.root)
             .arg("--addr")
@@ -223,25 +272,128 @@ impl BuildKit {
         self.wait_ready(events).await
     }
 
+    /// The daemon's network for steps that go to `steps`; the CNI config
+    /// is written (a changed one changes buildkitd.toml's text too, as its
+    /// path holds the bridge's name).
+    fn daemon_network(&self, steps: &StepNetwork) -> Result<DaemonNetwork, BuildError> {
+        match steps {
+            StepNetwork::Host => Ok(DaemonNetwork::Host),
+            StepNetwork::Bridge { name, subnet } => {
+                let plugins = CNI_PLUGIN_DIRS
+                    .iter()
+                    .map(PathBuf::from)
+                    .find(|d| d.join("bridge").is_file() && d.join("host-local").is_file())
+                    .ok_or_else(|| {
+                        BuildError::Network(format!(
+                            "BuildKit's build network needs the CNI bridge and host-local plugins \
+                             (in {}): apt install containernetworking-plugins, or set \
+                             build-network = \"host\"",
+                            CNI_PLUGIN_DIRS.join(" or ")
+                        ))
+                    })?;
+                let dir = self.root.join("cni");
+                std::fs::create_dir_all(&dir)
+                    .map_err(|e| BuildError::Provision(format!("{}: {e}", dir.display())))?;
+                let config = dir.join(format!("{name}-{}.conf", subnet.slot()));
+                let text = crate::build::network::cni_config(name, *subnet, &dir.join("ipam"));
+                if std::fs::read_to_string(&config).ok().as_deref() != Some(text.as_str()) {
+                    std::fs::write(&config, text)
+                        .map_err(|e| BuildError::Provision(format!("{}: {e}", config.display())))?;
+                }
+                Ok(DaemonNetwork::Cni { config, plugins })
+            }
+            StepNetwork::None => Err(BuildError::Network(
+                "build-network = \"none\" is not available with BuildKit (its steps take the \
+                 build bridge or, by the operator's choice, the host's network)"
+                    .into(),
+            )),
+            StepNetwork::Namespace { .. } => Err(BuildError::Network(
+                "BuildKit attaches its steps itself: it takes the build bridge, not a namespace"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The built image leaves the worker's namespace: a loaded one is
+    /// copied into the agent's, and the record goes either way, so that
+    /// BuildKit's fallback to its local store never finds one tenant's
+    /// image for another's `FROM`.
+    async fn hand_over(&self, output: &Output) -> Result<(), BuildError> {
+        let handover = |e: String| BuildError::Solve(format!("hand the image over: {e}"));
+        let worker_ns = self
+            .worker_namespace
+            .parse()
+            .map_err(|e: crate::runtime::InvalidName| handover(e.to_string()))?;
+        let worker = Containerd::connect(&self.containerd_address, worker_ns)
+            .await
+            .map_err(|e| handover(e.to_string()))?;
+        let name = match output {
+            Output::Push { reference } => reference,
+            Output::Load { name } => name,
+        };
+        let loaded = async {
+            if let Output::Load { .. } = output {
+                let agent_ns = self
+                    .namespace
+                    .parse()
+                    .map_err(|e: crate::runtime::InvalidName| e.to_string())?;
+                let agent = Containerd::connect(&self.containerd_address, agent_ns)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let image: ImageRef = name.parse().map_err(|e| format!("{name}: {e}"))?;
+                crate::runtime::transfer::copy_image(&worker, &agent, &image)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok::<(), String>(())
+        }
+        .await;
+        // BuildKit records the name as given.
+        if let Err(e) = crate::runtime::images::delete_image(&worker, name).await {
+            tracing::warn!(image = %name, error = %e, "build image record left in the worker's namespace");
+        }
+        loaded.map_err(handover)
+    }
+
     /// Where the daemon's pid is kept: a later agent replaces a daemon it
     /// did not start (after a restart) by it.
     pub fn pid_file(&self) -> PathBuf {
         self.socket.with_file_name("buildkitd.pid")
     }
 
-    /// Stops the daemon: the child this agent holds, else the recorded pid.
-    async fn stop_daemon(&self, child: Option<tokio::process::Child>) {
+    /// Stops the daemon (the child this agent holds, else the recorded
+    /// pid): SIGTERM first, so that it gives its CNI namespaces and their
+    /// addresses back, SIGKILL after [`STOP_GRACE`].
+    async fn stop_daemon(&self, mut child: Option<tokio::process::Child>) {
+        let recorded = || {
+            std::fs::read_to_string(self.pid_file())
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok())
+        };
+        let pid = child
+            .as_ref()
+            .and_then(tokio::process::Child::id)
+            .or_else(recorded)
+            .and_then(|p| i32::try_from(p).ok())
+            .map(nix::unistd::Pid::from_raw);
+        if let Some(pid) = pid {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = tokio::time::Instant::now() + STOP_GRACE;
+            let mut gone = false;
+            while !gone && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                // A child of this agent stays a zombie until waited for.
+                gone = match child.as_mut() {
+                    Some(c) => c.try_wait().ok().flatten().is_some(),
+                    None => nix::sys::signal::kill(pid, None).is_err(),
+                };
+            }
+            if !gone {
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            }
+        }
         if let Some(mut child) = child {
-            let _ = child.kill().await;
-        } else if let Some(pid) = std::fs::read_to_string(self.pid_file())
-            .ok()
-            .and_then(|t| t.trim().parse::<i32>().ok())
-        {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            let _ = child.wait().await;
         }
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(self.pid_file());
@@ -315,10 +467,12 @@ fn solve_request(spec: &BuildSpec, reference: &str, session: &str) -> SolveReque
         frontend_attrs.insert(format!("build-arg:{k}"), v.clone());
     }
     let attrs = match &spec.output {
+        // A pushed image is pulled by digest into the agent's namespace:
+        // unpacking it in the worker's would be wasted.
         Output::Push { reference } => [
             ("name", reference.as_str()),
             ("push", "true"),
-            ("unpack", "true"),
+            ("unpack", "false"),
         ],
         Output::Load { name } => [
             ("name", name.as_str()),
@@ -362,7 +516,7 @@ impl Backend for BuildKit {
             .iter()
             .filter_map(|r| r.ca_pem.as_deref().map(|ca| (r.host.as_str(), ca)))
             .collect();
-        self.ensure_daemon(events, &trust).await?;
+        self.ensure_daemon(events, &trust, &spec.network).await?;
         let control = self.control();
         // Both local names the frontend asks for are the context (BLD-8),
         // so `.dockerignore` is the frontend's to apply.
@@ -432,7 +586,12 @@ impl Backend for BuildKit {
             .find_map(|k| response.exporter_response.get(*k))
             .cloned()
             .unwrap_or_default();
+        self.hand_over(&spec.output).await?;
         Ok(Built { digest })
+    }
+
+    fn attaches_steps_itself(&self) -> bool {
+        true
     }
 }
 
@@ -506,7 +665,7 @@ mod tests {
         let ex = &req.exporters[0];
         assert_eq!(ex.r#type, "image");
         assert_eq!(ex.attrs["push"], "true");
-        assert_eq!(ex.attrs["unpack"], "true");
+        assert_eq!(ex.attrs["unpack"], "false");
         assert_eq!(ex.attrs["name"], "10.90.0.1:5000/p/a:b");
     }
 
@@ -523,11 +682,25 @@ mod tests {
             "10.90.0.1:5000".into(),
             PathBuf::from("/var/lib/zattera/ca/ca.crt"),
         )];
-        let text = bk.config_text(&trusted);
+        let network = DaemonNetwork::Cni {
+            config: PathBuf::from("/var/lib/zattera/buildkit/cni/ztb-254.conf"),
+            plugins: PathBuf::from("/usr/lib/cni"),
+        };
+        let text = bk.config_text(&trusted, &network);
         let parsed: toml::Value = toml::from_str(&text).unwrap();
+        let worker = &parsed["worker"]["containerd"];
+        assert_eq!(worker["namespace"].as_str(), Some("zattera-build"));
+        assert_eq!(worker["networkMode"].as_str(), Some("cni"));
         assert_eq!(
-            parsed["worker"]["containerd"]["namespace"].as_str(),
-            Some("zattera")
+            worker["cniConfigPath"].as_str(),
+            Some("/var/lib/zattera/buildkit/cni/ztb-254.conf")
+        );
+        assert_eq!(worker["cniBinaryPath"].as_str(), Some("/usr/lib/cni"));
+        let host: toml::Value =
+            toml::from_str(&bk.config_text(&trusted, &DaemonNetwork::Host)).unwrap();
+        assert_eq!(
+            host["worker"]["containerd"]["networkMode"].as_str(),
+            Some("host")
         );
         assert_eq!(parsed["worker"]["oci"]["enabled"].as_bool(), Some(false));
         assert_eq!(
