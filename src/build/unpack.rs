@@ -9,11 +9,24 @@
 //! modes are masked to 0o777; links, devices and FIFOs are skipped, so no
 //! entry can point outside. Entries and decompressed bytes are capped too,
 //! which bounds a gzip bomb made of headers.
+//!
+//! GNU long names and PAX headers are read here, not by the tar crate, which
+//! reads their bodies whole (up to the decompressed cap, 1 GiB) and copies
+//! them into every later message: a body over [`MAX_EXTENSION`] or a name
+//! over [`MAX_NAME`] is refused before it is read, and a name quoted in an
+//! error is cut to [`SHOWN_NAME`] bytes.
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
+
+/// The longest entry name (Linux's PATH_MAX).
+pub const MAX_NAME: u64 = 4096;
+/// The largest PAX or GNU extension body: a name and a few records.
+pub const MAX_EXTENSION: u64 = 64 << 10;
+/// How much of a name an error quotes.
+const SHOWN_NAME: usize = 256;
 
 /// The bounds of one context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +71,14 @@ pub enum UnpackError {
     },
     #[error("{}: {source}", path.display())]
     Write { path: PathBuf, source: io::Error },
+    #[error("a {kind} header of {size} bytes (at most {max})")]
+    ExtensionTooLarge {
+        kind: &'static str,
+        size: u64,
+        max: u64,
+    },
+    #[error("an entry name of {0} bytes (at most {MAX_NAME})")]
+    NameTooLong(u64),
 }
 
 /// What an unpack wrote.
@@ -125,16 +146,50 @@ pub fn unpack(tgz: impl Read, dest: &Path, limits: Limits) -> Result<Unpacked, U
     let mut done = Unpacked::default();
     let mut entries_seen = 0u64;
     let mut declared_total = 0u64;
+    // The name a GNU `L` or PAX `path` record gives the next entry.
+    let mut long_name: Option<Vec<u8>> = None;
     let fault = |e: io::Error| stream_error(e, limits);
-    for entry in archive.entries().map_err(fault)? {
+    for entry in archive.entries().map_err(fault)?.raw(true) {
         let mut entry = entry.map_err(fault)?;
         entries_seen += 1;
         if entries_seen > limits.max_entries {
             return Err(UnpackError::TooManyEntries(limits.max_entries));
         }
-        let name = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
-        let rel = contained(&name).ok_or_else(|| UnpackError::UnsafePath(name.clone()))?;
         let kind = entry.header().entry_type();
+        if let Some(what) = extension_kind(kind) {
+            let size = entry.header().size().map_err(UnpackError::Tar)?;
+            if size > MAX_EXTENSION {
+                return Err(UnpackError::ExtensionTooLarge {
+                    kind: what,
+                    size,
+                    max: MAX_EXTENSION,
+                });
+            }
+            let mut body = Vec::new();
+            (&mut entry)
+                .take(size)
+                .read_to_end(&mut body)
+                .map_err(fault)?;
+            let named = match kind {
+                tar::EntryType::GNULongName => Some(trim_nuls(body)),
+                tar::EntryType::XHeader => pax_path(&body),
+                // Link targets are never used; global records name nothing.
+                _ => None,
+            };
+            if let Some(n) = named {
+                if n.len() as u64 > MAX_NAME {
+                    return Err(UnpackError::NameTooLong(n.len() as u64));
+                }
+                long_name = Some(n);
+            }
+            continue;
+        }
+        let name_bytes = long_name
+            .take()
+            .unwrap_or_else(|| entry.path_bytes().into_owned());
+        let name = shown(&name_bytes);
+        let rel = contained(&String::from_utf8_lossy(&name_bytes))
+            .ok_or_else(|| UnpackError::UnsafePath(name.clone()))?;
         let target = dest.join(&rel);
         if kind.is_dir() {
             mkdirs(&target)?;
@@ -181,6 +236,45 @@ pub fn unpack(tgz: impl Read, dest: &Path, limits: Limits) -> Result<Unpacked, U
         }
     }
     Ok(done)
+}
+
+/// What an extension entry is called in an error, or `None` for an entry
+/// that is not one.
+fn extension_kind(kind: tar::EntryType) -> Option<&'static str> {
+    match kind {
+        tar::EntryType::GNULongName => Some("GNU long name"),
+        tar::EntryType::GNULongLink => Some("GNU long link"),
+        tar::EntryType::XHeader => Some("PAX"),
+        tar::EntryType::XGlobalHeader => Some("PAX global"),
+        _ => None,
+    }
+}
+
+/// A GNU long name's body without its trailing NULs.
+fn trim_nuls(mut body: Vec<u8>) -> Vec<u8> {
+    while body.last() == Some(&0) {
+        body.pop();
+    }
+    body
+}
+
+/// The `path` record of a PAX header, if it has one.
+fn pax_path(body: &[u8]) -> Option<Vec<u8>> {
+    tar::PaxExtensions::new(body)
+        .filter_map(Result::ok)
+        .filter(|e| e.key() == Ok("path"))
+        .last()
+        .map(|e| e.value_bytes().to_vec())
+}
+
+/// A name as an error quotes it: lossy UTF-8, at most [`SHOWN_NAME`] bytes.
+fn shown(name: &[u8]) -> String {
+    let cut = name.len().min(SHOWN_NAME);
+    let mut text = String::from_utf8_lossy(&name[..cut]).into_owned();
+    if name.len() > cut {
+        text.push('…');
+    }
+    text
 }
 
 /// A read error: the cap, a gzip fault, or a tar one.
@@ -392,6 +486,121 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let e = unpack(&data[..], dir.path(), small).unwrap_err();
         assert!(matches!(e, UnpackError::Bomb(4096)), "{e}");
+    }
+
+    fn gz(raw: &[u8]) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(raw).unwrap();
+        gz.finish().unwrap()
+    }
+
+    /// One extension entry of `kind` with `body`, then a file `short.txt`.
+    fn with_extension(kind: tar::EntryType, body: &[u8]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_ustar();
+        h.set_path("././@Ext").unwrap();
+        h.set_entry_type(kind);
+        h.set_size(body.len() as u64);
+        h.set_cksum();
+        b.append(&h, body).unwrap();
+        let mut f = tar::Header::new_ustar();
+        f.set_path("short.txt").unwrap();
+        f.set_size(2);
+        f.set_mode(0o644);
+        f.set_cksum();
+        b.append(&f, &b"ok"[..]).unwrap();
+        gz(&b.into_inner().unwrap())
+    }
+
+    fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
+        // "<len> <key>=<value>\n", where len counts itself.
+        let rest = key.len() + value.len() + 3;
+        let mut len = rest + 1;
+        while len.to_string().len() + rest != len {
+            len += 1;
+        }
+        let mut r = format!("{len} {key}=").into_bytes();
+        r.extend_from_slice(value);
+        r.push(b'\n');
+        r
+    }
+
+    #[test]
+    fn long_gnu_and_pax_names_name_the_next_entry() {
+        let long = format!("{}file.txt", format!("{}/", "d".repeat(60)).repeat(5));
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(4);
+        h.set_mode(0o644);
+        b.append_data(&mut h, &long, &b"long"[..]).unwrap();
+        let (dir, r) = run(&gz(&b.into_inner().unwrap()));
+        r.unwrap();
+        assert_eq!(
+            fs::read(dir.path().join("ctx").join(&long)).unwrap(),
+            b"long"
+        );
+
+        let deep = format!("{}p.txt", format!("{}/", "p".repeat(50)).repeat(4));
+        let pax = pax_record("path", deep.as_bytes());
+        let (dir, r) = run(&with_extension(tar::EntryType::XHeader, &pax));
+        r.unwrap();
+        let named = dir.path().join("ctx").join(&deep);
+        assert_eq!(
+            fs::read(named).unwrap(),
+            b"ok",
+            "the PAX path replaces the header's"
+        );
+    }
+
+    /// The tar crate read a PAX or GNU body whole, whatever its size (up to
+    /// the 1 GiB decompressed cap), and held and copied it: a 2 MiB PAX
+    /// comment unpacked fine on the old code. Now it is refused unread.
+    #[test]
+    fn oversized_extension_headers_are_refused_before_they_are_read() {
+        let comment = pax_record("comment", &vec![b'A'; 2 << 20]);
+        let (_dir, r) = run(&with_extension(tar::EntryType::XHeader, &comment));
+        let e = r.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                UnpackError::ExtensionTooLarge {
+                    kind: "PAX",
+                    max: MAX_EXTENSION,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let (_dir, r) = run(&with_extension(
+            tar::EntryType::GNULongName,
+            &vec![b'n'; 1 << 20],
+        ));
+        assert!(matches!(
+            r.unwrap_err(),
+            UnpackError::ExtensionTooLarge {
+                kind: "GNU long name",
+                ..
+            }
+        ));
+        let (_dir, r) = run(&with_extension(
+            tar::EntryType::GNULongName,
+            &vec![b'n'; 8192],
+        ));
+        assert!(matches!(r.unwrap_err(), UnpackError::NameTooLong(8192)));
+    }
+
+    #[test]
+    fn an_error_quotes_a_long_name_short() {
+        let name = format!("{}evil", "../".repeat(1300));
+        let mut long = name.clone().into_bytes();
+        long.push(0);
+        let (_dir, r) = run(&with_extension(tar::EntryType::GNULongName, &long));
+        let text = r.unwrap_err().to_string();
+        assert!(
+            text.starts_with("unsafe path in context: \"../../"),
+            "{text}"
+        );
+        assert!(text.len() < 300, "{} bytes", text.len());
     }
 
     #[test]
