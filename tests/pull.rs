@@ -458,3 +458,100 @@ async fn a_layer_longer_than_declared_is_cut_off() {
     .await;
     server.abort();
 }
+
+/// The process's peak resident memory so far (nextest runs each test in a
+/// process of its own).
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// A registry whose manifest never ends (256 MiB with no length, then it
+/// stops). oci-client read a manifest whole, so the old pull held all of it
+/// (its peak memory grew past 256 MiB); now the read stops past 4 MiB and
+/// the pull fails naming the cap.
+#[tokio::test]
+async fn an_endless_manifest_is_cut_off() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rig) = rig() else { return };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let sent = Arc::new(AtomicU64::new(0));
+    let sent_by_server = Arc::clone(&sent);
+    let server = tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let sent = Arc::clone(&sent_by_server);
+            tokio::spawn(async move {
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if String::from_utf8_lossy(&req)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .contains("/manifests/")
+                {
+                    let _ = conn
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nConnection: close\r\n\r\n{\"schemaVersion\":2,\"annotations\":{\"a\":\"")
+                        .await;
+                    let chunk = vec![b'x'; 64 * 1024];
+                    for _ in 0..4096 {
+                        if conn.write_all(&chunk).await.is_err() {
+                            break;
+                        }
+                        sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    }
+                } else {
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+                        )
+                        .await;
+                }
+                let _ = conn.shutdown().await;
+            });
+        }
+    });
+    let reference: ImageRef = format!("{addr}/evil/endless-manifest:1").parse().unwrap();
+    with_namespace(&rig, "pull-endless-manifest", |ctd, _rig| async move {
+        let before = peak_rss();
+        let err = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
+        )
+        .await
+        .expect("the pull ended")
+        .unwrap_err()
+        .to_string();
+        let grew = peak_rss().saturating_sub(before);
+        eprintln!(
+            "read {} MiB of the manifest; peak memory grew {} MiB",
+            sent.load(Ordering::Relaxed) >> 20,
+            grew >> 20
+        );
+        assert!(err.contains("larger than 4194304 bytes"), "{err}");
+        assert!(
+            sent.load(Ordering::Relaxed) < 32 << 20,
+            "the pull read {} bytes of a manifest",
+            sent.load(Ordering::Relaxed)
+        );
+        assert!(
+            grew < 64 << 20,
+            "the pull's peak memory grew by {} MiB",
+            grew >> 20
+        );
+    })
+    .await;
+    server.abort();
+}

@@ -20,6 +20,7 @@ pub mod exec_orphans;
 pub mod exec_session;
 pub mod images;
 pub mod lease;
+pub mod manifest_get;
 mod names;
 pub mod oom;
 pub mod pull;

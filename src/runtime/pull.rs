@@ -33,6 +33,7 @@ use super::digest::Digest;
 use super::error::RuntimeError;
 use super::images::{LocalImage, get_local, put_image_record};
 use super::lease::Lease;
+use super::manifest_get::ManifestGet;
 use super::reference::ImageRef;
 use super::unpack::{self, LABEL_GC_SNAPSHOT};
 
@@ -236,11 +237,17 @@ impl Puller {
 
     /// The cluster registry always speaks TLS, even on loopback; other
     /// loopback registries are dev ones, reached over plain HTTP.
-    fn client_for(&self, reference: &ImageRef, cluster: Option<&ClusterRegistry>) -> Client {
+    fn client_for(
+        &self,
+        reference: &ImageRef,
+        cluster: Option<&ClusterRegistry>,
+    ) -> Result<(Client, ManifestGet), RuntimeError> {
         let plain_http = cluster.is_none()
             && (is_loopback_registry(reference.domain())
                 || self.insecure.iter().any(|r| r == reference.domain()));
-        Client::new(ClientConfig {
+        let manifests = ManifestGet::new(plain_http, cluster.map(|c| c.ca_pem.as_slice()))
+            .map_err(|e| fail(reference, &e))?;
+        let oci = Client::new(ClientConfig {
             protocol: if plain_http {
                 ClientProtocol::Http
             } else {
@@ -257,7 +264,8 @@ impl Puller {
             connect_timeout: Some(Duration::from_secs(10)),
             read_timeout: Some(Duration::from_secs(60)),
             ..ClientConfig::default()
-        })
+        });
+        Ok((oci, manifests))
     }
 
     async fn pull(
@@ -270,7 +278,7 @@ impl Puller {
         let ctd = &self.ctd;
         let began = std::time::Instant::now();
         let cluster = self.cluster_for(reference);
-        let client = self.client_for(reference, cluster.as_deref());
+        let (client, manifests) = self.client_for(reference, cluster.as_deref())?;
         let ms = |at: std::time::Instant| {
             u64::try_from(at.duration_since(began).as_millis()).unwrap_or(u64::MAX)
         };
@@ -291,7 +299,7 @@ impl Puller {
 
         // The top object: what the reference names (an index or a manifest).
         let (top_bytes, top_digest) =
-            fetch_manifest(&client, &oref, &auth, reference, None).await?;
+            fetch_manifest(&client, &manifests, &oref, &auth, reference, None).await?;
         if let Some(pinned) = reference.digest()
             && *pinned != top_digest
         {
@@ -315,8 +323,15 @@ impl Puller {
                 )
             })?;
             let chosen = Descriptor::from_oci(chosen)?;
-            let (bytes, digest) =
-                fetch_manifest(&client, &oref, &auth, reference, Some(&chosen.digest)).await?;
+            let (bytes, digest) = fetch_manifest(
+                &client,
+                &manifests,
+                &oref,
+                &auth,
+                reference,
+                Some(&chosen.digest),
+            )
+            .await?;
             let labels = HashMap::from([(
                 "containerd.io/gc.ref.content.m.0".to_owned(),
                 chosen.digest.to_string(),
@@ -474,7 +489,7 @@ fn fail(reference: &ImageRef, reason: &str) -> RuntimeError {
     RuntimeError::Invalid(format!("pull {reference}: {reason}"))
 }
 
-fn describe(e: &OciDistributionError) -> String {
+pub(super) fn describe(e: &OciDistributionError) -> String {
     match e {
         OciDistributionError::AuthenticationFailure(m) => {
             format!("registry refused the credentials: {m}")
@@ -521,6 +536,7 @@ fn media_type_of(bytes: &[u8]) -> String {
 
 async fn fetch_manifest(
     client: &Client,
+    manifests: &ManifestGet,
     oref: &Reference,
     auth: &RegistryAuth,
     reference: &ImageRef,
@@ -534,10 +550,10 @@ async fn fetch_manifest(
         ),
         None => oref.clone(),
     };
-    let (bytes, _) = client
-        .pull_manifest_raw(&target, auth, &ACCEPTED)
+    let bytes = manifests
+        .get(client, &target, auth, &ACCEPTED)
         .await
-        .map_err(|e| fail(reference, &describe(&e)))?;
+        .map_err(|e| fail(reference, &e))?;
     // Verify ourselves: the registry's Docker-Content-Digest header is not proof.
     let actual = Digest::of(&bytes);
     if let Some(d) = digest
