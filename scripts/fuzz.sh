@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short, bounded fuzz run of the manifest parser, the build tarball
 # unpacker, the CRI log line parser, the snapshot manifest and chunk reader,
-# and the DNS request path
+# BuildKit's file-sync framing, and the DNS request path
 # (CI runs it; longer campaigns are in fuzz/README.md and dns/fuzz/README.md).
 # Installs cargo-fuzz itself. Corpora persist in /var/tmp/zattera-fuzz-corpus.
 #   ZATTERA_FUZZ_SECONDS   per target (default 20)
@@ -25,9 +25,10 @@ run() {
   (cd "$dir" && cargo fuzz run -s none "$target" "$CORPUS/$target" -- \
     -max_total_time="$SECONDS_EACH" -print_final_stats=1 "$@" 2>&1 | tail -n 15)
 }
-mkdir -p "$CORPUS/build_tarball" "$CORPUS/cri_line" "$CORPUS/snapshot_manifest"
+mkdir -p "$CORPUS/build_tarball" "$CORPUS/cri_line" "$CORPUS/snapshot_manifest" "$CORPUS/filesync"
 run fuzz manifest -max_len=8192
 run fuzz build_tarball -max_len=65536
 run fuzz cri_line -max_len=4096
 run fuzz snapshot_manifest -max_len=65536
+run fuzz filesync -max_len=4096
 run dns request -max_len=2048

@@ -372,3 +372,77 @@ async fn logs_follow_reads_every_rotation() {
     })
     .await;
 }
+
+/// The process's peak resident memory so far (nextest runs each test in a
+/// process of its own).
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// 45.3 end to end: a container prints 64 MiB without a newline (stored as
+/// the shim's partial chunks, compressing about 1000:1), and one QueryLogs
+/// over it stays bounded: the line is cut at 1 MiB with its marker, and the
+/// querying process's peak memory grows by a few MiB, not by the line.
+#[tokio::test]
+async fn a_query_of_a_line_without_end_stays_bounded() {
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, "logs-endless-line", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
+            .await
+            .unwrap();
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlq", "206-206");
+        agent.write_manifest(
+            "long.toml",
+            &format!(
+                "[app]\nname = \"long\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TOOLS}\"\n\
+                 [env.prod]\ncommand = \"head -c 67108864 /dev/zero | tr '\\\\0' A; echo; echo after; exec sleep 1000000\"\n"
+            ),
+        );
+        agent.start();
+        let ids = agent.wait_all(1, "HEALTHY");
+        let (assignment, cid) = ids.into_iter().next().unwrap();
+        let live = agent.data_dir().join("logs").join(format!("{cid}.log"));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let ended = || {
+            files::of_container(&live)
+                .iter()
+                .any(|p| texts(std::slice::from_ref(p)).iter().any(|t| t == "after"))
+        };
+        while !ended() {
+            assert!(Instant::now() < deadline, "the writer never finished");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let (_, desired) = tokio::sync::watch::channel(None);
+        let query = LogQuery {
+            selector: Some(LogSelector {
+                instance_id: assignment.clone(),
+                ..LogSelector::default()
+            }),
+            limit: 10,
+            ..LogQuery::default()
+        };
+        let before = peak_rss();
+        let mut got =
+            zattera_agent::control::node_api::logs::query_logs(&ctd, &agent.data_dir(), &desired, query)
+                .await
+                .unwrap();
+        let mut lines = Vec::new();
+        while let Some(l) = got.next().await {
+            lines.push(l.unwrap().line);
+        }
+        let grew = peak_rss().saturating_sub(before);
+        eprintln!("peak memory grew {} MiB over the query", grew >> 20);
+        let long = lines.iter().find(|l| l.starts_with("AAAA")).unwrap_or_else(|| panic!("no long line: {:?}", lines.iter().map(|l| &l[..l.len().min(40)]).collect::<Vec<_>>()));
+        assert!(long.len() < (1 << 20) + 128, "{} bytes", long.len());
+        assert!(long.ends_with("more bytes]"), "{}", &long[long.len() - 80..]);
+        assert!(lines.iter().any(|l| l == "after"), "the next line starts clean");
+        assert!(grew < 32 << 20, "the query's peak memory grew by {} MiB", grew >> 20);
+    })
+    .await;
+}
