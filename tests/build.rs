@@ -18,7 +18,10 @@ use blobs::{BlobServer, context};
 use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::registry::Registry;
 use support::{rig, with_namespace};
-use zattera_agent::proto::cluster::{BuildEvent, CancelBuildRequest, RunBuildRequest};
+use zattera_agent::proto::cluster::{
+    BuildEvent, CancelBuildRequest, Endpoint, InternalPort, InternalService, RouteSnapshot,
+    RunBuildRequest,
+};
 use zattera_agent::proto::v1::{BuildStatus, HealthCheck, HealthCheckType, InstanceState, Meta};
 
 /// The package.json of the tests' smallest Node app.
@@ -483,9 +486,10 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
     .await;
 }
 
-/// A network namespace of the test's own, `10.203.<octet>.2` behind a veth
-/// from the host (`.1`), serving `ok.txt` over HTTP on 8088: the "outside"
-/// a build step may still reach. Removed when dropped.
+/// A network namespace of the test's own, `<net>.2` behind a veth from the
+/// host (`<net>.1`), serving `ok.txt` over HTTP on 8088: the "outside" a
+/// build step may reach, or, in the mesh's CIDR, may not. Removed when
+/// dropped.
 struct Upstream {
     ns: String,
     httpd: std::process::Child,
@@ -493,9 +497,9 @@ struct Upstream {
 }
 
 impl Upstream {
-    fn start(prefix: &str, octet: u8) -> Self {
-        let ns = format!("{prefix}-up");
-        let veth = format!("{prefix}up0");
+    fn start(name: &str, net: &str) -> Self {
+        let ns = format!("{name}-up");
+        let veth = format!("{name}up0");
         let _ = std::process::Command::new("ip")
             .args(["netns", "del", &ns])
             .output();
@@ -513,15 +517,25 @@ impl Upstream {
         run(&[
             "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
         ]);
-        let host = format!("10.203.{octet}.1/24");
-        let inside = format!("10.203.{octet}.2/24");
+        let host = format!("{net}.1/24");
+        let inside = format!("{net}.2/24");
         run(&["ip", "addr", "add", &host, "dev", &veth]);
         run(&["ip", "link", "set", &veth, "up"]);
         run(&["ip", "-n", &ns, "addr", "add", &inside, "dev", "eth0"]);
         run(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
         run(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
+        run(&[
+            "ip",
+            "-n",
+            &ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("{net}.1"),
+        ]);
         let www = tempfile::tempdir().unwrap();
-        std::fs::write(www.path().join("ok.txt"), "upstream-ok\n").unwrap();
+        std::fs::write(www.path().join("ok.txt"), format!("{name}-ok\n")).unwrap();
         let httpd = std::process::Command::new("ip")
             .args([
                 "netns", "exec", &ns, "busybox", "httpd", "-f", "-p", "8088", "-h",
@@ -646,7 +660,11 @@ async fn steps_stay_in_their_network(
     victim_slot: u8,
 ) {
     {
-        let _upstream = Upstream::start(prefix, upstream);
+        let _upstream = Upstream::start(prefix, &format!("10.203.{upstream}"));
+        // A server in the mesh's CIDR (10.90.0.0/16): another node's mesh
+        // address, as far as the build bridge's guard can tell.
+        let mesh_net = format!("10.90.{}", 150 + upstream);
+        let _mesh = Upstream::start(&format!("{prefix}m"), &mesh_net);
         zattera_agent::runtime::import_archive(ctd, &rig.oci_archive(), None)
             .await
             .unwrap();
@@ -673,6 +691,41 @@ async fn steps_stay_in_their_network(
             .and_then(|a| a["ip"].as_str())
             .unwrap()
             .to_owned();
+        // The victim's service VIP (its scope's alone).
+        let vip = format!("10.97.{}.7", 100 + upstream);
+        c.cp.push_routes(RouteSnapshot {
+            version: 1,
+            internal_services: vec![InternalService {
+                fqdn: "victim.env-victim.proj.internal.".into(),
+                project_id: "proj".into(),
+                environment_id: "env-victim".into(),
+                vip: vip.clone(),
+                ports: vec![InternalPort {
+                    name: "http".into(),
+                    port: 8080,
+                    protocol: "tcp".into(),
+                    endpoints: vec![Endpoint {
+                        addr: format!("{victim_ip}:8080"),
+                        healthy: true,
+                        ..Endpoint::default()
+                    }],
+                }],
+            }],
+            ..RouteSnapshot::default()
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect_timeout(
+            &format!("{vip}:8080").parse().unwrap(),
+            Duration::from_millis(500),
+        )
+        .is_err()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the VIP {vip} never answered the host"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         // A service on the host's loopback only.
         let lo = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let lo_port = lo.local_addr().unwrap().port();
@@ -688,6 +741,8 @@ async fn steps_stay_in_their_network(
         let urls = [
             format!("{victim_ip}:8080/s.txt"),
             format!("127.0.0.1:{lo_port}/"),
+            format!("{vip}:8080/s.txt"),
+            format!("{mesh_net}.2:8088/ok.txt"),
             format!("10.203.{upstream}.2:8088/ok.txt"),
         ];
         let dockerfile = format!(
@@ -709,8 +764,10 @@ async fn steps_stay_in_their_network(
             |prefix: &str, u: &str| lines.iter().any(|l| l.contains(&format!("{prefix} {u}")));
         assert!(said("NOT", &urls[0]), "another tenant's port: {lines:#?}");
         assert!(said("NOT", &urls[1]), "the host's loopback: {lines:#?}");
+        assert!(said("NOT", &urls[2]), "another scope's VIP: {lines:#?}");
+        assert!(said("NOT", &urls[3]), "the mesh's CIDR: {lines:#?}");
         assert!(
-            lines.iter().any(|l| l.contains("upstream-ok")),
+            said("GOT", &urls[4]) && lines.iter().any(|l| l.contains(&format!("{prefix}-ok"))),
             "the outside: {lines:#?}"
         );
         assert!(
