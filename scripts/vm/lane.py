@@ -236,12 +236,31 @@ def case_install(ctx, g):
     node.wait("hog FAILED out of memory", lambda s: any(
         r.get("state") == "FAILED" and r.get("message") == "out of memory (limit 16 MiB)"
         for r in rows(s, "hog")))
+    plan_under_the_packaged_layout(g)
     g.sh("DEBIAN_FRONTEND=noninteractive dpkg --purge zattera-agent", timeout=300)
     for f in INSTALLED:
         expect(not g.ok(f"test -e {f}"), f"{f} is left after the purge")
     expect(not g.ok("test -e /etc/systemd/system/multi-user.target.wants/zattera-agent.service"),
            "the unit's enablement is left after the purge")
     expect(g.ok("test -d /var/lib/zattera/logs"), "the purge removed /var/lib/zattera")
+
+
+def plan_under_the_packaged_layout(g):
+    """45.4 on a packaged node: the shipped planner plans an app with no
+    Dockerfile under the 0700 data dir and a 077 umask. The build then stops
+    at once for a platform with no emulator (the guest has no builder and no
+    network; a stand-in buildkitd path lets the pipeline start)."""
+    g.write("/root/plan-app/package.json",
+            '{"name":"plan-app","version":"1.0.0","scripts":{"start":"node index.js"}}\n')
+    g.write("/root/plan-app/index.js", "console.log('hi')\n")
+    g.write("/root/plan.toml", 'build-backend = "buildkit"\nbuildkitd-binary = "/bin/true"\n')
+    out = g.sh("umask 077; zattera-agent --config /root/plan.toml build /root/plan-app "
+               "--platform linux/s390x 2>&1", check=False).stdout
+    expect("planning with nixpacks" in out and "nixpacks plan:" not in out,
+           f"the packaged planner did not plan:\n{out}")
+    expect("no emulator for linux/s390x" in out, f"the build did not stop at the platform:\n{out}")
+    expect(g.sh("stat -c %a /var/lib/zattera").strip() == "700", "the data dir was opened up")
+    expect(g.sh("ls -A /var/lib/zattera-build").strip() == "", "the build scratch was left")
 
 
 def case_cgroup(ctx, g):
