@@ -189,17 +189,13 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
             limit: 10_000,
             ..LogQuery::default()
         };
-        let mut got = zattera_agent::control::node_api::logs::query_logs(
-            &ctd,
-            &agent.data_dir(),
-            &desired,
-            query,
-        )
-        .await
-        .unwrap();
+        let mut got =
+            zattera_agent::logs::query::query_logs(&ctd, &agent.data_dir(), &desired, query)
+                .await
+                .unwrap();
         let mut lines = Vec::new();
         while let Some(l) = got.next().await {
-            lines.push(l.unwrap());
+            lines.push(l);
         }
         assert!(
             lines.len() < 10_000,
@@ -429,12 +425,12 @@ async fn a_query_of_a_line_without_end_stays_bounded() {
         };
         let before = peak_rss();
         let mut got =
-            zattera_agent::control::node_api::logs::query_logs(&ctd, &agent.data_dir(), &desired, query)
+            zattera_agent::logs::query::query_logs(&ctd, &agent.data_dir(), &desired, query)
                 .await
                 .unwrap();
         let mut lines = Vec::new();
         while let Some(l) = got.next().await {
-            lines.push(l.unwrap().line);
+            lines.push(l.line);
         }
         let grew = peak_rss().saturating_sub(before);
         eprintln!("peak memory grew {} MiB over the query", grew >> 20);

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use zattera_agent::control::node_api::logs::parse_cri;
+use zattera_agent::logs::query::parse_cri;
 
 fuzz_target!(|data: &[u8]| {
     let line = String::from_utf8_lossy(data);

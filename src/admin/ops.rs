@@ -155,19 +155,12 @@ async fn logs<W: AsyncWrite + Unpin>(
         ..LogQuery::default()
     };
     let (_, desired) = tokio::sync::watch::channel(None);
-    let mut lines = match crate::control::node_api::logs::query_logs(
-        &node.ctd,
-        &node.data_dir,
-        &desired,
-        query,
-    )
-    .await
-    {
-        Ok(s) => s,
-        Err(e) => return refuse(out, e.message()).await,
-    };
+    let mut lines =
+        match crate::logs::query::query_logs(&node.ctd, &node.data_dir, &desired, query).await {
+            Ok(s) => s,
+            Err(e) => return refuse(out, &e.to_string()).await,
+        };
     while let Some(line) = lines.next().await {
-        let Ok(line) = line else { break };
         let time = line
             .time
             .and_then(|t| SystemTime::try_from(t).ok())
@@ -198,9 +191,9 @@ async fn top(
     if a.container_id.is_empty() {
         return Err(format!("{}: no container yet ({:?})", a.id, a.state));
     }
-    let t = crate::control::node_api::top::top(&node.ctd, &a.container_id)
+    let t = crate::runtime::top::top(&node.ctd, &a.container_id)
         .await
-        .map_err(|e| format!("top {}: {}", a.id, e.message()))?;
+        .map_err(|e| format!("top {}: {e}", a.id))?;
     let processes: Vec<&Vec<String>> = t.processes.iter().map(|p| &p.fields).collect();
     Ok(serde_json::json!({ "titles": t.titles, "processes": processes }))
 }

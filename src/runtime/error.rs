@@ -34,6 +34,18 @@ impl RuntimeError {
         matches!(self, Self::Grpc { status, .. } if status.code() == Code::NotFound)
     }
 
+    /// containerd could not be reached (down, restarting, its socket gone):
+    /// worth asking again, unlike a refusal.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Self::Unavailable { .. } => true,
+            Self::Grpc { status, .. } => {
+                status.code() == Code::Unavailable || std::error::Error::source(status).is_some()
+            }
+            _ => false,
+        }
+    }
+
     pub fn is_already_exists(&self) -> bool {
         matches!(self, Self::Grpc { status, .. } if status.code() == Code::AlreadyExists)
     }

@@ -4,6 +4,7 @@
 //! here oci-client only does the token dance, and the GET is ours.
 
 use bytes::Bytes;
+use oci_client::errors::OciDistributionError;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 
@@ -52,7 +53,7 @@ impl ManifestGet {
         let token = oci
             .auth(target, auth, RegistryOperation::Pull)
             .await
-            .map_err(|e| super::pull::describe(&e))?;
+            .map_err(|e| describe(&e))?;
         let reference = target.digest().or_else(|| target.tag()).unwrap_or("latest");
         let url = format!(
             "{}://{}/v2/{}/manifests/{reference}",
@@ -104,4 +105,29 @@ fn chain(e: &reqwest::Error) -> String {
         source = s.source();
     }
     msg
+}
+
+/// A registry error as a pull failure says it.
+pub fn describe(e: &OciDistributionError) -> String {
+    match e {
+        OciDistributionError::AuthenticationFailure(m) => {
+            format!("registry refused the credentials: {m}")
+        }
+        OciDistributionError::UnauthorizedError { url } => {
+            format!("registry answered 401 Unauthorized at {url}")
+        }
+        OciDistributionError::ImageManifestNotFoundError(m) => {
+            format!("not found in the registry: {m}")
+        }
+        OciDistributionError::RequestError(r) => {
+            let mut msg = r.to_string();
+            let mut source = std::error::Error::source(r);
+            while let Some(s) = source {
+                msg = format!("{msg}: {s}");
+                source = s.source();
+            }
+            msg
+        }
+        other => other.to_string(),
+    }
 }

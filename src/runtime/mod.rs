@@ -29,6 +29,7 @@ pub mod rootfs;
 pub mod seccomp;
 pub mod spec;
 pub mod stats;
+pub mod top;
 pub mod transfer;
 pub mod unpack;
 pub mod user;

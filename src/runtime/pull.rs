@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
-use oci_client::errors::OciDistributionError;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use oci_spec::image::{ImageIndex, ImageManifest};
@@ -33,7 +32,7 @@ use super::digest::Digest;
 use super::error::RuntimeError;
 use super::images::{LocalImage, get_local, put_image_record};
 use super::lease::Lease;
-use super::manifest_get::ManifestGet;
+use super::manifest_get::{ManifestGet, describe};
 use super::reference::ImageRef;
 use super::unpack::{self, LABEL_GC_SNAPSHOT};
 
@@ -487,30 +486,6 @@ fn registry_reference(reference: &ImageRef) -> Reference {
 
 fn fail(reference: &ImageRef, reason: &str) -> RuntimeError {
     RuntimeError::Invalid(format!("pull {reference}: {reason}"))
-}
-
-pub(super) fn describe(e: &OciDistributionError) -> String {
-    match e {
-        OciDistributionError::AuthenticationFailure(m) => {
-            format!("registry refused the credentials: {m}")
-        }
-        OciDistributionError::UnauthorizedError { url } => {
-            format!("registry answered 401 Unauthorized at {url}")
-        }
-        OciDistributionError::ImageManifestNotFoundError(m) => {
-            format!("not found in the registry: {m}")
-        }
-        OciDistributionError::RequestError(r) => {
-            let mut msg = r.to_string();
-            let mut source = std::error::Error::source(r);
-            while let Some(s) = source {
-                msg = format!("{msg}: {s}");
-                source = s.source();
-            }
-            msg
-        }
-        other => other.to_string(),
-    }
 }
 
 fn is_loopback_registry(domain: &str) -> bool {

@@ -10,7 +10,8 @@
 //! one enrolled node must not drive another. HTTP/2 keepalive pings find a
 //! dead caller, so its exec sessions and log follows end.
 //!
-//! Served: `QueryLogs` ([`logs`]), `Exec` ([`exec`]), `Top` ([`top`]),
+//! Served: `QueryLogs` ([`crate::logs::query`]), `Exec` ([`exec`]), `Top`
+//! ([`crate::runtime::top`]),
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
 //! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]),
 //! `SnapshotVolume`, `RestoreVolume` ([`snapshot`]) and `UpgradeBinary`
@@ -20,12 +21,11 @@
 //! which is what control expects from a node lacking an RPC.
 
 pub mod build;
+pub mod codes;
 pub mod exec;
-pub mod logs;
 pub mod observe;
 pub mod proxy;
 pub mod snapshot;
-pub mod top;
 pub mod upgrade;
 pub mod volume_files;
 
@@ -273,9 +273,15 @@ impl AgentLocalService for Service {
         req: Request<LogQuery>,
     ) -> Result<Response<Self::QueryLogsStream>, Status> {
         let node = self.serving(&req, "log query (QueryLogs)")?;
-        let stream =
-            logs::query_logs(&node.ctd, &node.data_dir, &node.desired, req.into_inner()).await?;
-        Ok(Response::new(stream))
+        let lines = crate::logs::query::query_logs(
+            &node.ctd,
+            &node.data_dir,
+            &node.desired,
+            req.into_inner(),
+        )
+        .await
+        .map_err(|e| codes::query(&e))?;
+        Ok(Response::new(Box::pin(futures::StreamExt::map(lines, Ok))))
     }
     async fn exec(
         &self,
@@ -290,7 +296,10 @@ impl AgentLocalService for Service {
     ) -> Result<Response<AgentTopResponse>, Status> {
         let node = self.serving(&req, "process listing (Top)")?;
         let id = req.into_inner().container_id;
-        Ok(Response::new(top::top(&node.ctd, &id).await?))
+        let top = crate::runtime::top::top(&node.ctd, &id)
+            .await
+            .map_err(|e| codes::top(&e))?;
+        Ok(Response::new(top))
     }
     async fn stats(&self, req: Request<StatsQuery>) -> Result<Response<StatsResponse>, Status> {
         let node = self.serving(&req, "metrics store (Stats)")?;

@@ -36,20 +36,6 @@ pub const SCAN_CAP: usize = 200_000;
 /// Bytes per `ReadVolumeFile` frame.
 pub const READ_CHUNK: usize = 64 * 1024;
 
-fn status(e: &VolumeError) -> Status {
-    let text = e.to_string();
-    match e {
-        VolumeError::BadName(_)
-        | VolumeError::BadEnvironment(_)
-        | VolumeError::Escapes(_)
-        | VolumeError::BadMountPath(_) => Status::invalid_argument(text),
-        VolumeError::NoVolume(_) | VolumeError::NotFound(_) => Status::not_found(text),
-        VolumeError::PermissionDenied(_) => Status::permission_denied(text),
-        VolumeError::InUse { .. } => Status::failed_precondition(text),
-        VolumeError::Io { .. } => Status::internal(text),
-    }
-}
-
 /// A handle on the existing root of a volume, or NOT_FOUND naming it.
 fn root_of(
     data_dir: &Path,
@@ -59,11 +45,14 @@ fn root_of(
     if name.is_empty() {
         return Err(Status::invalid_argument("volume name is required"));
     }
-    let local = volumes::ensure(data_dir, environment_id, name).map_err(|e| status(&e))?;
+    let local =
+        volumes::ensure(data_dir, environment_id, name).map_err(|e| super::codes::volume(&e))?;
     let root = volumes::volume_root(data_dir, &local);
     match beneath::open_dir(&root) {
         Ok(fd) => Ok((root, fd)),
-        Err(_) => Err(status(&VolumeError::NoVolume(name.to_owned()))),
+        Err(_) => Err(super::codes::volume(&VolumeError::NoVolume(
+            name.to_owned(),
+        ))),
     }
 }
 
@@ -78,16 +67,18 @@ fn open_in(root: &Path, root_fd: &OwnedFd, request: &str, flags: OFlag) -> Resul
             // Leaving the root: an escape, or NOT_FOUND when the target
             // does not exist (as the reference answers). Decided by looking
             // only; nothing is opened.
-            Err(status(&match volumes::resolve(root, request) {
-                Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
-                _ => VolumeError::Escapes(request.to_owned()),
-            }))
+            Err(super::codes::volume(
+                &match volumes::resolve(root, request) {
+                    Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
+                    _ => VolumeError::Escapes(request.to_owned()),
+                },
+            ))
         }
         // Asked for a directory (O_DIRECTORY), and not one.
         Err(e) if e.raw_os_error() == Some(nix::libc::ENOTDIR) => Err(Status::invalid_argument(
             format!("{request:?} is not a directory"),
         )),
-        Err(e) => Err(status(&volumes::io_error(request, &e))),
+        Err(e) => Err(super::codes::volume(&volumes::io_error(request, &e))),
     }
 }
 
@@ -115,7 +106,7 @@ fn list_blocking(
         OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_DIRECTORY,
     )?;
     let st = nix::sys::stat::fstat(dir.as_fd())
-        .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
+        .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e.into())))?;
     if beneath::kind(&st) != SFlag::S_IFDIR {
         return Err(Status::invalid_argument(format!(
             "{:?} is not a directory",
@@ -143,7 +134,7 @@ fn list_blocking(
         }
         true
     })
-    .map_err(|e| status(&volumes::io_error(&req.path, &e)))?;
+    .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e)))?;
     let truncated = scan_truncated || seen > LIST_CAP;
     let mut files: Vec<AgentFileInfo> = kept
         .into_vec()
@@ -184,7 +175,7 @@ pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Out<TcpC
                     data: buf[..n].to_vec(),
                     dial_addr: String::new(),
                 }),
-                Err(e) => Err(status(&volumes::io_error(&shown, &e))),
+                Err(e) => Err(super::codes::volume(&volumes::io_error(&shown, &e))),
             };
             let failed = frame.is_err();
             if tx.blocking_send(frame).is_err() || failed {
@@ -204,11 +195,11 @@ fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::
     let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
     let handle = open_in(&root, &root_fd, &req.path, OFlag::O_PATH)?;
     let st = nix::sys::stat::fstat(handle.as_fd())
-        .map_err(|e| status(&volumes::io_error(&req.path, &e.into())))?;
+        .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e.into())))?;
     match beneath::kind(&st) {
         SFlag::S_IFREG => beneath::reopen_for_reading(handle.as_fd())
             .map(std::fs::File::from)
-            .map_err(|e| status(&volumes::io_error(&req.path, &e))),
+            .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e))),
         SFlag::S_IFDIR => Err(Status::invalid_argument(format!(
             "{:?} is a directory",
             req.path
@@ -229,12 +220,13 @@ pub async fn remove(
     environment_id: &str,
     name: &str,
 ) -> Result<(), Status> {
-    let local = volumes::ensure(data_dir, environment_id, name).map_err(|e| status(&e))?;
+    let local =
+        volumes::ensure(data_dir, environment_id, name).map_err(|e| super::codes::volume(&e))?;
     let users = volumes::users(ctd, data_dir, &local)
         .await
         .map_err(|e| Status::unavailable(format!("RemoveVolume: listing containers: {e}")))?;
     if !users.is_empty() {
-        return Err(status(&VolumeError::InUse {
+        return Err(super::codes::volume(&VolumeError::InUse {
             volume: name.to_owned(),
             containers: users,
         }));
@@ -247,6 +239,6 @@ pub async fn remove(
             Ok(())
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(status(&volumes::io_error(name, &e))),
+        Err(e) => Err(super::codes::volume(&volumes::io_error(name, &e))),
     }
 }

@@ -23,16 +23,30 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Status;
 
+use super::files::{self, StreamMeta};
+use super::reference;
 use crate::labels::{OWNED_FILTER, OwnedContainer};
-use crate::logs::files::{self, StreamMeta};
-use crate::logs::reference;
 use crate::proto::cluster::AssignmentSet;
 use crate::proto::v1::{LogLine, LogQuery, LogSelector, LogSource};
-use crate::runtime::{Containerd, containers};
+use crate::runtime::{Containerd, RuntimeError, containers};
 
-use super::Out;
+/// The lines a query answers, history then (with `follow`) new ones.
+pub type LogLines = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = LogLine> + Send>>;
+
+/// Why a query could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// Not answerable as asked (an empty selector).
+    #[error("QueryLogs: {0}")]
+    Invalid(&'static str),
+    /// containerd could not list the containers.
+    #[error("QueryLogs: {0}")]
+    Runtime(#[from] RuntimeError),
+    /// A reading task died.
+    #[error("QueryLogs: {0}")]
+    Internal(String),
+}
 
 const DEFAULT_LIMIT: usize = 1000;
 /// The most history lines one query returns (the lines are held in memory
@@ -122,7 +136,7 @@ pub async fn streams(
     data_dir: &Path,
     set: Option<&AssignmentSet>,
     sel: &LogSelector,
-) -> Result<Vec<LogStream>, Status> {
+) -> Result<Vec<LogStream>, QueryError> {
     // Builds log elsewhere: a build id selects nothing here.
     if !sel.build_id.is_empty() {
         return Ok(Vec::new());
@@ -168,9 +182,7 @@ pub async fn streams(
                 .insert(path);
         }
     }
-    let listed = containers::list(ctd, &OWNED_FILTER)
-        .await
-        .map_err(|e| Status::internal(format!("QueryLogs: {e}")))?;
+    let listed = containers::list(ctd, &OWNED_FILTER).await?;
     for o in listed.iter().filter_map(OwnedContainer::from_container) {
         if wanted.contains(&o.assignment_id) {
             let path = o.log_path.map_or_else(
@@ -201,7 +213,7 @@ pub async fn streams(
             .collect()
     })
     .await
-    .map_err(|e| Status::internal(format!("QueryLogs: {e}")))?;
+    .map_err(|e| QueryError::Internal(e.to_string()))?;
     Ok(out)
 }
 
@@ -431,12 +443,12 @@ pub async fn query_logs(
     data_dir: &Path,
     desired: &watch::Receiver<Option<AssignmentSet>>,
     query: LogQuery,
-) -> Result<Out<LogLine>, Status> {
+) -> Result<LogLines, QueryError> {
     let selector = query.selector.clone().unwrap_or_default();
     if selector == LogSelector::default() {
         // The reference reads every stream on the node for this.
-        return Err(Status::invalid_argument(
-            "QueryLogs: an empty selector would read every log on the node; \
+        return Err(QueryError::Invalid(
+            "an empty selector would read every log on the node; \
              name an instance, app, environment, project or job",
         ));
     }
@@ -447,7 +459,7 @@ pub async fn query_logs(
         0 => DEFAULT_LIMIT,
         n => usize::try_from(n).unwrap_or(MAX_LIMIT).min(MAX_LIMIT),
     };
-    let (tx, rx) = mpsc::channel::<Result<LogLine, Status>>(256);
+    let (tx, rx) = mpsc::channel::<LogLine>(256);
     let follow = query.follow;
     tokio::spawn(async move {
         let read = streams.clone();
@@ -457,7 +469,7 @@ pub async fn query_logs(
             return;
         };
         for line in lines {
-            if tx.send(Ok(line)).await.is_err() {
+            if tx.send(line).await.is_err() {
                 return;
             }
         }
@@ -580,7 +592,7 @@ async fn tail(
     streams: Vec<LogStream>,
     offsets: Vec<Vec<Offset>>,
     window: Window,
-    tx: mpsc::Sender<Result<LogLine, Status>>,
+    tx: mpsc::Sender<LogLine>,
 ) {
     let mut followers: Vec<Follower> = streams
         .into_iter()
@@ -597,7 +609,7 @@ async fn tail(
         }
         for f in &mut followers {
             for line in f.poll(window) {
-                if tx.send(Ok(line)).await.is_err() {
+                if tx.send(line).await.is_err() {
                     return;
                 }
             }

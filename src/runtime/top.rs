@@ -8,19 +8,30 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use containerd_client::services::v1::ListPidsRequest;
-use tonic::{Code, Status};
+use tonic::Code;
 
+use super::Containerd;
 use crate::proto::cluster::{AgentTopProcess, AgentTopResponse};
-use crate::runtime::Containerd;
+
+/// Why a container's processes could not be listed.
+#[derive(Debug, thiserror::Error)]
+pub enum TopError {
+    #[error("top: container_id is empty")]
+    NoContainer,
+    #[error("top: container {0} has no running task")]
+    NoTask(String),
+    #[error("top {container}: {message}")]
+    Runtime { container: String, message: String },
+}
 
 pub const TITLES: [&str; 8] = ["UID", "PID", "PPID", "C", "STIME", "TTY", "TIME", "CMD"];
 
 /// `/proc` reports times in USER_HZ, which is 100 on every Linux.
 const USER_HZ: u64 = 100;
 
-pub async fn top(ctd: &Containerd, container_id: &str) -> Result<AgentTopResponse, Status> {
+pub async fn top(ctd: &Containerd, container_id: &str) -> Result<AgentTopResponse, TopError> {
     if container_id.is_empty() {
-        return Err(Status::invalid_argument("top: container_id is empty"));
+        return Err(TopError::NoContainer);
     }
     let listed = ctd
         .tasks()
@@ -29,10 +40,11 @@ pub async fn top(ctd: &Containerd, container_id: &str) -> Result<AgentTopRespons
         }))
         .await
         .map_err(|s| match s.code() {
-            Code::NotFound => {
-                Status::not_found(format!("top: container {container_id} has no running task"))
-            }
-            _ => Status::internal(format!("top {container_id}: {}", s.message())),
+            Code::NotFound => TopError::NoTask(container_id.to_owned()),
+            _ => TopError::Runtime {
+                container: container_id.to_owned(),
+                message: s.message().to_owned(),
+            },
         })?
         .into_inner();
     let boot = boot_time();

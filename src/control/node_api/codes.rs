@@ -1,0 +1,125 @@
+//! The one place where the operations' errors become gRPC codes: the node
+//! API translates, and the operations themselves (log queries, top, volume
+//! files) return typed errors that the admin socket shows as text.
+//!
+//! The rule: the caller's mistake is INVALID_ARGUMENT, a thing that is not
+//! there NOT_FOUND, a refusal of this state FAILED_PRECONDITION, a
+//! dependency that is down (containerd) UNAVAILABLE, and only the agent's
+//! own fault INTERNAL.
+
+use tonic::Status;
+
+use crate::logs::query::QueryError;
+use crate::runtime::RuntimeError;
+use crate::runtime::top::TopError;
+use crate::volumes::VolumeError;
+
+pub fn query(e: &QueryError) -> Status {
+    let text = e.to_string();
+    match e {
+        QueryError::Invalid(_) => Status::invalid_argument(text),
+        QueryError::Runtime(r) => runtime(r, text),
+        QueryError::Internal(_) => Status::internal(text),
+    }
+}
+
+pub fn top(e: &TopError) -> Status {
+    let text = e.to_string();
+    match e {
+        TopError::NoContainer => Status::invalid_argument(text),
+        TopError::NoTask(_) => Status::not_found(text),
+        TopError::Runtime { .. } => Status::unavailable(text),
+    }
+}
+
+pub fn volume(e: &VolumeError) -> Status {
+    let text = e.to_string();
+    match e {
+        VolumeError::BadName(_)
+        | VolumeError::BadEnvironment(_)
+        | VolumeError::Escapes(_)
+        | VolumeError::BadMountPath(_) => Status::invalid_argument(text),
+        VolumeError::NoVolume(_) | VolumeError::NotFound(_) => Status::not_found(text),
+        VolumeError::PermissionDenied(_) => Status::permission_denied(text),
+        VolumeError::InUse { .. } => Status::failed_precondition(text),
+        VolumeError::Io { .. } => Status::internal(text),
+    }
+}
+
+/// containerd's failures: unreachable is UNAVAILABLE (the caller may retry),
+/// a refusal keeps its meaning.
+fn runtime(e: &RuntimeError, text: String) -> Status {
+    if e.is_not_found() {
+        Status::not_found(text)
+    } else if e.is_unavailable() {
+        Status::unavailable(text)
+    } else {
+        Status::internal(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    #[test]
+    fn each_error_has_its_code() {
+        let table: Vec<(Status, Code)> = vec![
+            (
+                query(&QueryError::Invalid("empty selector")),
+                Code::InvalidArgument,
+            ),
+            (
+                query(&QueryError::Internal("task died".into())),
+                Code::Internal,
+            ),
+            (
+                query(&QueryError::Runtime(RuntimeError::Grpc {
+                    context: "list containers".into(),
+                    status: Status::unavailable("restarting"),
+                })),
+                Code::Unavailable,
+            ),
+            (
+                query(&QueryError::Runtime(RuntimeError::Invalid(
+                    "bad label".into(),
+                ))),
+                Code::Internal,
+            ),
+            (
+                query(&QueryError::Runtime(RuntimeError::Unavailable {
+                    socket: "/run/containerd/containerd.sock".into(),
+                    reason: "connection refused".into(),
+                })),
+                Code::Unavailable,
+            ),
+            (top(&TopError::NoContainer), Code::InvalidArgument),
+            (top(&TopError::NoTask("c1".into())), Code::NotFound),
+            (
+                top(&TopError::Runtime {
+                    container: "c1".into(),
+                    message: "shim timeout".into(),
+                }),
+                Code::Unavailable,
+            ),
+            (
+                volume(&VolumeError::BadName("..".into())),
+                Code::InvalidArgument,
+            ),
+            (volume(&VolumeError::NotFound("x".into())), Code::NotFound),
+            (
+                volume(&VolumeError::Io {
+                    path: "/v".into(),
+                    message: "disk".into(),
+                }),
+                Code::Internal,
+            ),
+        ];
+        for (status, code) in table {
+            assert_eq!(status.code(), code, "{}", status.message());
+        }
+        let s = query(&QueryError::Invalid("an empty selector"));
+        assert_eq!(s.message(), "QueryLogs: an empty selector");
+    }
+}
