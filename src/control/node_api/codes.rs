@@ -38,11 +38,16 @@ pub fn volume(e: &VolumeError) -> Status {
         VolumeError::BadName(_)
         | VolumeError::BadEnvironment(_)
         | VolumeError::Escapes(_)
-        | VolumeError::BadMountPath(_) => Status::invalid_argument(text),
+        | VolumeError::BadMountPath(_)
+        | VolumeError::NameRequired
+        | VolumeError::NotADirectory(_)
+        | VolumeError::IsADirectory(_)
+        | VolumeError::NotARegularFile(_) => Status::invalid_argument(text),
         VolumeError::NoVolume(_) | VolumeError::NotFound(_) => Status::not_found(text),
         VolumeError::PermissionDenied(_) => Status::permission_denied(text),
         VolumeError::InUse { .. } => Status::failed_precondition(text),
-        VolumeError::Io { .. } => Status::internal(text),
+        VolumeError::UsersUnknown(_) => Status::unavailable(text),
+        VolumeError::Io { .. } | VolumeError::Interrupted(_) => Status::internal(text),
     }
 }
 
@@ -108,6 +113,21 @@ mod tests {
                 Code::InvalidArgument,
             ),
             (volume(&VolumeError::NotFound("x".into())), Code::NotFound),
+            (
+                volume(&VolumeError::IsADirectory("d".into())),
+                Code::InvalidArgument,
+            ),
+            (
+                volume(&VolumeError::InUse {
+                    volume: "v".into(),
+                    containers: vec!["c".into()],
+                }),
+                Code::FailedPrecondition,
+            ),
+            (
+                volume(&VolumeError::UsersUnknown("containerd down".into())),
+                Code::Unavailable,
+            ),
             (
                 volume(&VolumeError::Io {
                     path: "/v".into(),

@@ -13,7 +13,8 @@
 //! Served: `QueryLogs` ([`crate::logs::query`]), `Exec` ([`exec`]), `Top`
 //! ([`crate::runtime::top`]),
 //! `Stats` (from [`crate::metrics::store`]), `ProxyTCP` ([`proxy`]),
-//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume` ([`volume_files`]),
+//! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume`
+//! ([`crate::volumes::files`]),
 //! `SnapshotVolume`, `RestoreVolume` ([`snapshot`]) and `UpgradeBinary`
 //! ([`upgrade`]), `RunBuild` and `CancelBuild` ([`build`]) on a node with a
 //! builder. The others (`WriteVolumeFile`) answer
@@ -27,7 +28,6 @@ pub mod observe;
 pub mod proxy;
 pub mod snapshot;
 pub mod upgrade;
-pub mod volume_files;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -366,7 +366,9 @@ impl AgentLocalService for Service {
         req: Request<AgentListFilesRequest>,
     ) -> Result<Response<AgentListFilesResponse>, Status> {
         let node = self.serving(&req, "volume files (ListVolumeFiles)")?;
-        let listing = volume_files::list(&node.data_dir, req.into_inner()).await?;
+        let listing = crate::volumes::files::list(&node.data_dir, req.into_inner())
+            .await
+            .map_err(|e| codes::volume(&e))?;
         Ok(Response::new(listing))
     }
     async fn read_volume_file(
@@ -374,8 +376,19 @@ impl AgentLocalService for Service {
         req: Request<AgentReadFileRequest>,
     ) -> Result<Response<Self::ReadVolumeFileStream>, Status> {
         let node = self.serving(&req, "volume files (ReadVolumeFile)")?;
-        let chunks = volume_files::read(&node.data_dir, req.into_inner()).await?;
-        Ok(Response::new(chunks))
+        let chunks = crate::volumes::files::read(&node.data_dir, req.into_inner())
+            .await
+            .map_err(|e| codes::volume(&e))?;
+        Ok(Response::new(Box::pin(futures::StreamExt::map(
+            chunks,
+            |c| {
+                c.map(|data| TcpChunk {
+                    data,
+                    dial_addr: String::new(),
+                })
+                .map_err(|e| codes::volume(&e))
+            },
+        ))))
     }
     async fn write_volume_file(
         &self,
@@ -389,7 +402,9 @@ impl AgentLocalService for Service {
     ) -> Result<Response<AgentRemoveVolumeResponse>, Status> {
         let node = self.serving(&req, "volumes (RemoveVolume)")?;
         let r = req.into_inner();
-        volume_files::remove(&node.ctd, &node.data_dir, &r.environment_id, &r.volume_name).await?;
+        crate::volumes::files::remove(&node.ctd, &node.data_dir, &r.environment_id, &r.volume_name)
+            .await
+            .map_err(|e| codes::volume(&e))?;
         Ok(Response::new(AgentRemoveVolumeResponse {}))
     }
     async fn upgrade_binary(

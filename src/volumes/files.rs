@@ -17,16 +17,17 @@ use nix::fcntl::OFlag;
 use nix::sys::stat::SFlag;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::Status;
 
 use crate::beneath;
 use crate::proto::cluster::{
-    AgentFileInfo, AgentListFilesRequest, AgentListFilesResponse, AgentReadFileRequest, TcpChunk,
+    AgentFileInfo, AgentListFilesRequest, AgentListFilesResponse, AgentReadFileRequest,
 };
 use crate::runtime::Containerd;
 use crate::volumes::{self, VolumeError};
 
-use super::Out;
+/// A file's bytes, in frames of at most [`READ_CHUNK`]; an error ends it.
+pub type Chunks =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<Vec<u8>, VolumeError>> + Send>>;
 
 /// Entries per listing (the reference's cap).
 pub const LIST_CAP: usize = 5000;
@@ -41,25 +42,27 @@ fn root_of(
     data_dir: &Path,
     environment_id: &str,
     name: &str,
-) -> Result<(std::path::PathBuf, OwnedFd), Status> {
+) -> Result<(std::path::PathBuf, OwnedFd), VolumeError> {
     if name.is_empty() {
-        return Err(Status::invalid_argument("volume name is required"));
+        return Err(VolumeError::NameRequired);
     }
-    let local =
-        volumes::ensure(data_dir, environment_id, name).map_err(|e| super::codes::volume(&e))?;
+    let local = volumes::ensure(data_dir, environment_id, name)?;
     let root = volumes::volume_root(data_dir, &local);
     match beneath::open_dir(&root) {
         Ok(fd) => Ok((root, fd)),
-        Err(_) => Err(super::codes::volume(&VolumeError::NoVolume(
-            name.to_owned(),
-        ))),
+        Err(_) => Err(VolumeError::NoVolume(name.to_owned())),
     }
 }
 
 /// Opens the caller's `request` beneath the volume root (VF-1): `..` is
 /// clamped at the root, links inside are followed, anything leading out is
 /// refused by the kernel.
-fn open_in(root: &Path, root_fd: &OwnedFd, request: &str, flags: OFlag) -> Result<OwnedFd, Status> {
+fn open_in(
+    root: &Path,
+    root_fd: &OwnedFd,
+    request: &str,
+    flags: OFlag,
+) -> Result<OwnedFd, VolumeError> {
     let rel = beneath::clean(request);
     match beneath::open_beneath(root_fd.as_fd(), &rel, flags) {
         Ok(fd) => Ok(fd),
@@ -67,35 +70,33 @@ fn open_in(root: &Path, root_fd: &OwnedFd, request: &str, flags: OFlag) -> Resul
             // Leaving the root: an escape, or NOT_FOUND when the target
             // does not exist (as the reference answers). Decided by looking
             // only; nothing is opened.
-            Err(super::codes::volume(
-                &match volumes::resolve(root, request) {
-                    Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
-                    _ => VolumeError::Escapes(request.to_owned()),
-                },
-            ))
+            Err(match volumes::resolve(root, request) {
+                Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
+                _ => VolumeError::Escapes(request.to_owned()),
+            })
         }
         // Asked for a directory (O_DIRECTORY), and not one.
-        Err(e) if e.raw_os_error() == Some(nix::libc::ENOTDIR) => Err(Status::invalid_argument(
-            format!("{request:?} is not a directory"),
-        )),
-        Err(e) => Err(super::codes::volume(&volumes::io_error(request, &e))),
+        Err(e) if e.raw_os_error() == Some(nix::libc::ENOTDIR) => {
+            Err(VolumeError::NotADirectory(request.to_owned()))
+        }
+        Err(e) => Err(volumes::io_error(request, &e)),
     }
 }
 
 pub async fn list(
     data_dir: &Path,
     req: AgentListFilesRequest,
-) -> Result<AgentListFilesResponse, Status> {
+) -> Result<AgentListFilesResponse, VolumeError> {
     let data_dir = data_dir.to_owned();
     tokio::task::spawn_blocking(move || list_blocking(&data_dir, &req))
         .await
-        .map_err(|e| Status::internal(format!("ListVolumeFiles: {e}")))?
+        .map_err(|e| VolumeError::Interrupted(e.to_string()))?
 }
 
 fn list_blocking(
     data_dir: &Path,
     req: &AgentListFilesRequest,
-) -> Result<AgentListFilesResponse, Status> {
+) -> Result<AgentListFilesResponse, VolumeError> {
     let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
     // O_DIRECTORY: anything else is refused before it is opened (a
     // device node would be, as host root).
@@ -105,13 +106,10 @@ fn list_blocking(
         &req.path,
         OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_DIRECTORY,
     )?;
-    let st = nix::sys::stat::fstat(dir.as_fd())
-        .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e.into())))?;
+    let st =
+        nix::sys::stat::fstat(dir.as_fd()).map_err(|e| volumes::io_error(&req.path, &e.into()))?;
     if beneath::kind(&st) != SFlag::S_IFDIR {
-        return Err(Status::invalid_argument(format!(
-            "{:?} is not a directory",
-            req.path
-        )));
+        return Err(VolumeError::NotADirectory(req.path.clone()));
     }
     // The first LIST_CAP names by byte order, kept while reading: memory
     // stays bounded by the cap, not by the directory.
@@ -134,7 +132,7 @@ fn list_blocking(
         }
         true
     })
-    .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e)))?;
+    .map_err(|e| volumes::io_error(&req.path, &e))?;
     let truncated = scan_truncated || seen > LIST_CAP;
     let mut files: Vec<AgentFileInfo> = kept
         .into_vec()
@@ -159,23 +157,20 @@ fn list_blocking(
     Ok(AgentListFilesResponse { files, truncated })
 }
 
-pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Out<TcpChunk>, Status> {
+pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Chunks, VolumeError> {
     let data_dir = data_dir.to_owned();
     let shown = req.path.clone();
     let mut file = tokio::task::spawn_blocking(move || open_regular(&data_dir, &req))
         .await
-        .map_err(|e| Status::internal(format!("ReadVolumeFile: {e}")))??;
-    let (tx, rx) = mpsc::channel::<Result<TcpChunk, Status>>(4);
+        .map_err(|e| VolumeError::Interrupted(e.to_string()))??;
+    let (tx, rx) = mpsc::channel::<Result<Vec<u8>, VolumeError>>(4);
     tokio::task::spawn_blocking(move || {
         let mut buf = vec![0u8; READ_CHUNK];
         loop {
             let frame = match file.read(&mut buf) {
                 Ok(0) => return,
-                Ok(n) => Ok(TcpChunk {
-                    data: buf[..n].to_vec(),
-                    dial_addr: String::new(),
-                }),
-                Err(e) => Err(super::codes::volume(&volumes::io_error(&shown, &e))),
+                Ok(n) => Ok(buf[..n].to_vec()),
+                Err(e) => Err(volumes::io_error(&shown, &e)),
             };
             let failed = frame.is_err();
             if tx.blocking_send(frame).is_err() || failed {
@@ -191,23 +186,17 @@ pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Out<TcpC
 /// agent is outside its device cgroup) is never opened as host root, where
 /// opening alone can arm a watchdog or take a terminal. Only a regular file
 /// is then opened for reading, through that same handle.
-fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::File, Status> {
+fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::File, VolumeError> {
     let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
     let handle = open_in(&root, &root_fd, &req.path, OFlag::O_PATH)?;
     let st = nix::sys::stat::fstat(handle.as_fd())
-        .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e.into())))?;
+        .map_err(|e| volumes::io_error(&req.path, &e.into()))?;
     match beneath::kind(&st) {
         SFlag::S_IFREG => beneath::reopen_for_reading(handle.as_fd())
             .map(std::fs::File::from)
-            .map_err(|e| super::codes::volume(&volumes::io_error(&req.path, &e))),
-        SFlag::S_IFDIR => Err(Status::invalid_argument(format!(
-            "{:?} is a directory",
-            req.path
-        ))),
-        _ => Err(Status::invalid_argument(format!(
-            "{:?} is not a regular file",
-            req.path
-        ))),
+            .map_err(|e| volumes::io_error(&req.path, &e)),
+        SFlag::S_IFDIR => Err(VolumeError::IsADirectory(req.path.clone())),
+        _ => Err(VolumeError::NotARegularFile(req.path.clone())),
     }
 }
 
@@ -219,17 +208,16 @@ pub async fn remove(
     data_dir: &Path,
     environment_id: &str,
     name: &str,
-) -> Result<(), Status> {
-    let local =
-        volumes::ensure(data_dir, environment_id, name).map_err(|e| super::codes::volume(&e))?;
+) -> Result<(), VolumeError> {
+    let local = volumes::ensure(data_dir, environment_id, name)?;
     let users = volumes::users(ctd, data_dir, &local)
         .await
-        .map_err(|e| Status::unavailable(format!("RemoveVolume: listing containers: {e}")))?;
+        .map_err(|e| VolumeError::UsersUnknown(e.to_string()))?;
     if !users.is_empty() {
-        return Err(super::codes::volume(&VolumeError::InUse {
+        return Err(VolumeError::InUse {
             volume: name.to_owned(),
             containers: users,
-        }));
+        });
     }
     let dir = volumes::volume_dir(data_dir, &local);
     match tokio::fs::remove_dir_all(&dir).await {
@@ -239,6 +227,6 @@ pub async fn remove(
             Ok(())
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(super::codes::volume(&volumes::io_error(name, &e))),
+        Err(e) => Err(volumes::io_error(name, &e)),
     }
 }

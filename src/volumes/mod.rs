@@ -11,6 +11,8 @@
 //! follow Docker's rule, `[A-Za-z0-9][A-Za-z0-9_.-]*`, which also keeps any
 //! path trick out, wherever a name comes from.
 
+pub mod files;
+
 use std::path::{Component, Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,6 +38,20 @@ pub enum VolumeError {
     Io { path: String, message: String },
     #[error("mount path {0:?} is not an absolute path without '..' (and not /)")]
     BadMountPath(String),
+    #[error("volume name is required")]
+    NameRequired,
+    #[error("{0:?} is not a directory")]
+    NotADirectory(String),
+    #[error("{0:?} is a directory")]
+    IsADirectory(String),
+    #[error("{0:?} is not a regular file")]
+    NotARegularFile(String),
+    /// containerd could not say which containers mount it.
+    #[error("listing the containers that mount it: {0}")]
+    UsersUnknown(String),
+    /// A blocking task died.
+    #[error("{0}")]
+    Interrupted(String),
 }
 
 /// Where a volume may be mounted in a container: an absolute path, not `/`,
