@@ -309,7 +309,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 run_dir: config.run_dir.clone(),
                 node_id: sync.node_id.clone(),
                 stats: Some(stats),
-                upgrade: crate::control::node_api::upgrade::UpgradeConfig {
+                upgrade: crate::upgrade::UpgradeConfig {
                     base_url: config.upgrade_base_url.clone(),
                     // Resolved at start: once an upgrade renames a new file
                     // over it, the running image's path reads "(deleted)".

@@ -28,4 +28,5 @@ pub mod snapshot;
 pub mod source;
 pub mod status;
 pub mod telemetry;
+pub mod upgrade;
 pub mod volumes;

@@ -1086,7 +1086,7 @@ async fn node_api_volume_files_stay_inside_the_volume() {
                 run_dir: data.path().join("run"),
                 node_id: node_id.clone(),
                 stats: None,
-                upgrade: zattera_agent::control::node_api::upgrade::UpgradeConfig {
+                upgrade: zattera_agent::upgrade::UpgradeConfig {
                     base_url: None,
                     binary: data.path().join("bin/zattera-agent"),
                     args: Vec::new(),

@@ -25,7 +25,7 @@ use rustls::pki_types::ServerName;
 use sha2::Digest;
 use tokio::sync::watch;
 use zattera_agent::control::join::{JoinOptions, join};
-use zattera_agent::control::node_api::{NodeApi, NodeContext, control_ids, upgrade::UpgradeConfig};
+use zattera_agent::control::node_api::{NodeApi, NodeContext, control_ids};
 use zattera_agent::link::identity::IdentityDir;
 use zattera_agent::link::tls;
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
@@ -35,6 +35,7 @@ use zattera_agent::proto::cluster::{
 use zattera_agent::proto::v1::{Meta, Volume, VolumeSnapshot};
 use zattera_agent::runtime::Containerd;
 use zattera_agent::snapshot::{Engine, S3Config, chunker, tar as dtar};
+use zattera_agent::upgrade::UpgradeConfig;
 use zattera_agent::volumes;
 
 const SECRET: &str = "join-secret";

@@ -12,6 +12,7 @@ use tonic::Status;
 use crate::logs::query::QueryError;
 use crate::runtime::RuntimeError;
 use crate::runtime::top::TopError;
+use crate::upgrade::UpgradeError;
 use crate::volumes::VolumeError;
 
 pub fn query(e: &QueryError) -> Status {
@@ -51,6 +52,22 @@ pub fn volume(e: &VolumeError) -> Status {
     }
 }
 
+pub fn upgrade(e: &UpgradeError) -> Status {
+    let text = e.to_string();
+    match e {
+        UpgradeError::Invalid(_) => Status::invalid_argument(text),
+        UpgradeError::NotConfigured | UpgradeError::NotAnAgent { .. } => {
+            Status::failed_precondition(text)
+        }
+        UpgradeError::NotAllowed { .. } => Status::permission_denied(text),
+        UpgradeError::Busy => Status::aborted(text),
+        UpgradeError::Download { .. } => Status::unavailable(text),
+        UpgradeError::TooLarge { .. } => Status::resource_exhausted(text),
+        UpgradeError::DigestMismatch { .. } => Status::data_loss(text),
+        UpgradeError::Local(_) => Status::internal(text),
+    }
+}
+
 /// containerd's failures: unreachable is UNAVAILABLE (the caller may retry),
 /// a refusal keeps its meaning.
 fn runtime(e: &RuntimeError, text: String) -> Status {
@@ -70,7 +87,7 @@ mod tests {
 
     #[test]
     fn each_error_has_its_code() {
-        let table: Vec<(Status, Code)> = vec![
+        let mut table: Vec<(Status, Code)> = vec![
             (
                 query(&QueryError::Invalid("empty selector")),
                 Code::InvalidArgument,
@@ -136,6 +153,55 @@ mod tests {
                 Code::Internal,
             ),
         ];
+        let url = || "https://example.invalid/agent".to_owned();
+        table.extend([
+            (
+                upgrade(&UpgradeError::Invalid("no url".into())),
+                Code::InvalidArgument,
+            ),
+            (
+                upgrade(&UpgradeError::NotConfigured),
+                Code::FailedPrecondition,
+            ),
+            (
+                upgrade(&UpgradeError::NotAllowed {
+                    url: url(),
+                    base: "https://b".into(),
+                }),
+                Code::PermissionDenied,
+            ),
+            (upgrade(&UpgradeError::Busy), Code::Aborted),
+            (
+                upgrade(&UpgradeError::Download {
+                    url: url(),
+                    reason: "refused".into(),
+                }),
+                Code::Unavailable,
+            ),
+            (
+                upgrade(&UpgradeError::TooLarge { url: url() }),
+                Code::ResourceExhausted,
+            ),
+            (
+                upgrade(&UpgradeError::DigestMismatch {
+                    url: url(),
+                    got: "a".into(),
+                    want: "b".into(),
+                }),
+                Code::DataLoss,
+            ),
+            (
+                upgrade(&UpgradeError::NotAnAgent {
+                    url: url(),
+                    why: "a script".into(),
+                }),
+                Code::FailedPrecondition,
+            ),
+            (
+                upgrade(&UpgradeError::Local("disk full".into())),
+                Code::Internal,
+            ),
+        ]);
         for (status, code) in table {
             assert_eq!(status.code(), code, "{}", status.message());
         }

@@ -16,7 +16,7 @@
 //! `ListVolumeFiles`, `ReadVolumeFile`, `RemoveVolume`
 //! ([`crate::volumes::files`]),
 //! `SnapshotVolume`, `RestoreVolume` ([`snapshot`]) and `UpgradeBinary`
-//! ([`upgrade`]), `RunBuild` and `CancelBuild` ([`build`]) on a node with a
+//! ([`crate::upgrade`]), `RunBuild` and `CancelBuild` ([`build`]) on a node with a
 //! builder. The others (`WriteVolumeFile`) answer
 //! UNIMPLEMENTED naming the missing capability,
 //! which is what control expects from a node lacking an RPC.
@@ -27,7 +27,6 @@ pub mod exec;
 pub mod observe;
 pub mod proxy;
 pub mod snapshot;
-pub mod upgrade;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -106,7 +105,7 @@ pub struct NodeContext {
     pub run_dir: PathBuf,
     pub node_id: String,
     pub stats: Option<Arc<std::sync::Mutex<crate::metrics::store::Store>>>,
-    pub upgrade: upgrade::UpgradeConfig,
+    pub upgrade: crate::upgrade::UpgradeConfig,
     /// The builder, or why this node has none (UNIMPLEMENTED).
     pub builder: Result<build::Builder, String>,
 }
@@ -413,7 +412,9 @@ impl AgentLocalService for Service {
     ) -> Result<Response<AgentUpgradeResponse>, Status> {
         let node = self.serving(&req, "self-upgrade (UpgradeBinary)")?;
         Ok(Response::new(
-            upgrade::upgrade(&node.upgrade, req.into_inner()).await?,
+            crate::upgrade::upgrade(&node.upgrade, req.into_inner())
+                .await
+                .map_err(|e| codes::upgrade(&e))?,
         ))
     }
 }

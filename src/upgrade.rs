@@ -27,9 +27,43 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use tonic::Status;
 
 use crate::proto::cluster::{AgentUpgradeRequest, AgentUpgradeResponse};
+
+/// Why an upgrade did not happen; the running agent stays in every case.
+#[derive(Debug, thiserror::Error)]
+pub enum UpgradeError {
+    /// The request is malformed (no URL or digest, a bad digest).
+    #[error("UpgradeBinary: {0}")]
+    Invalid(String),
+    /// `upgrade-base-url` is not set.
+    #[error("UpgradeBinary: this node has no upgrade-base-url configured")]
+    NotConfigured,
+    /// The URL is not under the base.
+    #[error("UpgradeBinary: {url} is not under the configured base URL {base}")]
+    NotAllowed { url: String, base: String },
+    #[error("UpgradeBinary: another upgrade is in progress on this node")]
+    Busy,
+    /// The download failed (connection, status, redirect).
+    #[error("UpgradeBinary: downloading {url}: {reason}")]
+    Download { url: String, reason: String },
+    #[error("UpgradeBinary: {url} is larger than {MAX_DOWNLOAD} bytes")]
+    TooLarge { url: String },
+    #[error("UpgradeBinary: {url} has sha256 {got}, not {want}; nothing installed")]
+    DigestMismatch {
+        url: String,
+        got: String,
+        want: String,
+    },
+    /// The staged file is no zattera-agent for this machine.
+    #[error(
+        "UpgradeBinary: {url} is not a zattera-agent for this machine: {why}; the running agent stays"
+    )]
+    NotAnAgent { url: String, why: String },
+    /// Staging or installing on this node failed.
+    #[error("UpgradeBinary: {0}")]
+    Local(String),
+}
 
 pub const MAX_DOWNLOAD: u64 = 512 * 1024 * 1024;
 /// The whole download, redirects and body included (the spec's bound).
@@ -186,38 +220,34 @@ fn elf_mismatch(head: &[u8]) -> Option<String> {
 pub async fn upgrade(
     cfg: &UpgradeConfig,
     req: AgentUpgradeRequest,
-) -> Result<AgentUpgradeResponse, Status> {
+) -> Result<AgentUpgradeResponse, UpgradeError> {
     if req.url.is_empty() || req.sha256.is_empty() {
-        return Err(Status::invalid_argument(
-            "UpgradeBinary: url and sha256 are both required",
+        return Err(UpgradeError::Invalid(
+            "url and sha256 are both required".into(),
         ));
     }
     let want = req.sha256.to_ascii_lowercase();
     if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(Status::invalid_argument(format!(
-            "UpgradeBinary: sha256 {:?} is not 64 hex digits",
+        return Err(UpgradeError::Invalid(format!(
+            "sha256 {:?} is not 64 hex digits",
             req.sha256
         )));
     }
     let Some(base) = cfg.base_url.as_deref() else {
-        return Err(Status::failed_precondition(
-            "UpgradeBinary: this node has no upgrade-base-url configured",
-        ));
+        return Err(UpgradeError::NotConfigured);
     };
     if !allowed(base, &req.url) {
-        return Err(Status::permission_denied(format!(
-            "UpgradeBinary: {} is not under the configured base URL {base}",
-            crate::redact::url(&req.url)
-        )));
+        return Err(UpgradeError::NotAllowed {
+            url: crate::redact::url(&req.url),
+            base: base.to_owned(),
+        });
     }
     let running = env!("CARGO_PKG_VERSION");
     if is_downgrade(running, &req.version) {
         tracing::info!(from = running, to = %req.version, "a downgrade (control's rollback)");
     }
     let Ok(_one_at_a_time) = cfg.busy.try_lock() else {
-        return Err(Status::aborted(
-            "UpgradeBinary: another upgrade is in progress on this node",
-        ));
+        return Err(UpgradeError::Busy);
     };
     tracing::info!(version = %req.version, url = %crate::redact::url(&req.url), "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
@@ -228,15 +258,15 @@ pub async fn upgrade(
     }
     if let Some(why) = not_an_agent(&staged).await {
         let _ = std::fs::remove_file(&staged);
-        return Err(Status::failed_precondition(format!(
-            "UpgradeBinary: {} is not a zattera-agent for this machine: {why}; the running agent stays",
-            crate::redact::url(&req.url)
-        )));
+        return Err(UpgradeError::NotAnAgent {
+            url: crate::redact::url(&req.url),
+            why,
+        });
     }
     if let Err(e) = install(&staged, &cfg.binary) {
         let _ = std::fs::remove_file(&staged);
-        return Err(Status::internal(format!(
-            "UpgradeBinary: installing the new binary: {e}"
+        return Err(UpgradeError::Local(format!(
+            "installing the new binary: {e}"
         )));
     }
     tracing::info!(version = %req.version, binary = %cfg.binary.display(), "agent upgrade installed");
@@ -280,12 +310,15 @@ fn staging_path(binary: &Path) -> PathBuf {
 
 /// Streams `url` into `path`, checking size and digest; the file is
 /// executable and synced when this returns Ok.
-async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
+async fn download(url: &str, path: &Path, want: &str) -> Result<(), UpgradeError> {
     let shown = crate::redact::url(url);
     let unavailable = |e: &dyn std::fmt::Display| {
         // reqwest's own errors quote the whole URL: the redacted one replaces it.
-        let text = e.to_string().replace(url, &shown);
-        Status::unavailable(format!("UpgradeBinary: downloading {shown}: {text}"))
+        let reason = e.to_string().replace(url, &shown);
+        UpgradeError::Download {
+            url: shown.clone(),
+            reason,
+        }
     };
     // Redirects lead anywhere (the digest guards the bytes), never from
     // https down to http.
@@ -316,7 +349,7 @@ async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
     if resp.content_length().is_some_and(|n| n > MAX_DOWNLOAD) {
         return Err(too_big(&shown));
     }
-    let internal = |e: std::io::Error| Status::internal(format!("UpgradeBinary: staging: {e}"));
+    let internal = |e: std::io::Error| UpgradeError::Local(format!("staging: {e}"));
     let mut file = {
         use std::os::unix::fs::OpenOptionsExt;
         std::fs::OpenOptions::new()
@@ -339,17 +372,19 @@ async fn download(url: &str, path: &Path, want: &str) -> Result<(), Status> {
     }
     let got = hex::encode(hasher.finalize());
     if got != want {
-        return Err(Status::data_loss(format!(
-            "UpgradeBinary: {shown} has sha256 {got}, not {want}; nothing installed"
-        )));
+        return Err(UpgradeError::DigestMismatch {
+            url: shown,
+            got,
+            want: want.to_owned(),
+        });
     }
     file.sync_all().map_err(internal)
 }
 
-fn too_big(url: &str) -> Status {
-    Status::resource_exhausted(format!(
-        "UpgradeBinary: {url} is larger than {MAX_DOWNLOAD} bytes"
-    ))
+fn too_big(url: &str) -> UpgradeError {
+    UpgradeError::TooLarge {
+        url: url.to_owned(),
+    }
 }
 
 /// Replaces this process with `binary args…`. Every descriptor the agent
