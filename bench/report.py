@@ -28,6 +28,7 @@ ROOT = os.path.dirname(HERE)
 BENCHES = {
     "dns": ({"RUNS": "3", "DURATION": "6"}, 600),
     "executor": ({"COUNTS": "1 10 50 100 200", "ROUNDS": "3", "IDLE_SECS": "30"}, 2400),
+    "density": ({"COUNTS": "1 10 50 100 200"}, 2400),
     "runtime": ({"ROUNDS": "20", "PULL_ROUNDS": "5"}, 900),
     "control": ({"IDLE_SECS": "30", "CONVERGE_SECS": "540"}, 900),
     "netns": ({}, 900),
@@ -41,6 +42,8 @@ BENCHES = {
 # Plots: file name, title, y label, curves drawn on it.
 PLOTS = [
     ("converge", "Cold converge time", "ms", ["converge_ms", "converge_ms_ctr"]),
+    ("density", "Node memory per instance (PSS: shims, log shims, agent and containerd growth)", "MiB",
+     ["node_pss_mib_per_instance", "node_pss_mib_per_instance_ctr"]),
     ("rss", "Agent resident memory", "KiB", ["agent_rss_kib"]),
     ("cpu-per-pass", "Agent CPU per steady pass (window CPU / passes)", "ms", ["agent_cpu_ms_per_pass"]),
     ("cpu-per-second", "Agent CPU in steady state, per second", "ms", ["agent_cpu_ms_per_s"]),

@@ -369,18 +369,6 @@ async fn logs_follow_reads_every_rotation() {
     .await;
 }
 
-/// The process's peak resident memory so far (nextest runs each test in a
-/// process of its own).
-fn peak_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib << 10
-}
-
 /// 45.3 end to end: a container prints 64 MiB without a newline (stored as
 /// the shim's partial chunks, compressing about 1000:1), and one QueryLogs
 /// over it stays bounded: the line is cut at 1 MiB with its marker, and the
@@ -423,7 +411,7 @@ async fn a_query_of_a_line_without_end_stays_bounded() {
             limit: 10,
             ..LogQuery::default()
         };
-        let before = peak_rss();
+        let before = support::peak_rss();
         let mut got =
             zattera_agent::logs::query::query_logs(&ctd, &agent.data_dir(), &desired, query)
                 .await
@@ -432,7 +420,7 @@ async fn a_query_of_a_line_without_end_stays_bounded() {
         while let Some(l) = got.next().await {
             lines.push(l.line);
         }
-        let grew = peak_rss().saturating_sub(before);
+        let grew = support::peak_rss().saturating_sub(before);
         eprintln!("peak memory grew {} MiB over the query", grew >> 20);
         let long = lines.iter().find(|l| l.starts_with("AAAA")).unwrap_or_else(|| panic!("no long line: {:?}", lines.iter().map(|l| &l[..l.len().min(40)]).collect::<Vec<_>>()));
         assert!(long.len() < (1 << 20) + 128, "{} bytes", long.len());

@@ -459,18 +459,6 @@ async fn a_layer_longer_than_declared_is_cut_off() {
     server.abort();
 }
 
-/// The process's peak resident memory so far (nextest runs each test in a
-/// process of its own).
-fn peak_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kib << 10
-}
-
 /// A registry whose manifest never ends (256 MiB with no length, then it
 /// stops). oci-client read a manifest whole, so the old pull held all of it
 /// (its peak memory grew past 256 MiB); now the read stops past 4 MiB and
@@ -525,7 +513,7 @@ async fn an_endless_manifest_is_cut_off() {
     });
     let reference: ImageRef = format!("{addr}/evil/endless-manifest:1").parse().unwrap();
     with_namespace(&rig, "pull-endless-manifest", |ctd, _rig| async move {
-        let before = peak_rss();
+        let before = support::peak_rss();
         let err = tokio::time::timeout(
             std::time::Duration::from_secs(60),
             Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
@@ -534,7 +522,7 @@ async fn an_endless_manifest_is_cut_off() {
         .expect("the pull ended")
         .unwrap_err()
         .to_string();
-        let grew = peak_rss().saturating_sub(before);
+        let grew = support::peak_rss().saturating_sub(before);
         eprintln!(
             "read {} MiB of the manifest; peak memory grew {} MiB",
             sent.load(Ordering::Relaxed) >> 20,

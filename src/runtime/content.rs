@@ -225,10 +225,12 @@ pub async fn add_labels(
     Ok(())
 }
 
-/// Reads a small blob (manifest, index, config) whole.
-pub async fn read_blob(ctd: &Containerd, digest: &Digest) -> Result<Vec<u8>, RuntimeError> {
-    let context = format!("read blob {digest}");
-    let mut stream = ctd
+/// A blob of the store as a byte stream.
+pub async fn open_blob(
+    ctd: &Containerd,
+    digest: &Digest,
+) -> Result<impl AsyncRead + Unpin + Send + 'static + use<>, RuntimeError> {
+    let stream = ctd
         .content()
         .read(ctd.request(ReadContentRequest {
             digest: digest.to_string(),
@@ -236,16 +238,31 @@ pub async fn read_blob(ctd: &Containerd, digest: &Digest) -> Result<Vec<u8>, Run
             size: 0,
         }))
         .await
-        .map_err(RuntimeError::grpc(context.clone()))?
-        .into_inner();
+        .map_err(RuntimeError::grpc(format!("read blob {digest}")))?
+        .into_inner()
+        .map(|chunk| {
+            chunk
+                .map(|c| bytes::Bytes::from(c.data))
+                .map_err(|s| std::io::Error::other(s.message().to_owned()))
+        });
+    Ok(tokio_util::io::StreamReader::new(stream))
+}
+
+/// Reads a small blob (manifest, index, config) whole.
+pub async fn read_blob(ctd: &Containerd, digest: &Digest) -> Result<Vec<u8>, RuntimeError> {
+    use tokio::io::AsyncReadExt as _;
+    let context = format!("read blob {digest}");
     let mut data = Vec::new();
-    while let Some(chunk) = stream.next().await {
-        data.extend(chunk.map_err(RuntimeError::grpc(context.clone()))?.data);
-        if data.len() as u64 > MAX_METADATA_BLOB {
-            return Err(RuntimeError::Invalid(format!(
-                "{context}: larger than {MAX_METADATA_BLOB} bytes"
-            )));
-        }
+    open_blob(ctd, digest)
+        .await?
+        .take(MAX_METADATA_BLOB + 1)
+        .read_to_end(&mut data)
+        .await
+        .map_err(|e| RuntimeError::Invalid(format!("{context}: {e}")))?;
+    if data.len() as u64 > MAX_METADATA_BLOB {
+        return Err(RuntimeError::Invalid(format!(
+            "{context}: larger than {MAX_METADATA_BLOB} bytes"
+        )));
     }
     if Digest::of(&data) != *digest {
         return Err(RuntimeError::Invalid(format!(

@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use std::io::Cursor;
 use std::time::Duration;
 
-use containerd_client::services::v1::ReadContentRequest;
 use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
-use tokio_stream::StreamExt;
 
 use super::connection::Containerd;
 use super::content;
@@ -77,8 +75,13 @@ pub async fn copy_image(
     let result = async {
         let mut blobs_written = 0;
         for layer in &layers {
-            if content::ensure_blob(to, &lease, layer, open_blob(from, &layer.digest).await?)
-                .await?
+            if content::ensure_blob(
+                to,
+                &lease,
+                layer,
+                content::open_blob(from, &layer.digest).await?,
+            )
+            .await?
             {
                 blobs_written += 1;
             }
@@ -115,27 +118,4 @@ pub async fn copy_image(
         tracing::warn!(error = %e, "could not release the copy lease; it expires by itself");
     }
     result
-}
-
-/// A blob of `ctd`'s content store as a byte stream.
-async fn open_blob(
-    ctd: &Containerd,
-    digest: &Digest,
-) -> Result<impl tokio::io::AsyncRead + Unpin + Send + 'static, RuntimeError> {
-    let stream = ctd
-        .content()
-        .read(ctd.request(ReadContentRequest {
-            digest: digest.to_string(),
-            offset: 0,
-            size: 0,
-        }))
-        .await
-        .map_err(RuntimeError::grpc(format!("read blob {digest}")))?
-        .into_inner()
-        .map(|chunk| {
-            chunk
-                .map(|c| bytes::Bytes::from(c.data))
-                .map_err(|s| std::io::Error::other(s.message().to_owned()))
-        });
-    Ok(tokio_util::io::StreamReader::new(stream))
 }

@@ -390,6 +390,18 @@ pub fn ctr_exec_sleep(rig: &Rig, ctd: &Containerd, container: &str, exec_id: &st
     );
 }
 
+/// The process's peak resident memory so far, in bytes (nextest runs each
+/// test in a process of its own).
+pub fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
 pub async fn lease_count(ctd: &Containerd) -> usize {
     ctd.leases()
         .list(ctd.request(ListRequest { filters: vec![] }))
