@@ -11,7 +11,7 @@ eval "$(ZATTERA_RIG_S3=0 scripts/rig.sh)" # the demo needs no S3 server
 . scripts/need-cargo.sh
 
 echo "== building zattera-agent and zattera-netns"
-cargo build --bins
+cargo build --workspace --bins
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 agent="$target_dir/debug/zattera-agent"
 netns="$target_dir/debug/zattera-netns"
