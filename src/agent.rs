@@ -101,7 +101,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             let enrollment = crate::link::identity::IdentityDir::new(&config.data_dir)
                 .load_enrollment()
                 .context("the node enrollment")?;
-            if let Some(why) = crate::control::node_api::refuses_everyone(
+            if let Some(why) = crate::node_api::refuses_everyone(
                 &enrollment.control_node_ids,
                 &config.control_node_ids,
                 enrollment.mesh_enabled,
@@ -298,10 +298,10 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             }
             .spawn();
             samples_for_metrics = samples.clone();
-            let node = crate::control::node_api::NodeContext {
+            let node = crate::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired: handle.desired.subscribe(),
-                targets: crate::control::node_api::proxy::Targets {
+                targets: crate::node_api::proxy::Targets {
                     host_ips: vec![config.host_ip],
                     status: handle.status.clone(),
                 },
@@ -814,7 +814,7 @@ fn builder(
     tls: crate::link::tls::CurrentTls,
     registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
     sandbox: crate::build::network::BuildNet,
-) -> Result<crate::control::node_api::build::Builder, String> {
+) -> Result<crate::node_api::build::Builder, String> {
     let backend = crate::build::choose_backend(&crate::build::Host {
         settings: &config.build,
         ctd: Some(ctd.clone()),
@@ -840,7 +840,7 @@ fn builder(
             "build-network = none is not available with BuildKit: its builds will fail until build-network is private or host"
         );
     }
-    Ok(crate::control::node_api::build::Builder {
+    Ok(crate::node_api::build::Builder {
         pipeline: crate::build::Pipeline {
             config: pipeline,
             backend: backend?,

@@ -155,7 +155,7 @@ fn node_api_callers(config: &Config) -> Option<Check> {
         .load_enrollment()
         .ok()?;
     Some(
-        match crate::control::node_api::refuses_everyone(
+        match crate::node_api::refuses_everyone(
             &e.control_node_ids,
             &config.control_node_ids,
             e.mesh_enabled,

@@ -20,6 +20,7 @@ pub mod link;
 pub mod logs;
 pub mod mesh;
 pub mod metrics;
+pub mod node_api;
 pub mod programs;
 pub mod proto;
 pub mod redact;

@@ -22,12 +22,12 @@ use control_plane::{AgentRun, ControlPlane, Record, TestCa};
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
-use zattera_agent::control::node_api::{NodeApi, control_ids};
 use zattera_agent::control::routes::{self, RoutesConfig};
 use zattera_agent::control::sync::{self, SyncConfig};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::link::identity::IdentityDir;
 use zattera_agent::link::tls::{self, NodeTls};
+use zattera_agent::node_api::{NodeApi, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
@@ -932,8 +932,8 @@ async fn call_top(
 }
 
 /// Port-forward targets of a node that runs nothing.
-fn no_targets() -> zattera_agent::control::node_api::proxy::Targets {
-    zattera_agent::control::node_api::proxy::Targets {
+fn no_targets() -> zattera_agent::node_api::proxy::Targets {
+    zattera_agent::node_api::proxy::Targets {
         host_ips: vec!["127.0.0.1".parse().unwrap()],
         status: watch::channel(Arc::new(zattera_agent::status::StatusSnapshot::default())).1,
     }
@@ -1078,7 +1078,7 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         let api = NodeApi::bind(
             "127.0.0.1:0".parse().unwrap(),
             &node_tls,
-            Some(zattera_agent::control::node_api::NodeContext {
+            Some(zattera_agent::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired,
                 targets: no_targets(),

@@ -25,9 +25,9 @@ use rustls::pki_types::ServerName;
 use sha2::Digest;
 use tokio::sync::watch;
 use zattera_agent::control::join::{JoinOptions, join};
-use zattera_agent::control::node_api::{NodeApi, NodeContext, control_ids};
 use zattera_agent::link::identity::IdentityDir;
 use zattera_agent::link::tls;
+use zattera_agent::node_api::{NodeApi, NodeContext, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::{
     AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest, S3Target, VolumeOpProgress,
@@ -146,7 +146,7 @@ impl Node {
             Some(NodeContext {
                 ctd: ctd.clone(),
                 desired,
-                targets: zattera_agent::control::node_api::proxy::Targets {
+                targets: zattera_agent::node_api::proxy::Targets {
                     host_ips: vec!["127.0.0.1".parse().unwrap()],
                     status: watch::channel(Arc::new(
                         zattera_agent::status::StatusSnapshot::default(),

@@ -37,7 +37,7 @@ pub async fn run(config: &Config, args: JoinArgs) -> Result<()> {
             .dir()
             .display()
     );
-    if let Some(warning) = zattera_agent::control::node_api::refuses_everyone(
+    if let Some(warning) = zattera_agent::node_api::refuses_everyone(
         &joined.control_node_ids,
         &config.control_node_ids,
         joined.mesh_enabled,

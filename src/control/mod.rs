@@ -1,18 +1,20 @@
 //! Everything between the agent and a control plane (wire.md §1, §8):
-//! enrollment, the node's TLS identity, the AgentSync and route streams,
-//! and the node API server.
+//! enrollment, the node's TLS identity, the AgentSync and route streams.
+//! The node API the control plane calls back is a server of its own
+//! (`crate::node_api`).
 //!
-//! - [`join`]: `zattera-agent join`, the token, the CSR, the stored identity;
-//! - [`identity`]: the files a join leaves under the data dir;
-//! - [`tls`]: rustls configurations and the dialer every hop uses;
-//! - [`sync`]: the AgentSync client, with [`queue`] (status reports),
-//!   [`backoff`] (reconnects) and [`host`] (heartbeat samples);
-//! - [`routes`]: route snapshots (VIPs for DNS), persisted;
-//! - [`node_api`]: the `AgentLocalService` server control dials;
-//! - [`services`]: starts those two beside the sync stream.
+//! - [`join`]: `zattera-agent join`, the token, the CSR, the stored identity,
+//!   and [`renew`], which renews it before it expires;
+//! - [`sync`]: the AgentSync client, with [`queue`] (status reports);
+//! - [`routes`]: route snapshots (VIPs for DNS), persisted, and [`vip`], the
+//!   proxy that answers on those VIPs;
+//! - [`services`]: starts the node API server and the route watch beside
+//!   the sync stream.
+//!
+//! The TLS identity, the dialer, the leader target and the back-off are the
+//! link floor (`crate::link`), shared with the mesh and builds.
 
 pub mod join;
-pub mod node_api;
 pub mod queue;
 pub mod renew;
 pub mod routes;

@@ -8,9 +8,9 @@ use tokio::sync::watch;
 
 use crate::proto::cluster::RouteSnapshot;
 
-use super::node_api::{NodeApi, NodeContext};
 use super::routes::{self, RoutesConfig};
 use super::sync::SyncConfig;
+use crate::node_api::{NodeApi, NodeContext};
 
 /// Starts the node API on each of `listen` (serving `node`) and the route watch for the node
 /// `sync` describes. Neither failing stops the agent: the sync stream matters more.
@@ -18,7 +18,7 @@ pub async fn spawn(
     sync: &SyncConfig,
     listen: &[SocketAddr],
     node: NodeContext,
-    controls: super::node_api::ControlIds,
+    controls: crate::node_api::ControlIds,
     metrics: Arc<crate::telemetry::AgentMetrics>,
 ) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
     for &listen in listen {

@@ -1,5 +1,5 @@
 //! The snapshot engine's one error (STYLE 3(c)); the node API maps each
-//! variant to a gRPC code in one place (`node_api::snapshot::code`). The
+//! variant to a gRPC code in one place (`node_api::codes::snapshot`). The
 //! texts never carry a host path or a credential.
 
 use super::seal::SealError;

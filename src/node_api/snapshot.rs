@@ -6,14 +6,14 @@
 //! is what this snapshot uploaded, `bytes_total` the tar size (SNAP-1).
 //!
 //! Every failure is one `phase: "error"` frame, then the stream ends with
-//! the status [`code`] picks (SNAP-12). Credentials are never logged.
+//! the status `codes::snapshot` picks (SNAP-12). Credentials are never logged.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::proto::cluster::{
     AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest, S3Target, VolumeOpProgress,
@@ -21,37 +21,7 @@ use crate::proto::cluster::{
 use crate::snapshot::{self, Engine, Event, S3Config, SnapshotError, VolumeLock, hooks};
 use crate::volumes;
 
-use super::{NodeContext, Out};
-
-/// The one place snapshot errors become gRPC codes (no `_` arm: a new
-/// variant must be mapped).
-pub fn code(e: &SnapshotError) -> Code {
-    match e {
-        SnapshotError::NoTarget
-        | SnapshotError::Key(_)
-        | SnapshotError::BadTarget(_)
-        | SnapshotError::BadRequest(_) => Code::InvalidArgument,
-        SnapshotError::NoVolume(_) | SnapshotError::NoManifest(_) => Code::NotFound,
-        SnapshotError::Busy(_) | SnapshotError::InUse { .. } => Code::FailedPrecondition,
-        SnapshotError::HookExec(_) | SnapshotError::HookExit(_) => Code::Aborted,
-        SnapshotError::S3 {
-            unreachable: true, ..
-        } => Code::Unavailable,
-        SnapshotError::Open { .. }
-        | SnapshotError::Manifest { .. }
-        | SnapshotError::HashMismatch { .. } => Code::DataLoss,
-        SnapshotError::Runtime(crate::runtime::RuntimeError::Unavailable { .. }) => {
-            Code::Unavailable
-        }
-        SnapshotError::S3 { .. }
-        | SnapshotError::Walk { .. }
-        | SnapshotError::Sink(_)
-        | SnapshotError::Restore(_)
-        | SnapshotError::RestoreIo { .. }
-        | SnapshotError::Runtime(_)
-        | SnapshotError::Internal(_) => Code::Internal,
-    }
-}
+use super::{NodeContext, Out, codes};
 
 fn frame(phase: &str) -> VolumeOpProgress {
     VolumeOpProgress {
@@ -88,7 +58,10 @@ where
                 f.error = e.to_string();
                 let _ = tx.send(Ok(f)).await;
                 let _ = tx
-                    .send(Err(Status::new(code(&e), format!("{method}: {e}"))))
+                    .send(Err(Status::new(
+                        codes::snapshot(&e),
+                        format!("{method}: {e}"),
+                    )))
                     .await;
             }
         }
@@ -236,73 +209,4 @@ pub fn restore(node: &NodeContext, req: AgentRestoreVolumeRequest) -> Out<Volume
             error: String::new(),
         })
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::snapshot::seal::SealError;
-
-    #[test]
-    fn errors_map_to_codes_and_say_what_the_spec_says() {
-        let table: Vec<(SnapshotError, Code, &str)> = vec![
-            (
-                SnapshotError::NoTarget,
-                Code::InvalidArgument,
-                "no s3 target provided",
-            ),
-            (
-                SnapshotError::Key(SealError::KeyLength(5)),
-                Code::InvalidArgument,
-                "data key must be 32 bytes, got 5",
-            ),
-            (
-                SnapshotError::NoVolume("data".into()),
-                Code::NotFound,
-                "volume \"data\" does not exist on this node",
-            ),
-            (
-                SnapshotError::HookExit(3),
-                Code::Aborted,
-                "pre-hook exited 3",
-            ),
-            (
-                SnapshotError::HookExec("no such container".into()),
-                Code::Aborted,
-                "pre-hook exec: no such container",
-            ),
-            (
-                SnapshotError::InUse {
-                    volume: "v".into(),
-                    container: "c".into(),
-                },
-                Code::FailedPrecondition,
-                "running container c",
-            ),
-            (
-                SnapshotError::Busy("v".into()),
-                Code::FailedPrecondition,
-                "busy",
-            ),
-            (
-                SnapshotError::HashMismatch { hash: "ab".into() },
-                Code::DataLoss,
-                "does not match",
-            ),
-            (
-                SnapshotError::S3 {
-                    op: "PUT",
-                    key: "k".into(),
-                    message: "refused".into(),
-                    unreachable: true,
-                },
-                Code::Unavailable,
-                "s3 PUT k: refused",
-            ),
-        ];
-        for (e, c, text) in table {
-            assert_eq!(code(&e), c, "{e}");
-            assert!(e.to_string().contains(text), "{e}");
-        }
-    }
 }

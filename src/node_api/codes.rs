@@ -1,17 +1,21 @@
 //! The one place where the operations' errors become gRPC codes: the node
 //! API translates, and the operations themselves (log queries, top, volume
-//! files) return typed errors that the admin socket shows as text.
+//! files, snapshots, the upgrade) return typed errors that the admin socket
+//! shows as text. What stays in the other files is the checking of the
+//! wire's own frames (INVALID_ARGUMENT) and of which capabilities a node
+//! serves (UNIMPLEMENTED, PERMISSION_DENIED).
 //!
 //! The rule: the caller's mistake is INVALID_ARGUMENT, a thing that is not
 //! there NOT_FOUND, a refusal of this state FAILED_PRECONDITION, a
 //! dependency that is down (containerd) UNAVAILABLE, and only the agent's
 //! own fault INTERNAL.
 
-use tonic::Status;
+use tonic::{Code, Status};
 
 use crate::logs::query::QueryError;
 use crate::runtime::RuntimeError;
 use crate::runtime::top::TopError;
+use crate::snapshot::SnapshotError;
 use crate::upgrade::UpgradeError;
 use crate::volumes::VolumeError;
 
@@ -68,6 +72,37 @@ pub fn upgrade(e: &UpgradeError) -> Status {
     }
 }
 
+/// Snapshot and restore (SNAP-12). Streams end with this code after an
+/// error frame, so the map gives a code, not a status. No `_` arm: a new
+/// variant must be mapped.
+pub fn snapshot(e: &SnapshotError) -> Code {
+    match e {
+        SnapshotError::NoTarget
+        | SnapshotError::Key(_)
+        | SnapshotError::BadTarget(_)
+        | SnapshotError::BadRequest(_) => Code::InvalidArgument,
+        SnapshotError::NoVolume(_) | SnapshotError::NoManifest(_) => Code::NotFound,
+        SnapshotError::Busy(_) | SnapshotError::InUse { .. } => Code::FailedPrecondition,
+        SnapshotError::HookExec(_) | SnapshotError::HookExit(_) => Code::Aborted,
+        SnapshotError::S3 {
+            unreachable: true, ..
+        } => Code::Unavailable,
+        SnapshotError::Open { .. }
+        | SnapshotError::Manifest { .. }
+        | SnapshotError::HashMismatch { .. } => Code::DataLoss,
+        SnapshotError::Runtime(crate::runtime::RuntimeError::Unavailable { .. }) => {
+            Code::Unavailable
+        }
+        SnapshotError::S3 { .. }
+        | SnapshotError::Walk { .. }
+        | SnapshotError::Sink(_)
+        | SnapshotError::Restore(_)
+        | SnapshotError::RestoreIo { .. }
+        | SnapshotError::Runtime(_)
+        | SnapshotError::Internal(_) => Code::Internal,
+    }
+}
+
 /// containerd's failures: unreachable is UNAVAILABLE (the caller may retry),
 /// a refusal keeps its meaning.
 fn runtime(e: &RuntimeError, text: String) -> Status {
@@ -83,7 +118,7 @@ fn runtime(e: &RuntimeError, text: String) -> Status {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tonic::Code;
+    use crate::snapshot::seal::SealError;
 
     #[test]
     fn each_error_has_its_code() {
@@ -207,5 +242,68 @@ mod tests {
         }
         let s = query(&QueryError::Invalid("an empty selector"));
         assert_eq!(s.message(), "QueryLogs: an empty selector");
+    }
+
+    #[test]
+    fn snapshot_errors_map_to_codes_and_say_what_the_spec_says() {
+        let table: Vec<(SnapshotError, Code, &str)> = vec![
+            (
+                SnapshotError::NoTarget,
+                Code::InvalidArgument,
+                "no s3 target provided",
+            ),
+            (
+                SnapshotError::Key(SealError::KeyLength(5)),
+                Code::InvalidArgument,
+                "data key must be 32 bytes, got 5",
+            ),
+            (
+                SnapshotError::NoVolume("data".into()),
+                Code::NotFound,
+                "volume \"data\" does not exist on this node",
+            ),
+            (
+                SnapshotError::HookExit(3),
+                Code::Aborted,
+                "pre-hook exited 3",
+            ),
+            (
+                SnapshotError::HookExec("no such container".into()),
+                Code::Aborted,
+                "pre-hook exec: no such container",
+            ),
+            (
+                SnapshotError::InUse {
+                    volume: "v".into(),
+                    container: "c".into(),
+                },
+                Code::FailedPrecondition,
+                "running container c",
+            ),
+            (
+                SnapshotError::Busy("v".into()),
+                Code::FailedPrecondition,
+                "busy",
+            ),
+            (
+                SnapshotError::HashMismatch { hash: "ab".into() },
+                Code::DataLoss,
+                "does not match",
+            ),
+            (
+                SnapshotError::S3 {
+                    op: "PUT",
+                    key: "k".into(),
+                    message: "refused".into(),
+                    unreachable: true,
+                },
+                Code::Unavailable,
+                "s3 PUT k: refused",
+            ),
+        ];
+        for (e, c, text) in table {
+            assert_eq!(snapshot(&e), c, "{e}");
+            assert!(e.to_string().contains(text), "{e}");
+        }
     }
 }
