@@ -91,7 +91,7 @@ pub fn decode_ports(s: &str) -> Vec<NamedPort> {
 }
 
 /// What the executor knows of a container it owns, read from its labels.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OwnedContainer {
     pub container_id: String,
     pub assignment_id: String,

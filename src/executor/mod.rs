@@ -16,6 +16,7 @@
 //! instance of a scope is planned only once every removal in that scope is
 //! done, so a freed host port or name can be reused; other scopes go on.
 
+pub mod alloc;
 pub mod backoff;
 mod board;
 pub mod diff;
@@ -34,16 +35,14 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use zattera_dns::table::LocalInstance;
 use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
-use zattera_netns::{
-    HostPorts, IpRecord, Ipam, NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError,
-    network_name,
-};
+use zattera_netns::{NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError, network_name};
 
+use self::alloc::{Alloc, AllocError, Allocation, WantedPort};
 use self::board::Board;
 use self::instance::{Handles, Plan};
 use self::listing::{Listing, Need, Refresh};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
-use crate::labels::{self, NamedPort, OwnedContainer};
+use crate::labels::{self, OwnedContainer};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use crate::proto::v1::{Assignment, AssignmentDesired, Protocol};
 use crate::runtime::containers::{self, TaskState};
@@ -53,6 +52,8 @@ use crate::runtime::{Containerd, RuntimeError};
 use crate::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
 
 const TICK: Duration = Duration::from_secs(5);
+/// How long after the task event stream ended it is subscribed again.
+const RESUBSCRIBE: Duration = Duration::from_secs(1);
 /// Stale containers read from containerd at once (see [`listing`]).
 const STALE_READS: usize = 8;
 /// Where a standalone manifest's `resources.pids` travels in the spec.
@@ -132,8 +133,8 @@ pub struct LocalNetwork {
 pub struct Executor {
     h: Handles,
     dns: Option<Arc<DnsServer>>,
-    ipam: Ipam,
-    ports: HostPorts,
+    /// Addresses and host ports.
+    alloc: Alloc,
     /// The container kept per assignment.
     owned: BTreeMap<String, OwnedContainer>,
     /// One per container being brought up, supervised or removed.
@@ -196,7 +197,7 @@ impl Executor {
         if let Some(cluster) = &cfg.cluster_registry {
             puller = puller.with_cluster_registry(cluster.clone());
         }
-        let ports = HostPorts::new(cfg.host_port_range);
+        let alloc = Alloc::new(cfg.host_port_range);
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
         let h = Handles {
             ctd,
@@ -212,8 +213,7 @@ impl Executor {
         let exec = Self {
             h,
             dns,
-            ipam: Ipam::default(),
-            ports,
+            alloc,
             owned: BTreeMap::new(),
             workers: HashMap::new(),
             board: Board::new(batches),
@@ -247,7 +247,7 @@ impl Executor {
         if let Err(e) = self.boot().await {
             tracing::warn!(error = %e, "boot: could not adopt existing containers; will retry on the next pass");
         }
-        let mut events = Box::pin(events::subscribe(&self.h.ctd));
+        let mut events = task_events(&self.h.ctd, Duration::ZERO);
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -286,16 +286,13 @@ impl Executor {
                     }
                     Some(Ok(TaskEvent::ContainersChanged)) => self.listing.invalidate(),
                     Some(Ok(_)) => {}
-                    Some(Err(e)) => {
-                        tracing::debug!(error = %e, "task event stream ended; re-subscribing");
+                    ended => {
+                        if let Some(Err(e)) = ended {
+                            tracing::debug!(error = %e, "task event stream ended; re-subscribing");
+                        }
+                        // Events may have been missed: list everything again.
                         self.listing.invalidate();
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        events = Box::pin(events::subscribe(&self.h.ctd));
-                    }
-                    None => {
-                        self.listing.invalidate();
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                        events = Box::pin(events::subscribe(&self.h.ctd));
+                        events = task_events(&self.h.ctd, RESUBSCRIBE);
                     }
                 },
                 Some(report) = self.reports_rx.recv() => self.on_report(report).await,
@@ -369,22 +366,13 @@ impl Executor {
             let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
             collect_orphan_attachments(net, &live).await;
         }
-        let records: Vec<IpRecord> = owned
-            .iter()
-            .filter_map(|o| {
-                Some(IpRecord {
-                    holder: o.container_id.clone(),
-                    ip: o.ip?,
-                })
-            })
-            .collect();
-        self.ipam = Ipam::from_records(&records).unwrap_or_default();
+        self.alloc.adopt(&owned);
         // Every published port is held again before any rule uses it; a
         // container whose port someone took while we were down is removed,
         // and the next pass brings it up again (a fixed port: FAILED until
         // its holder lets go).
         for o in owned {
-            match self.hold_ports(&o) {
+            match self.alloc.hold(&o) {
                 Ok(()) => {
                     self.owned.insert(o.assignment_id.clone(), o);
                 }
@@ -710,13 +698,7 @@ impl Executor {
             Event::Failed { plan, failure } => {
                 self.workers.remove(&container_id);
                 let id = plan.assignment_id().to_owned();
-                if let Some(ip) = plan.ip {
-                    self.ipam.release(&plan.container_id, ip);
-                }
-                for p in &plan.ports {
-                    self.ports
-                        .release(p.port.proto, p.port.host_ip, p.port.host_port);
-                }
+                self.alloc.release(&plan.container_id, plan.ip, &plan.ports);
                 if self.board.failed(&id, &plan.assignment.config_hash) {
                     tracing::warn!(assignment = %id, "parking after {} failed attempts: {}", board::MAX_FAILURES, failure.0);
                 }
@@ -727,7 +709,7 @@ impl Executor {
             }
             Event::Down(o) | Event::Discarded(o) => {
                 self.workers.remove(&container_id);
-                self.release(&o);
+                self.alloc.release(&o.container_id, o.ip, &o.ports);
                 if self
                     .owned
                     .get(&o.assignment_id)
@@ -782,60 +764,32 @@ impl Executor {
                 });
             }
         }
-        let ip = match (subnet, &self.h.net) {
-            (Some(s), Some(_)) => Some(
-                self.ipam
-                    .allocate(s, &container_id)
-                    .map_err(|e| PlanError::Ipam(Box::new(e)))?,
-            ),
-            _ => None,
-        };
-        let mut ports = Vec::new();
-        for p in &spec.ports {
-            let Some(container_ip) = ip else { break };
-            let proto = if p.protocol == Protocol::Udp as i32 {
-                Proto::Udp
-            } else {
-                Proto::Tcp
-            };
-            let requested = if self.h.cfg.standalone {
-                a.mesh_port_bindings
-                    .get(&p.name)
-                    .and_then(|v| u16::try_from(*v).ok())
-                    .filter(|v| *v > 0)
-            } else {
-                None
-            };
-            let allocated = self.ports.allocate(proto, self.h.cfg.host_ip, requested);
-            let host_port = match allocated {
-                Ok(port) => port,
-                Err(e) => {
-                    // Undo this plan's allocations before failing it.
-                    for done in &ports {
-                        let done: &NamedPort = done;
-                        self.ports
-                            .release(done.port.proto, done.port.host_ip, done.port.host_port);
-                    }
-                    if let Some(ip) = ip {
-                        self.ipam.release(&container_id, ip);
-                    }
-                    return Err(PlanError::HostPort {
-                        name: p.name.clone(),
-                        source: Box::new(e),
-                    });
-                }
-            };
-            ports.push(NamedPort {
+        let wanted: Vec<WantedPort> = spec
+            .ports
+            .iter()
+            .map(|p| WantedPort {
                 name: p.name.clone(),
-                port: PublishedPort {
-                    proto,
-                    host_ip: self.h.cfg.host_ip,
-                    host_port,
-                    container_ip,
-                    container_port: u16::try_from(p.container_port).unwrap_or_default(),
+                proto: if p.protocol == Protocol::Udp as i32 {
+                    Proto::Udp
+                } else {
+                    Proto::Tcp
                 },
-            });
-        }
+                container_port: u16::try_from(p.container_port).unwrap_or_default(),
+                requested: if self.h.cfg.standalone {
+                    a.mesh_port_bindings
+                        .get(&p.name)
+                        .and_then(|v| u16::try_from(*v).ok())
+                        .filter(|v| *v > 0)
+                } else {
+                    None
+                },
+            })
+            .collect();
+        // Without the host's networking an instance gets neither.
+        let on_network = subnet.filter(|_| self.h.net.is_some());
+        let Allocation { ip, ports } =
+            self.alloc
+                .allocate(&container_id, on_network, self.h.cfg.host_ip, &wanted)?;
         Ok(Plan {
             assignment: a.clone(),
             runtime: rt.clone(),
@@ -846,33 +800,6 @@ impl Executor {
         })
     }
 
-    /// Holds every host port a container publishes (its record, at start).
-    fn hold_ports(&mut self, o: &OwnedContainer) -> Result<(), zattera_netns::Error> {
-        for (i, p) in o.ports.iter().enumerate() {
-            if let Err(e) = self
-                .ports
-                .hold(p.port.proto, p.port.host_ip, p.port.host_port)
-            {
-                for done in &o.ports[..i] {
-                    self.ports
-                        .release(done.port.proto, done.port.host_ip, done.port.host_port);
-                }
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    fn release(&mut self, o: &OwnedContainer) {
-        if let Some(ip) = o.ip {
-            self.ipam.release(&o.container_id, ip);
-        }
-        for p in &o.ports {
-            self.ports
-                .release(p.port.proto, p.port.host_ip, p.port.host_port);
-        }
-    }
-
     /// Only ports we hold are published; once the rules are in place, the
     /// sockets of the ports they no longer use are closed.
     async fn apply_firewall(&mut self) {
@@ -881,10 +808,10 @@ impl Executor {
             .owned
             .values()
             .flat_map(|o| o.ports.iter().map(|p| p.port))
-            .filter(|p| self.ports.is_held(p.proto, p.host_ip, p.host_port))
+            .filter(|p| self.alloc.is_held(p))
             .collect();
         match net.set_published(published).await {
-            Ok(()) => self.ports.retire(),
+            Ok(()) => self.alloc.retire(),
             Err(e) => tracing::warn!(error = %e, "publishing ports failed"),
         }
     }
@@ -1098,6 +1025,19 @@ impl Executor {
     }
 }
 
+type TaskEvents =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<TaskEvent, RuntimeError>> + Send>>;
+
+/// containerd's task events, subscribed to after `delay`. The wait is the
+/// stream's, so the loop goes on serving reports and passes meanwhile.
+fn task_events(ctd: &Containerd, delay: Duration) -> TaskEvents {
+    let ctd = ctd.clone();
+    Box::pin(
+        futures::stream::once(tokio::time::sleep(delay))
+            .flat_map(move |()| events::subscribe(&ctd)),
+    )
+}
+
 /// The status as containerd alone shows it, for `status` while the agent
 /// is down (DESIGN decision 8): owned containers and their task states.
 /// A kill between a container's removal and its detach, or between an
@@ -1191,13 +1131,8 @@ pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapsho
 enum PlanError {
     #[error("ensure network: {0}")]
     Subnet(#[from] SubnetError),
-    #[error("ensure network: {0}")]
-    Ipam(Box<zattera_netns::Error>),
-    #[error("create: port {name}: {source}")]
-    HostPort {
-        name: String,
-        source: Box<zattera_netns::Error>,
-    },
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
     #[error("create: port {name}: container_port {port} is not a port")]
     ContainerPort { name: String, port: u32 },
 }
@@ -1206,7 +1141,7 @@ impl PlanError {
     /// Retried every pass without counting toward parking (E-9): a host
     /// port held by another process frees by itself.
     fn is_transient(&self) -> bool {
-        matches!(self, Self::HostPort { source, .. } if source.is_port_in_use())
+        matches!(self, Self::Alloc(e) if e.is_transient())
     }
 }
 
