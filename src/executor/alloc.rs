@@ -188,9 +188,11 @@ mod tests {
         }
     }
 
-    /// A free range of ten ports on loopback, and the first of it.
-    fn free_range() -> (PortRange, u16) {
-        for lo in (41_000u16..60_000).step_by(97) {
+    /// A free range of ten ports on loopback, and the first of it; each
+    /// test its own `band` of 4,000, as they run in parallel.
+    fn free_range(band: u16) -> (PortRange, u16) {
+        let from = 41_000 + band * 4_000;
+        for lo in (from..from + 4_000).step_by(97) {
             let hi = lo + 9;
             if (lo..=hi).all(|p| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok()) {
                 return (PortRange { lo, hi }, lo);
@@ -201,7 +203,7 @@ mod tests {
 
     #[test]
     fn a_failed_port_gives_back_the_address_and_the_ports_before_it() {
-        let (range, lo) = free_range();
+        let (range, lo) = free_range(0);
         let mut alloc = Alloc::new(range);
         let subnet = Subnet::from_slot(77);
         // Someone else holds the fixed port the second one asks for.
@@ -241,7 +243,7 @@ mod tests {
 
     #[test]
     fn released_ports_stay_bound_until_the_rules_let_go() {
-        let (range, lo) = free_range();
+        let (range, lo) = free_range(1);
         let mut alloc = Alloc::new(range);
         let subnet = Subnet::from_slot(78);
         let got = alloc
@@ -266,7 +268,7 @@ mod tests {
 
     #[test]
     fn adoption_keeps_found_addresses_and_holds_their_ports_all_or_none() {
-        let (range, lo) = free_range();
+        let (range, lo) = free_range(2);
         let subnet = Subnet::from_slot(79);
         let found = |id: &str, ip: Ipv4Addr, ports: &[u16]| OwnedContainer {
             container_id: id.into(),
@@ -309,7 +311,7 @@ mod tests {
 
     #[test]
     fn an_instance_without_a_network_takes_nothing() {
-        let (range, _) = free_range();
+        let (range, _) = free_range(3);
         let mut alloc = Alloc::new(range);
         let got = alloc
             .allocate("c1", None, Ipv4Addr::LOCALHOST, &[wanted("http", None)])

@@ -23,6 +23,7 @@ pub mod diff;
 pub mod files;
 pub mod instance;
 pub mod listing;
+mod pass;
 mod worker;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -41,6 +42,7 @@ use self::alloc::{Alloc, AllocError, Allocation, WantedPort};
 use self::board::Board;
 use self::instance::{Handles, Plan};
 use self::listing::{Listing, Need, Refresh};
+use self::pass::{Run, Supervise};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
 use crate::labels::{self, OwnedContainer};
 use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
@@ -542,124 +544,77 @@ impl Executor {
         let listed = self.listed_owned().await?;
         // Duplicates of one assignment are removed (E-2 deviation).
         let classified = diff::classify(desired, listed, self.h.cfg.default_subnet);
-
-        // A supervised container that vanished from containerd (removed
-        // behind our back) is its worker's to find: its poll sees no task,
-        // the restart fails, and it reports `Discarded`; until then no second
-        // worker may touch the same container id.
-        // What is kept: the listed ones, plus those still coming up.
-        let mut owned = classified.owned;
-        for (id, o) in &self.owned {
-            if !owned.contains_key(id)
-                && self
-                    .workers
-                    .get(&o.container_id)
-                    .is_some_and(|w| w.phase == Phase::Starting)
-            {
-                owned.insert(id.clone(), o.clone());
-            }
-        }
-        self.owned = owned;
+        let removals = classified.removals.len();
+        let (kept, steps) = pass::supervise(desired, classified, &self.owned, &self.workers);
+        self.owned = kept;
         // Until a spawn or a report says otherwise.
         self.settled = Some(desired.clone());
-
-        // STOP: every removal gets (or already has) a worker that removes it.
-        let removals = classified.removals.len();
-        for r in classified.removals {
-            match self.workers.get_mut(&r.container_id) {
-                Some(w) => w.stop(),
-                None => self.spawn(Start::Remove(r), None),
-            }
-        }
-        // Every kept container is supervised, with its current spec; a spec
-        // is copied only for a worker that has none yet.
-        let spec_of = |id: &str| {
-            desired
-                .get(id)
-                .and_then(|(_, rt)| rt.as_ref())
-                .and_then(|rt| rt.spec.as_ref())
-        };
-        let mut adopt = Vec::new();
-        for (id, o) in &self.owned {
-            match self.workers.get_mut(&o.container_id) {
-                // Told even when the set has no spec for it: the worker
-                // then knows there is no check, and reports HEALTHY.
-                Some(w) if !w.has_spec && desired.contains_key(id) => {
-                    w.has_spec = true;
-                    w.send(Cmd::Spec(spec_of(id).cloned().map(Box::new)));
+        for step in steps {
+            match step {
+                Supervise::Stop { container_id } => {
+                    if let Some(w) = self.workers.get_mut(&container_id) {
+                        w.stop();
+                    }
                 }
-                Some(_) => {}
-                None => adopt.push((o.clone(), spec_of(id).cloned())),
+                Supervise::Remove(r) => self.spawn(Start::Remove(r), None),
+                Supervise::Spec { container_id, spec } => {
+                    if let Some(w) = self.workers.get_mut(&container_id) {
+                        w.has_spec = true;
+                        w.send(Cmd::Spec(spec));
+                    }
+                }
+                Supervise::Adopt { owned, spec } => {
+                    self.spawn(Start::Adopt(owned), spec.map(|s| *s));
+                }
             }
-        }
-        for (o, spec) in adopt {
-            self.spawn(Start::Adopt(o), spec);
         }
         Ok(removals)
     }
 
-    /// RUN (E-7): a worker for every desired instance that has neither a
-    /// container nor a worker, unless its scope still has removals in flight
-    /// (E-6) or it is parked (E-9) or fenced (E-10).
+    /// RUN (E-7), as [`pass::runs`] decides: a worker for every desired
+    /// instance that has neither a container nor a worker, once its scope's
+    /// removals are done (E-6), unless parked (E-9) or fenced (E-10).
     fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) -> usize {
         let mut runs = 0;
-        // Borrowed, not copied: with nothing to start a pass allocates
-        // nothing here.
-        let missing: Vec<(&String, &(Assignment, Option<AssignmentRuntime>))> = {
-            let busy: BTreeSet<&str> = self
-                .workers
-                .values()
-                .filter(|w| w.phase == Phase::Stopping)
-                .map(|w| w.scope.as_str())
-                .collect();
-            let active: BTreeSet<&str> = self
-                .workers
-                .values()
-                .filter(|w| w.phase != Phase::Stopping)
-                .map(|w| w.assignment_id.as_str())
-                .collect();
-            desired
-                .iter()
-                .filter(|(id, (a, _))| {
-                    a.desired == AssignmentDesired::Run as i32
-                        && !self.owned.contains_key(*id)
-                        && !active.contains(id.as_str())
-                        && (busy.is_empty()
-                            || !busy
-                                .contains(network_name(&a.project_id, &a.environment_id).as_str()))
-                })
-                .collect()
-        };
-        for (id, (a, rt)) in missing {
-            if self.board.parked(id, &a.config_hash) {
-                continue;
-            }
-            let Some(rt) = rt else {
-                self.board.failed(id, &a.config_hash);
-                batch.push(
-                    Observation::new(id, State::Failed)
-                        .message("no runtime payload (image/spec) for assignment"),
-                );
-                continue;
-            };
-            if let Some(reason) = fencing(a, rt, &self.h.cfg.node_id) {
-                batch.push(Observation::new(id, State::Pending).message(reason));
-                continue;
-            }
-            match self.plan(a, rt) {
-                Ok(plan) => {
-                    let spec = rt.spec.clone();
-                    self.spawn(Start::Run(Box::new(plan)), spec);
-                    runs += 1;
+        let board = &mut self.board;
+        let steps = pass::runs(
+            desired,
+            &self.owned,
+            &self.workers,
+            |id, hash| board.parked(id, hash),
+            &self.h.cfg.node_id,
+        );
+        for step in steps {
+            match step {
+                Run::NoRuntime { id, config_hash } => {
+                    self.board.failed(id, config_hash);
+                    batch.push(
+                        Observation::new(id, State::Failed)
+                            .message("no runtime payload (image/spec) for assignment"),
+                    );
                 }
-                Err(e) => {
-                    // A port someone else holds is retried every pass
-                    // without counting toward parking: it frees by itself.
-                    if !e.is_transient() && self.board.failed(id, &a.config_hash) {
-                        tracing::warn!(assignment = %id, "parking after {} failed attempts: {e}", board::MAX_FAILURES);
+                Run::Fenced { id, reason } => {
+                    batch.push(Observation::new(id, State::Pending).message(reason));
+                }
+                Run::Start {
+                    id,
+                    assignment: a,
+                    runtime: rt,
+                } => match self.plan(a, rt) {
+                    Ok(plan) => {
+                        let spec = rt.spec.clone();
+                        self.spawn(Start::Run(Box::new(plan)), spec);
+                        runs += 1;
                     }
-                    batch.push(Observation::new(id, State::Failed).message(e.to_string()));
-                }
+                    Err(e) => {
+                        // A port someone else holds is retried every pass
+                        // without counting toward parking: it frees by itself.
+                        if !e.is_transient() && self.board.failed(id, &a.config_hash) {
+                            tracing::warn!(assignment = %id, "parking after {} failed attempts: {e}", board::MAX_FAILURES);
+                        }
+                        batch.push(Observation::new(id, State::Failed).message(e.to_string()));
+                    }
+                },
             }
         }
         runs
@@ -1152,85 +1107,4 @@ pub(super) fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
         .filter(|p| !p.name.is_empty() && p.port.host_port > 0)
         .map(|p| (p.name.clone(), p.port.host_port))
         .collect()
-}
-
-/// E-10: the reason a stateful assignment must wait, if it must.
-fn fencing(a: &Assignment, rt: &AssignmentRuntime, node_id: &str) -> Option<String> {
-    let spec = rt.spec.as_ref()?;
-    if !spec.stateful || spec.volumes.is_empty() {
-        return None;
-    }
-    let id = a.meta.as_ref().map_or("", |m| m.id.as_str());
-    match &rt.volume_lease {
-        None => Some("waiting for volume lease".into()),
-        Some(lease) if lease.node_id != node_id => {
-            Some(format!("volume leased to another node ({})", lease.node_id))
-        }
-        Some(lease) if lease.assignment_id != id => {
-            Some("volume leased to another instance".into())
-        }
-        Some(_) => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::proto::v1::{Meta, ServiceSpec, VolumeLease, VolumeMount};
-
-    fn stateful(lease: Option<VolumeLease>) -> (Assignment, AssignmentRuntime) {
-        let a = Assignment {
-            meta: Some(Meta {
-                id: "a1".into(),
-                ..Meta::default()
-            }),
-            ..Assignment::default()
-        };
-        let rt = AssignmentRuntime {
-            spec: Some(ServiceSpec {
-                stateful: true,
-                volumes: vec![VolumeMount {
-                    volume_name: "data".into(),
-                    mount_path: "/data".into(),
-                }],
-                ..ServiceSpec::default()
-            }),
-            volume_lease: lease,
-            ..AssignmentRuntime::default()
-        };
-        (a, rt)
-    }
-
-    #[test]
-    fn fencing_follows_e10() {
-        let (a, rt) = stateful(None);
-        assert_eq!(
-            fencing(&a, &rt, "n1").as_deref(),
-            Some("waiting for volume lease")
-        );
-        let lease = |node: &str, id: &str| VolumeLease {
-            node_id: node.into(),
-            assignment_id: id.into(),
-            ..VolumeLease::default()
-        };
-        let (a, rt) = stateful(Some(lease("n2", "a1")));
-        assert_eq!(
-            fencing(&a, &rt, "n1").as_deref(),
-            Some("volume leased to another node (n2)")
-        );
-        let (a, rt) = stateful(Some(lease("n1", "a2")));
-        assert_eq!(
-            fencing(&a, &rt, "n1").as_deref(),
-            Some("volume leased to another instance")
-        );
-        let (a, rt) = stateful(Some(lease("n1", "a1")));
-        assert_eq!(fencing(&a, &rt, "n1"), None);
-        let (a, mut rt) = stateful(None);
-        rt.spec.as_mut().unwrap().stateful = false;
-        assert_eq!(
-            fencing(&a, &rt, "n1"),
-            None,
-            "only stateful services with volumes are fenced"
-        );
-    }
 }
