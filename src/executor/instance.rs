@@ -18,7 +18,7 @@ use crate::proto::v1::Assignment;
 use crate::runtime::containers::{self, NewContainer};
 use crate::runtime::pull::{Credentials, ProgressFn, PullEvent, Puller};
 use crate::runtime::spec::{self, BindMount, ContainerSpec};
-use crate::runtime::{Containerd, ImageRef};
+use crate::runtime::{Containerd, ImageRef, RuntimeError};
 use crate::status::{Observation, State};
 
 /// Shared handles a bring-up or teardown needs.
@@ -73,9 +73,78 @@ impl Plan {
     }
 }
 
-/// Why a bring-up failed, as the FAILED message says it (E-8).
-#[derive(Debug, Clone)]
-pub struct Failure(pub String);
+/// The step of a bring-up (or a restart) that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Resolving, fetching and unpacking the image.
+    Pull,
+    /// The volume's directory, mount path and first-use copy.
+    Volume,
+    /// The bridge, then the container's namespace and veth.
+    Network,
+    /// The files, the OCI spec and the container record.
+    Create,
+    /// The task: shim, log shim, `runc create` and `runc start`.
+    Start,
+    /// An existing container's old task, before a new one starts.
+    Restart,
+}
+
+/// Why a bring-up failed: its step, what it was about (the image, the
+/// volume, the network) and why. Its text is the FAILED message (E-8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub step: Step,
+    pub subject: Option<String>,
+    pub reason: String,
+}
+
+impl Failure {
+    fn new(step: Step, reason: impl std::fmt::Display) -> Self {
+        Self {
+            step,
+            subject: None,
+            reason: reason.to_string(),
+        }
+    }
+
+    fn of(step: Step, subject: impl std::fmt::Display, reason: impl std::fmt::Display) -> Self {
+        Self {
+            step,
+            subject: Some(subject.to_string()),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// A pull's failure: the puller's own refusals name no image, so the
+    /// image is said once either way.
+    fn pull(reference: &ImageRef, e: RuntimeError) -> Self {
+        let reason = match e {
+            RuntimeError::Pull { reason, .. } => reason,
+            e => e.to_string(),
+        };
+        Self::of(Step::Pull, reference, reason)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let step = match self.step {
+            Step::Pull => "pull",
+            Step::Volume => "ensure volume",
+            Step::Network => "ensure network",
+            Step::Create => "create",
+            Step::Start => "start",
+            Step::Restart => "restart",
+        };
+        match &self.subject {
+            Some(subject) => write!(f, "{step} {subject}: {}", self.reason),
+            None => write!(f, "{step}: {}", self.reason),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
 
 /// Wall time of each step of one bring-up, logged at debug under the target
 /// `zattera::bringup` so that a slow start says where its time went. Create
@@ -146,7 +215,7 @@ pub async fn bring_up(
         .runtime
         .image_ref
         .parse()
-        .map_err(|e| Failure(format!("pull {}: {e}", plan.runtime.image_ref)))?;
+        .map_err(|e| Failure::of(Step::Pull, &plan.runtime.image_ref, e))?;
     // Counted only when a pull really happens (an image present is not one).
     let pulled = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let counted = {
@@ -177,21 +246,16 @@ pub async fn bring_up(
     }
     let image = image
         .map_err(|_| {
-            Failure(format!(
-                "pull {reference}: not done after {} (pull-timeout)",
-                humantime::format_duration(h.cfg.pull_timeout)
-            ))
+            Failure::of(
+                Step::Pull,
+                &reference,
+                format_args!(
+                    "not done after {} (pull-timeout)",
+                    humantime::format_duration(h.cfg.pull_timeout)
+                ),
+            )
         })?
-        .map_err(|e| {
-            // The puller's own errors already say which pull failed.
-            let e = e.to_string();
-            let prefix = format!("pull {reference}: ");
-            Failure(if e.starts_with(&prefix) {
-                e
-            } else {
-                format!("{prefix}{e}")
-            })
-        })?;
+        .map_err(|e| Failure::pull(&reference, e))?;
     phases.pull_check = phases.lap();
 
     let spec_input = plan.runtime.spec.clone().unwrap_or_default();
@@ -210,11 +274,11 @@ pub async fn bring_up(
             &plan.assignment.environment_id,
             &v.volume_name,
         )
-        .map_err(|e| Failure(format!("ensure volume: {e}")))?;
+        .map_err(|e| Failure::new(Step::Volume, e))?;
         crate::volumes::check_mount_path(&v.mount_path)
-            .map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
+            .map_err(|e| Failure::of(Step::Volume, &name, e))?;
         let first = crate::volumes::first_use(&h.cfg.data_dir, &name)
-            .map_err(|e| Failure(format!("ensure volume {name}: {e}")))?;
+            .map_err(|e| Failure::of(Step::Volume, &name, e))?;
         let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);
         if first {
             fresh_volumes.push((name.clone(), dir.clone(), v.mount_path.clone()));
@@ -239,11 +303,11 @@ pub async fn bring_up(
         );
         net.ensure_network(&name, subnet)
             .await
-            .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
+            .map_err(|e| Failure::of(Step::Network, &name, e))?;
         let att = net
             .attach(&cid, subnet, ip)
             .await
-            .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
+            .map_err(|e| Failure::of(Step::Network, &name, format_args!("attach: {e}")))?;
         attachment = Some(att);
     }
     phases.network = phases.lap();
@@ -263,7 +327,7 @@ pub async fn bring_up(
         let host_resolv = read_host_resolv();
         let dir = h.cfg.run_dir.join("containers").join(&cid);
         let written = files::write(&dir, &hostname, plan.ip, gateway, &host_resolv)
-            .map_err(|e| Failure(format!("create: writing {}: {e}", dir.display())))?;
+            .map_err(|e| Failure::new(Step::Create, format_args!("writing {}: {e}", dir.display())))?;
         for (source, destination) in written {
             mounts.push(BindMount {
                 source,
@@ -277,8 +341,9 @@ pub async fn bring_up(
         let cmd = cfg.cmd().clone().unwrap_or_default();
         let args = spec::process_args(&entrypoint, &cmd, &spec_input.command, plan.is_job());
         if args.is_empty() {
-            return Err(Failure(
-                "create: the image has no command and none was given".into(),
+            return Err(Failure::new(
+                Step::Create,
+                "the image has no command and none was given",
             ));
         }
         let mut env_pairs: Vec<(&str, &str)> = plan
@@ -291,7 +356,7 @@ pub async fn bring_up(
         let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs);
         let user = image_user(h, &image, cfg.user().as_deref().unwrap_or_default()).await?;
         let stop_signal = spec::stop_signal(cfg.stop_signal().as_deref())
-            .map_err(|e| Failure(format!("create: {e}")))?;
+            .map_err(|e| Failure::new(Step::Create, e))?;
         let stop_grace = spec_input
             .stop_grace
             .and_then(|d| Duration::try_from(d).ok())
@@ -314,7 +379,7 @@ pub async fn bring_up(
             cgroup_v2: spec::host_has_cgroup_v2(),
         };
         let oci =
-            spec::build(&container_spec).map_err(|e| Failure(format!("create: spec: {e}")))?;
+            spec::build(&container_spec).map_err(|e| Failure::new(Step::Create, format_args!("spec: {e}")))?;
         phases.spec = phases.lap();
 
         let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
@@ -356,7 +421,7 @@ pub async fn bring_up(
             },
         )
         .await
-        .map_err(|e| Failure(format!("create: {e}")))?;
+        .map_err(|e| Failure::new(Step::Create, e))?;
         phases.create = phases.lap();
 
         for (name, dir, inside) in &fresh_volumes {
@@ -365,7 +430,7 @@ pub async fn bring_up(
                 crate::runtime::rootfs::copy_up(&h.ctd, &cid, inside, dir, &scratch).await
             {
                 let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-                return Err(Failure(format!("ensure volume {name}: {e}")));
+                return Err(Failure::of(Step::Volume, name, e));
             }
             if let Err(e) = crate::volumes::mark_copied_up(&h.cfg.data_dir, name) {
                 tracing::warn!(volume = %name, error = %e, "copy-up not recorded; it may run again");
@@ -382,13 +447,13 @@ pub async fn bring_up(
         };
         if let Err(e) = logs::files::write_meta(&log_path, &meta) {
             let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-            return Err(Failure(format!("create: log meta: {e}")));
+            return Err(Failure::new(Step::Create, format_args!("log meta: {e}")));
         }
         let uri = logs::shim::log_uri(&h.cfg.logger_binary, &log_path, h.cfg.log_retention);
         if let Err(e) = containers::start(&h.ctd, &cid, &uri).await {
             // Never leave a dead container to be adopted.
             let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-            return Err(Failure(format!("start: {e}")));
+            return Err(Failure::new(Step::Start, e));
         }
         phases.start = phases.lap();
         phases.log(&cid);
@@ -398,7 +463,7 @@ pub async fn bring_up(
             ..Default::default()
         };
         OwnedContainer::from_container(&container)
-            .ok_or_else(|| Failure("create: labels do not round-trip".into()))
+            .ok_or_else(|| Failure::new(Step::Create, "labels do not round-trip"))
     }
     .await;
     if result.is_err() {
@@ -414,23 +479,23 @@ pub async fn bring_up(
 pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
     containers::delete_task(&h.ctd, &owned.container_id)
         .await
-        .map_err(|e| Failure(format!("restart: {e}")))?;
+        .map_err(|e| Failure::new(Step::Restart, e))?;
     if let (Some(net), Some(subnet), Some(ip)) = (&h.net, owned.subnet, owned.ip) {
         let name = scope_of(h, subnet, &owned.project_id, &owned.environment_id);
         net.ensure_network(&name, subnet)
             .await
-            .map_err(|e| Failure(format!("ensure network {name}: {e}")))?;
+            .map_err(|e| Failure::of(Step::Network, &name, e))?;
         // Lost in a reboot, or a part of it removed behind our back: the
         // task is down, so a fresh attachment with the same address is fine.
         let intact = net
             .attachment_intact(&owned.container_id, ip)
             .await
-            .map_err(|e| Failure(format!("restart: {e}")))?;
+            .map_err(|e| Failure::new(Step::Restart, e))?;
         if !intact {
             let _ = net.detach(&owned.container_id, Some(ip)).await;
             net.attach(&owned.container_id, subnet, ip)
                 .await
-                .map_err(|e| Failure(format!("ensure network {name}: attach: {e}")))?;
+                .map_err(|e| Failure::of(Step::Network, &name, format_args!("attach: {e}")))?;
         }
     }
     restore_files(h, owned)?;
@@ -447,7 +512,7 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
     containers::start(&h.ctd, &owned.container_id, &uri)
         .await
         .map(|_| ())
-        .map_err(|e| Failure(format!("start: {e}")))
+        .map_err(|e| Failure::new(Step::Start, e))
 }
 
 /// The files bind-mounted over the image's `/etc` live in the run dir, a
@@ -474,7 +539,12 @@ fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
         &read_host_resolv(),
     )
     .map(|_| ())
-    .map_err(|e| Failure(format!("restart: writing {}: {e}", dir.display())))
+    .map_err(|e| {
+        Failure::new(
+            Step::Restart,
+            format_args!("writing {}: {e}", dir.display()),
+        )
+    })
 }
 
 /// A container's hostname: its id, cut to a DNS label's 63 characters.
@@ -568,7 +638,7 @@ async fn image_user(
         &scratch,
     )
     .await
-    .map_err(|e| Failure(format!("create: user {user:?}: {e}")))?;
+    .map_err(|e| Failure::new(Step::Create, format_args!("user {user:?}: {e}")))?;
     let text = |i: usize| {
         files
             .get(i)
@@ -576,5 +646,58 @@ async fn image_user(
             .map(|b| String::from_utf8_lossy(b).into_owned())
     };
     crate::runtime::user::resolve(user, text(0).as_deref(), text(1).as_deref())
-        .map_err(|e| Failure(format!("create: {e}")))
+        .map_err(|e| Failure::new(Step::Create, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_reads_as_the_failed_messages_always_did() {
+        let image: ImageRef = "registry.test/shop/web:1".parse().unwrap();
+        let cases = [
+            (
+                Failure::pull(
+                    &image,
+                    RuntimeError::Pull {
+                        reference: image.to_string(),
+                        reason: "no linux/amd64 manifest".into(),
+                    },
+                ),
+                "pull registry.test/shop/web:1: no linux/amd64 manifest",
+            ),
+            (
+                Failure::pull(&image, RuntimeError::Invalid("401 Unauthorized".into())),
+                "pull registry.test/shop/web:1: 401 Unauthorized",
+            ),
+            (
+                Failure::of(Step::Pull, &image, "not done after 5m (pull-timeout)"),
+                "pull registry.test/shop/web:1: not done after 5m (pull-timeout)",
+            ),
+            (
+                Failure::new(Step::Volume, "bad name"),
+                "ensure volume: bad name",
+            ),
+            (
+                Failure::of(Step::Network, "zt-p-e", "attach: busy"),
+                "ensure network zt-p-e: attach: busy",
+            ),
+            (
+                Failure::new(Step::Create, "the image has no command and none was given"),
+                "create: the image has no command and none was given",
+            ),
+            (
+                Failure::new(Step::Start, "runc: exit 1"),
+                "start: runc: exit 1",
+            ),
+        ];
+        for (failure, text) in cases {
+            assert_eq!(failure.to_string(), text);
+        }
+        assert_eq!(
+            Failure::pull(&image, RuntimeError::Invalid(String::new())).step,
+            Step::Pull
+        );
+    }
 }

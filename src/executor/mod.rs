@@ -655,10 +655,10 @@ impl Executor {
                 let id = plan.assignment_id().to_owned();
                 self.alloc.release(&plan.container_id, plan.ip, &plan.ports);
                 if self.board.failed(&id, &plan.assignment.config_hash) {
-                    tracing::warn!(assignment = %id, "parking after {} failed attempts: {}", board::MAX_FAILURES, failure.0);
+                    tracing::warn!(assignment = %id, "parking after {} failed attempts: {failure}", board::MAX_FAILURES);
                 }
                 self.board.emit(vec![
-                    Observation::new(&id, State::Failed).message(failure.0),
+                    Observation::new(&id, State::Failed).message(failure.to_string()),
                 ]);
                 self.apply_firewall().await;
             }

@@ -389,7 +389,7 @@ impl<'a> Supervisor<'a> {
                         true
                     }
                     Err(e) => {
-                        tracing::warn!(container = %self.owned.container_id, error = %e.0, "could not restart at boot; re-creating the container");
+                        tracing::warn!(container = %self.owned.container_id, error = %e, "could not restart at boot; re-creating the container");
                         self.discard().await;
                         false
                     }
@@ -613,7 +613,7 @@ impl<'a> Supervisor<'a> {
                 true
             }
             Err(e) => {
-                tracing::warn!(container = %self.owned.container_id, error = %e.0, "restart failed; re-creating the container");
+                tracing::warn!(container = %self.owned.container_id, error = %e, "restart failed; re-creating the container");
                 self.discard().await;
                 false
             }

@@ -21,6 +21,11 @@ pub enum RuntimeError {
 
     #[error("{0}")]
     Invalid(String),
+
+    /// A pull refused for what the registry or the image is (a bad manifest,
+    /// a missing platform, a layer never unpacked).
+    #[error("pull {reference}: {reason}")]
+    Pull { reference: String, reason: String },
 }
 
 impl RuntimeError {

@@ -485,7 +485,10 @@ fn registry_reference(reference: &ImageRef) -> Reference {
 }
 
 fn fail(reference: &ImageRef, reason: &str) -> RuntimeError {
-    RuntimeError::Invalid(format!("pull {reference}: {reason}"))
+    RuntimeError::Pull {
+        reference: reference.to_string(),
+        reason: reason.to_owned(),
+    }
 }
 
 fn is_loopback_registry(domain: &str) -> bool {
