@@ -22,6 +22,7 @@ mod board;
 pub mod diff;
 pub mod files;
 pub mod instance;
+mod instances;
 pub mod listing;
 mod pass;
 mod worker;
@@ -208,7 +209,7 @@ impl Executor {
             cfg: Arc::new(cfg),
         };
         let ctx = Ctx {
-            h: h.clone(),
+            instances: Arc::new(instances::Containerd { h: h.clone() }),
             slots,
             reports: reports_tx,
         };

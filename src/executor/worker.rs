@@ -11,16 +11,18 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{Semaphore, mpsc};
+use tokio::time::Instant;
 
 use super::backoff;
-use super::instance::{self, Failure, Handles, Plan};
-use crate::health::{self, ExecContext, HealthUpdate, Monitor};
+use super::instance::{Failure, Plan};
+use super::instances::Instances;
+use crate::health::{self, HealthUpdate, Monitor};
 use crate::labels::{self, OwnedContainer};
 use crate::proto::v1::ServiceSpec;
-use crate::runtime::containers::{self, TaskState};
+use crate::runtime::containers::TaskState;
 use crate::status::{Observation, State};
 
 /// The slow liveness poll; exits are also routed in as they happen.
@@ -89,7 +91,7 @@ pub(super) struct Report {
 /// What every worker shares.
 #[derive(Debug, Clone)]
 pub(super) struct Ctx {
-    pub h: Handles,
+    pub instances: Arc<dyn Instances>,
     /// Bring-ups and removals running at once.
     pub slots: Arc<Semaphore>,
     pub reports: mpsc::UnboundedSender<Report>,
@@ -207,7 +209,7 @@ async fn run(
             let progress = |obs| report(Event::Observed(obs));
             let result = {
                 let _slot = ctx.slots.acquire().await;
-                instance::bring_up(&ctx.h, &plan, &progress).await
+                ctx.instances.bring_up(&plan, &progress).await
             };
             match result {
                 Ok(owned) => {
@@ -235,7 +237,7 @@ async fn run(
 async fn remove(ctx: &Ctx, owned: OwnedContainer) {
     let result = {
         let _slot = ctx.slots.acquire().await;
-        instance::tear_down(&ctx.h, &owned).await
+        ctx.instances.tear_down(&owned).await
     };
     let container_id = owned.container_id.clone();
     let event = match result {
@@ -343,10 +345,7 @@ impl<'a> Supervisor<'a> {
             }
             return;
         };
-        let exec = ExecContext {
-            ctd: self.ctx.h.ctd.clone(),
-            fifo_dir: self.ctx.h.cfg.run_dir.join("exec"),
-        };
+        let exec = self.ctx.instances.exec_context();
         self.monitor = Some(health::spawn(
             self.owned.assignment_id.clone(),
             self.owned.container_id.clone(),
@@ -368,7 +367,12 @@ impl<'a> Supervisor<'a> {
     /// again now (a reboot, C-13). `false` when it had to be discarded.
     async fn adopt(&mut self) -> bool {
         self.report(Event::Up(self.owned.clone()));
-        match containers::task_state(&self.ctx.h.ctd, &self.owned.container_id).await {
+        match self
+            .ctx
+            .instances
+            .task_state(&self.owned.container_id)
+            .await
+        {
             Ok(TaskState::Running { .. } | TaskState::Paused) => {
                 self.report_running();
                 self.start_monitor();
@@ -380,7 +384,7 @@ impl<'a> Supervisor<'a> {
                 // Said while it happens: a restart that takes long is
                 // STARTING, not a silent PENDING.
                 self.report(Event::Observed(self.observe(State::Starting)));
-                match instance::restart(&self.ctx.h, &self.owned).await {
+                match self.ctx.instances.restart(&self.owned).await {
                     Ok(()) => {
                         tracing::info!(container = %self.owned.container_id, "restarted a task lost while the agent was down");
                         self.started_at = Instant::now();
@@ -407,10 +411,7 @@ impl<'a> Supervisor<'a> {
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         poll.tick().await;
         loop {
-            let due = self
-                .crash
-                .as_ref()
-                .map(|c| tokio::time::Instant::from_std(c.due));
+            let due = self.crash.as_ref().map(|c| c.due);
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => return,
@@ -427,9 +428,8 @@ impl<'a> Supervisor<'a> {
                     Some(Cmd::Oom) => self.oom_seen = true,
                     Some(Cmd::Halt(done)) => {
                         self.stop_monitor();
-                        let o = &self.owned;
-                        if let Err(e) = containers::stop(&self.ctx.h.ctd, &o.container_id, o.stop_signal, o.stop_grace).await {
-                            tracing::warn!(container = %o.container_id, error = %e, "not stopped for the host's shutdown");
+                        if let Err(e) = self.ctx.instances.halt(&self.owned).await {
+                            tracing::warn!(container = %self.owned.container_id, error = %e, "not stopped for the host's shutdown");
                         }
                         let _ = done.send(());
                         return;
@@ -465,7 +465,12 @@ impl<'a> Supervisor<'a> {
     /// L-1 for this container: the poll's report, a crash's back-off and
     /// restart (C-13), a job's exit (L-5). `false` when the worker is done.
     async fn check(&mut self) -> bool {
-        let state = match containers::task_state(&self.ctx.h.ctd, &self.owned.container_id).await {
+        let state = match self
+            .ctx
+            .instances
+            .task_state(&self.owned.container_id)
+            .await
+        {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(container = %self.owned.container_id, error = %e, "inspect failed; skipped");
@@ -501,9 +506,11 @@ impl<'a> Supervisor<'a> {
                         labels::EXIT_CODE.to_owned(),
                         exit_code.to_string(),
                     )]);
-                    let _ =
-                        containers::add_labels(&self.ctx.h.ctd, &self.owned.container_id, labels)
-                            .await;
+                    let _ = self
+                        .ctx
+                        .instances
+                        .label(&self.owned.container_id, labels)
+                        .await;
                     self.owned.exit_code = Some(exit_code);
                     self.stop_monitor();
                 }
@@ -551,49 +558,21 @@ impl<'a> Supervisor<'a> {
     /// task: its cgroup's count (while the stopped task still holds it) or
     /// containerd's OOM event.
     fn oom_message(&self) -> Option<String> {
-        let cgroup =
-            std::path::Path::new(&self.ctx.h.cfg.cgroup_parent).join(&self.owned.container_id);
-        match crate::runtime::oom::read(std::path::Path::new("/sys/fs/cgroup"), &cgroup) {
-            Some(r) if r.kills > 0 => Some(r.message()),
-            _ if self.oom_seen => Some("out of memory".to_owned()),
-            _ => None,
-        }
+        self.ctx
+            .instances
+            .oom_kills(&self.owned)
+            .or_else(|| self.oom_seen.then(|| "out of memory".to_owned()))
     }
 
     /// A namespace file or host veth removed behind the agent's back is
     /// made again around the running task: same namespace, same address,
     /// no restart.
     async fn keep_attached(&self, pid: u32) {
-        let (Some(net), Some(subnet), Some(ip)) =
-            (&self.ctx.h.net, self.owned.subnet, self.owned.ip)
-        else {
-            return;
-        };
-        let cid = &self.owned.container_id;
-        match net.attachment_intact(cid, ip).await {
-            Ok(true) => return,
-            Ok(false) => {}
-            Err(e) => {
-                tracing::debug!(container = %cid, error = %e, "attachment not checked");
-                return;
-            }
-        }
-        match net.repair_attachment(cid, subnet, ip, pid).await {
-            Ok(r) if r.anything() => tracing::warn!(
-                container = %cid,
-                netns_file = r.netns_file,
-                veth = r.veth,
-                "network attachment removed behind the agent's back; made again"
-            ),
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(container = %cid, error = %e, "network attachment broken and not repaired");
-            }
-        }
+        self.ctx.instances.keep_attached(&self.owned, pid).await;
     }
 
     async fn restart(&mut self) -> bool {
-        match instance::restart(&self.ctx.h, &self.owned).await {
+        match self.ctx.instances.restart(&self.owned).await {
             Ok(()) => {
                 self.crash = None;
                 self.oom_seen = false;
@@ -601,8 +580,11 @@ impl<'a> Supervisor<'a> {
                 // Kept in a label so that an agent restart does not reset it.
                 let count =
                     HashMap::from([(labels::RESTARTS.to_owned(), self.restarts.to_string())]);
-                if let Err(e) =
-                    containers::add_labels(&self.ctx.h.ctd, &self.owned.container_id, count).await
+                if let Err(e) = self
+                    .ctx
+                    .instances
+                    .label(&self.owned.container_id, count)
+                    .await
                 {
                     tracing::debug!(container = %self.owned.container_id, error = %e, "restart count not recorded");
                 }
@@ -626,7 +608,7 @@ impl<'a> Supervisor<'a> {
         self.stop_monitor();
         let result = {
             let _slot = self.ctx.slots.acquire().await;
-            instance::tear_down(&self.ctx.h, &self.owned).await
+            self.ctx.instances.tear_down(&self.owned).await
         };
         match result {
             Ok(()) => self.report(Event::Discarded(self.owned.clone())),
@@ -642,5 +624,294 @@ async fn sleep_until(due: Option<tokio::time::Instant>) {
     match due {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The worker against a fake runtime, in paused time: what it reports,
+    //! what it asks the runtime, and when.
+
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::health::ExecContext;
+    use crate::proto::v1::{Assignment, Meta};
+    use crate::runtime::{Containerd, RuntimeError};
+
+    /// containerd as a map of tasks, and a log of what was asked.
+    #[derive(Debug, Default)]
+    struct Fake {
+        tasks: Mutex<HashMap<String, TaskState>>,
+        calls: Mutex<Vec<(Instant, String)>>,
+        /// Containers whose restart fails (removed behind our back).
+        broken: Mutex<HashSet<String>>,
+        /// Containers whose pull never ends.
+        hung: Mutex<HashSet<String>>,
+    }
+
+    impl Fake {
+        fn set(&self, cid: &str, state: TaskState) {
+            self.tasks.lock().unwrap().insert(cid.into(), state);
+        }
+        fn call(&self, what: String) {
+            self.calls.lock().unwrap().push((Instant::now(), what));
+        }
+        fn asked(&self, what: &str) -> Vec<Instant> {
+            let calls = self.calls.lock().unwrap();
+            calls
+                .iter()
+                .filter(|(_, c)| c == what)
+                .map(|(at, _)| *at)
+                .collect()
+        }
+    }
+
+    #[tonic::async_trait]
+    impl Instances for Fake {
+        async fn bring_up(
+            &self,
+            plan: &Plan,
+            progress: super::super::instance::Progress<'_>,
+        ) -> Result<OwnedContainer, Failure> {
+            let cid = plan.container_id.clone();
+            self.call(format!("bring_up {cid}"));
+            progress(Observation::new(plan.assignment_id(), State::Pulling));
+            if self.hung.lock().unwrap().contains(&cid) {
+                std::future::pending::<()>().await;
+            }
+            self.set(&cid, TaskState::Running { pid: 1 });
+            Ok(owned(&cid))
+        }
+        async fn restart(&self, o: &OwnedContainer) -> Result<(), Failure> {
+            self.call(format!("restart {}", o.container_id));
+            if self.broken.lock().unwrap().contains(&o.container_id) {
+                return Err(Failure {
+                    step: super::super::instance::Step::Restart,
+                    subject: None,
+                    reason: "container not found".into(),
+                });
+            }
+            self.set(&o.container_id, TaskState::Running { pid: 2 });
+            Ok(())
+        }
+        async fn tear_down(&self, o: &OwnedContainer) -> Result<(), String> {
+            self.call(format!("tear_down {}", o.container_id));
+            self.tasks.lock().unwrap().remove(&o.container_id);
+            Ok(())
+        }
+        async fn task_state(&self, cid: &str) -> Result<TaskState, RuntimeError> {
+            Ok(self
+                .tasks
+                .lock()
+                .unwrap()
+                .get(cid)
+                .copied()
+                .unwrap_or(TaskState::Absent))
+        }
+        async fn halt(&self, o: &OwnedContainer) -> Result<(), RuntimeError> {
+            self.call(format!("halt {}", o.container_id));
+            self.set(&o.container_id, TaskState::Stopped { exit_code: 0 });
+            Ok(())
+        }
+        async fn label(&self, cid: &str, l: HashMap<String, String>) -> Result<(), RuntimeError> {
+            let mut l: Vec<_> = l.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+            l.sort();
+            self.call(format!("label {cid} {}", l.join(",")));
+            Ok(())
+        }
+        async fn keep_attached(&self, _: &OwnedContainer, _: u32) {}
+        fn oom_kills(&self, _: &OwnedContainer) -> Option<String> {
+            None
+        }
+        fn exec_context(&self) -> ExecContext {
+            ExecContext {
+                ctd: Containerd::lazy(
+                    std::path::Path::new("/nonexistent/containerd.sock"),
+                    "zattera-unit".parse().unwrap(),
+                ),
+                fifo_dir: std::env::temp_dir(),
+            }
+        }
+    }
+
+    fn owned(cid: &str) -> OwnedContainer {
+        OwnedContainer {
+            container_id: cid.into(),
+            assignment_id: format!("a-{cid}"),
+            restart: true,
+            stop_grace: Duration::from_secs(1),
+            ..OwnedContainer::default()
+        }
+    }
+
+    fn plan(cid: &str) -> Plan {
+        Plan {
+            assignment: Assignment {
+                meta: Some(Meta {
+                    id: format!("a-{cid}"),
+                    ..Meta::default()
+                }),
+                ..Assignment::default()
+            },
+            runtime: crate::proto::cluster::AssignmentRuntime::default(),
+            container_id: cid.into(),
+            subnet: None,
+            ip: None,
+            ports: Vec::new(),
+        }
+    }
+
+    fn start(
+        fake: &Arc<Fake>,
+        cid: &str,
+        start: Start,
+    ) -> (Worker, mpsc::UnboundedReceiver<Report>) {
+        let (reports, rx) = mpsc::unbounded_channel();
+        let ctx = Ctx {
+            instances: fake.clone(),
+            slots: Arc::new(Semaphore::new(2)),
+            reports,
+        };
+        let w = Worker::spawn(
+            ctx,
+            cid.into(),
+            format!("a-{cid}"),
+            "scope".into(),
+            start,
+            None,
+        );
+        (w, rx)
+    }
+
+    /// A report's state, or what other event it is.
+    fn said(r: &Report) -> String {
+        match &r.event {
+            Event::Observed(o) if o.message.is_empty() => format!("{:?}", o.state),
+            Event::Observed(o) => format!("{:?} {}", o.state, o.message),
+            Event::Up(_) => "Up".into(),
+            Event::Failed { failure, .. } => format!("Failed {failure}"),
+            Event::Down(_) => "Down".into(),
+            Event::StopFailed { .. } => "StopFailed".into(),
+            Event::Discarded(_) => "Discarded".into(),
+        }
+    }
+
+    /// Reports until one reads `want`; the ones before it.
+    async fn until(rx: &mut mpsc::UnboundedReceiver<Report>, want: &str) -> Vec<String> {
+        let mut seen = Vec::new();
+        loop {
+            let r = tokio::time::timeout(Duration::from_secs(3600), rx.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no {want:?} within an hour; saw {seen:?}"))
+                .unwrap_or_else(|| panic!("the worker ended before {want:?}; saw {seen:?}"));
+            let s = said(&r);
+            if s == want {
+                return seen;
+            }
+            seen.push(s);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_crash_is_restarted_after_a_back_off_that_doubles() {
+        let fake = Arc::new(Fake::default());
+        fake.set("c1", TaskState::Running { pid: 1 });
+        let (w, mut rx) = start(&fake, "c1", Start::Adopt(owned("c1")));
+        until(&mut rx, "Running").await;
+
+        let crashed = Instant::now();
+        fake.set("c1", TaskState::Stopped { exit_code: 3 });
+        w.send(Cmd::Exited);
+        until(&mut rx, "Failed crash-looping: last exit code 3").await;
+        until(&mut rx, "Running").await;
+        let first = fake.asked("restart c1");
+        assert_eq!(first.len(), 1);
+        assert_eq!(
+            first[0] - crashed,
+            backoff::INITIAL,
+            "restarted when the back-off ends, not before"
+        );
+        // Counted in a label, so that an agent restart does not reset it.
+        let label = format!("label c1 {}=1", labels::RESTARTS);
+        assert_eq!(fake.asked(&label).len(), 1);
+
+        // It crashes again at once: the next back-off is twice as long.
+        let crashed = Instant::now();
+        fake.set("c1", TaskState::Stopped { exit_code: 3 });
+        w.send(Cmd::Exited);
+        until(&mut rx, "Running").await;
+        let second = fake.asked("restart c1");
+        assert_eq!(second.len(), 2);
+        assert_eq!(second[1] - crashed, backoff::INITIAL * 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_adopted_container_whose_task_was_lost_is_started_again() {
+        let fake = Arc::new(Fake::default());
+        let (_w, mut rx) = start(&fake, "c1", Start::Adopt(owned("c1")));
+        let before = until(&mut rx, "Running").await;
+        assert_eq!(before, vec!["Up", "Starting"]);
+        assert_eq!(fake.asked("restart c1").len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_containerd_cannot_read_is_never_restarted_on_a_guess() {
+        let fake = Arc::new(Fake::default());
+        fake.set("c1", TaskState::Unknown);
+        let (_w, mut rx) = start(&fake, "c1", Start::Adopt(owned("c1")));
+        until(&mut rx, "Up").await;
+        // A minute of polls that cannot read the task.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(
+            fake.asked("restart c1").is_empty(),
+            "{:?}",
+            fake.calls.lock().unwrap()
+        );
+        fake.set("c1", TaskState::Running { pid: 1 });
+        until(&mut rx, "Running").await;
+        assert!(fake.asked("restart c1").is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_container_removed_behind_our_back_is_discarded_to_be_made_afresh() {
+        let fake = Arc::new(Fake::default());
+        fake.set("c1", TaskState::Running { pid: 1 });
+        fake.broken.lock().unwrap().insert("c1".into());
+        let (_w, mut rx) = start(&fake, "c1", Start::Adopt(owned("c1")));
+        until(&mut rx, "Running").await;
+        // Gone: the poll finds no task, the restart fails, the rest goes.
+        fake.tasks.lock().unwrap().clear();
+        until(&mut rx, "Discarded").await;
+        assert_eq!(fake.asked("restart c1").len(), 1);
+        assert_eq!(fake.asked("tear_down c1").len(), 1);
+        assert!(rx.recv().await.is_none(), "the worker ends");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_pull_holds_only_its_own_worker() {
+        let fake = Arc::new(Fake::default());
+        fake.hung.lock().unwrap().insert("stuck".into());
+        let (_stuck, mut stuck_rx) = start(&fake, "stuck", Start::Run(Box::new(plan("stuck"))));
+        until(&mut stuck_rx, "Pulling").await;
+        let (_w, mut rx) = start(&fake, "c2", Start::Run(Box::new(plan("c2"))));
+        assert_eq!(until(&mut rx, "Running").await, vec!["Pulling", "Up"]);
+        assert!(
+            stuck_rx.try_recv().is_err(),
+            "the stuck one says nothing more"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stop_removes_the_container_and_ends_the_worker() {
+        let fake = Arc::new(Fake::default());
+        let (mut w, mut rx) = start(&fake, "c1", Start::Run(Box::new(plan("c1"))));
+        until(&mut rx, "Running").await;
+        w.stop();
+        assert_eq!(w.phase, Phase::Stopping);
+        until(&mut rx, "Down").await;
+        assert_eq!(fake.asked("tear_down c1").len(), 1);
+        assert!(rx.recv().await.is_none());
     }
 }
