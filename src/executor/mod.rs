@@ -21,6 +21,7 @@ pub mod backoff;
 mod board;
 pub mod diff;
 pub mod files;
+mod host;
 pub mod instance;
 mod instances;
 pub mod listing;
@@ -35,12 +36,13 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot, watch};
+use zattera_dns::DnsServer;
 use zattera_dns::table::LocalInstance;
-use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
 use zattera_netns::{NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError, network_name};
 
 use self::alloc::{Alloc, AllocError, Allocation, WantedPort};
 use self::board::Board;
+use self::host::Host;
 use self::instance::{Handles, Plan};
 use self::listing::{Listing, Need, Refresh};
 use self::pass::{Run, Supervise};
@@ -135,7 +137,8 @@ pub struct LocalNetwork {
 
 pub struct Executor {
     h: Handles,
-    dns: Option<Arc<DnsServer>>,
+    /// Firewall, networks and DNS.
+    host: Host,
     /// Addresses and host ports.
     alloc: Alloc,
     /// The container kept per assignment.
@@ -159,10 +162,6 @@ pub struct Executor {
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
-    networks: BTreeSet<Subnet>,
-    /// When the bridges were last read and none was left to remove.
-    networks_clean_at: Option<std::time::Instant>,
-    networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
     halt_rx: mpsc::Receiver<oneshot::Sender<usize>>,
 }
 
@@ -201,6 +200,7 @@ impl Executor {
             puller = puller.with_cluster_registry(cluster.clone());
         }
         let alloc = Alloc::new(cfg.host_port_range);
+        let host = Host::new(net.clone(), dns, cfg.default_subnet, networks_tx);
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
         let h = Handles {
             ctd,
@@ -215,7 +215,7 @@ impl Executor {
         };
         let exec = Self {
             h,
-            dns,
+            host,
             alloc,
             owned: BTreeMap::new(),
             workers: HashMap::new(),
@@ -230,9 +230,6 @@ impl Executor {
             status_tx,
             ctx,
             reports_rx,
-            networks: BTreeSet::new(),
-            networks_clean_at: None,
-            networks_tx,
             halt_rx,
         };
         let handle = ExecutorHandle {
@@ -759,16 +756,17 @@ impl Executor {
     /// Only ports we hold are published; once the rules are in place, the
     /// sockets of the ports they no longer use are closed.
     async fn apply_firewall(&mut self) {
-        let Some(net) = &self.h.net else { return };
+        if !self.host.has_network() {
+            return;
+        }
         let published: Vec<PublishedPort> = self
             .owned
             .values()
             .flat_map(|o| o.ports.iter().map(|p| p.port))
             .filter(|p| self.alloc.is_held(p))
             .collect();
-        match net.set_published(published).await {
-            Ok(()) => self.alloc.retire(),
-            Err(e) => tracing::warn!(error = %e, "publishing ports failed"),
+        if self.host.publish(published).await {
+            self.alloc.retire();
         }
     }
 
@@ -778,137 +776,35 @@ impl Executor {
     }
 
     /// Removes networks nothing uses (N-5), and points DNS at the rest.
-    async fn sync_networks_with(
-        &mut self,
-        desired: &BTreeMap<String, (Assignment, Option<AssignmentRuntime>)>,
-    ) {
-        let Some(net) = self.h.net.clone() else {
+    async fn sync_networks_with(&mut self, desired: &diff::Desired) {
+        if !self.host.has_network() {
             return;
-        };
-        let default_subnet = self.h.cfg.default_subnet;
-        // Of several holders of one subnet the desired one wins, then a
-        // bring-up, then the last listed: each is looked at only while its
-        // subnet has none yet (cloning a name per container costs a pass
-        // over 1,000 more than the rest of it).
-        let mut in_use: BTreeMap<Subnet, (String, String, String)> = BTreeMap::new();
-        for (a, rt) in desired.values().rev() {
-            if let Some(s) = rt
-                .as_ref()
-                .and_then(|rt| diff::wanted_subnet(rt, default_subnet).ok().flatten())
-                && !in_use.contains_key(&s)
-                && a.desired == AssignmentDesired::Run as i32
-                && self
-                    .owned
-                    .contains_key(a.meta.as_ref().map_or("", |m| m.id.as_str()))
-            {
-                let env = rt
-                    .as_ref()
-                    .and_then(|rt| rt.env.get("ZATTERA_ENV"))
-                    .unwrap_or(&a.environment_id);
-                in_use.insert(
-                    s,
-                    (
-                        a.project_id.clone(),
-                        env.clone(),
-                        network_name(&a.project_id, &a.environment_id),
-                    ),
-                );
-            }
         }
         // A bring-up in flight uses its network already.
-        for w in self.workers.values().filter(|w| w.phase == Phase::Starting) {
-            if let Some((s, project, env)) = &w.network {
-                in_use
-                    .entry(*s)
-                    .or_insert_with(|| (project.clone(), env.clone(), w.scope.clone()));
-            }
-        }
-        for o in self.owned.values().rev() {
-            if let Some(s) = o.subnet {
-                in_use.entry(s).or_insert_with(|| {
-                    (
-                        o.project_id.clone(),
-                        o.environment_name.clone(),
-                        network_name(&o.project_id, &o.environment_id),
-                    )
-                });
-            }
-        }
-        let wanted: BTreeSet<Subnet> = in_use.keys().copied().collect();
-        // The bridges are read again when what is in use changed, when the
-        // last read found some to remove, and at least every MAX_AGE: only
-        // the agent makes them, and only for a network in use.
-        let now = std::time::Instant::now();
-        let checked = wanted == self.networks
-            && self
-                .networks_clean_at
-                .is_some_and(|at| now.saturating_duration_since(at) < listing::MAX_AGE);
-        if !checked {
-            // Bridges only: the full inventory enters every namespace.
-            let existing = zattera_netns::inventory::scoped_bridges(&net).await;
-            self.networks_clean_at = existing
-                .as_ref()
-                .is_ok_and(|e| {
-                    e.iter()
-                        .all(|s| wanted.contains(s) || Some(*s) == net.config().build_subnet)
-                })
-                .then_some(now);
-            // The build bridge is the builds' (45.1), made per build.
-            let builds = net.config().build_subnet;
-            for subnet in existing
-                .unwrap_or_else(|_| self.networks.clone())
-                .difference(&wanted)
-                .filter(|s| Some(**s) != builds)
-            {
-                match net.remove_network(*subnet).await {
-                    Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),
-                    Err(e) => tracing::debug!(%subnet, error = %e, "network not removed yet"),
-                }
-            }
-        }
-        self.networks = wanted;
-        // The default network is shared by every project: it has no scope
-        // for VIPs or internal names (its containers use the host's DNS).
-        in_use.retain(|s, _| Some(*s) != default_subnet);
-        let local: Vec<LocalNetwork> = in_use
+        let starting = self
+            .workers
             .values()
-            .map(|(project, env, name)| LocalNetwork {
-                name: name.clone(),
-                project_id: project.clone(),
-                environment: env.clone(),
-            })
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        self.networks_tx.send_if_modified(|n| {
-            let changed = **n != local;
-            if changed {
-                *n = Arc::new(local);
-            }
-            changed
-        });
-        if let Some(dns) = &self.dns {
-            let specs = in_use
-                .iter()
-                .map(|(s, (project, env, _))| ListenerSpec {
-                    addr: s.gateway().into(),
-                    scope: Scope::new(project.clone(), env.clone()),
+            .filter(|w| w.phase == Phase::Starting)
+            .filter_map(|w| {
+                let (subnet, project_id, environment) = w.network.as_ref()?;
+                Some(host::Starting {
+                    subnet: *subnet,
+                    project_id,
+                    environment,
+                    scope: &w.scope,
                 })
-                .collect();
-            for status in dns.reconcile(specs).await {
-                if !status.is_serving() {
-                    tracing::warn!(addr = %status.addr, state = ?status.state, "DNS listener not serving");
-                }
-            }
-        }
+            });
+        let in_use =
+            host::networks_in_use(desired, &self.owned, starting, self.h.cfg.default_subnet);
+        self.host.sync_networks(in_use).await;
         self.update_dns_table();
     }
 
     /// Standalone: internal names answer the healthy local instances.
     fn update_dns_table(&self) {
-        let (Some(dns), true) = (&self.dns, self.h.cfg.standalone) else {
+        if !self.h.cfg.standalone {
             return;
-        };
+        }
         let healthy: Vec<LocalInstance> = self
             .owned
             .values()
@@ -923,7 +819,7 @@ impl Executor {
                 })
             })
             .collect();
-        dns.set_table(NameTable::from_instances(&healthy));
+        self.host.set_names(&healthy);
     }
 
     fn publish_status(&self) {
