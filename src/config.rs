@@ -536,6 +536,52 @@ pub struct Config {
     pub build: BuildSettings,
 }
 
+/// Bring-ups and removals that run at once. Enough to overlap one pull
+/// with another instance's runc work; the converge bench measured 4, 8 and
+/// 16 alike on two cores (runc and the shims are the bound).
+pub const PARALLELISM: usize = 4;
+
+/// Where the node is reached, once its mesh address (if any) is known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeAddresses {
+    /// Where published host ports are bound.
+    pub host_ip: std::net::Ipv4Addr,
+    /// Where the node API listens.
+    pub node_api: Vec<SocketAddr>,
+}
+
+impl Config {
+    /// With the mesh, published ports go on the mesh IP where other nodes
+    /// dial them (W-3), unless `host-ip` says otherwise; the node API
+    /// listens on the mesh IP and loopback, never on every address
+    /// (AGENT-1), unless `node-api-listen` says otherwise.
+    pub fn node_addresses(
+        &self,
+        mesh_ip: Option<std::net::Ipv4Addr>,
+    ) -> Result<NodeAddresses, ConfigError> {
+        let host_ip = match (mesh_ip, self.host_ip) {
+            (Some(ip), DEFAULT_HOST_IP) | (_, IpAddr::V4(ip)) => ip,
+            (_, IpAddr::V6(ip)) => {
+                return Err(ConfigError::Invalid {
+                    key: "host-ip",
+                    message: format!("{ip}: only IPv4 host addresses are supported"),
+                });
+            }
+        };
+        let node_api = match mesh_ip {
+            Some(ip) if self.node_api_listen == DEFAULT_NODE_API_LISTEN => {
+                let port = self.node_api_listen.port();
+                vec![
+                    SocketAddr::from((ip, port)),
+                    SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port)),
+                ]
+            }
+            _ => vec![self.node_api_listen],
+        };
+        Ok(NodeAddresses { host_ip, node_api })
+    }
+}
+
 /// The node's side of the WireGuard mesh, resolved.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MeshSettings {
@@ -618,6 +664,38 @@ mod tests {
 
     fn parse(text: &str) -> Result<Settings, ConfigError> {
         Settings::parse(text, Path::new("/etc/zattera/agent.toml"))
+    }
+
+    #[test]
+    fn the_mesh_address_is_where_ports_and_the_node_api_go_unless_configured() {
+        let resolved = |text: &str| parse(text).unwrap().resolve().unwrap();
+        let mesh = Some(std::net::Ipv4Addr::new(10, 90, 0, 7));
+        let port = DEFAULT_NODE_API_LISTEN.port();
+
+        let a = resolved("").node_addresses(mesh).unwrap();
+        assert_eq!(a.host_ip.to_string(), "10.90.0.7");
+        assert_eq!(
+            a.node_api,
+            vec![
+                SocketAddr::from(([10, 90, 0, 7], port)),
+                SocketAddr::from(([127, 0, 0, 1], port)),
+            ],
+            "the mesh IP and loopback, never every address"
+        );
+        // Without the mesh: the defaults as they are.
+        let a = resolved("").node_addresses(None).unwrap();
+        assert_eq!(IpAddr::V4(a.host_ip), DEFAULT_HOST_IP);
+        assert_eq!(a.node_api, vec![DEFAULT_NODE_API_LISTEN]);
+        // What the operator set wins.
+        let a = resolved("host-ip = \"192.0.2.7\"\nnode-api-listen = \"0.0.0.0:9555\"")
+            .node_addresses(mesh)
+            .unwrap();
+        assert_eq!(a.host_ip.to_string(), "192.0.2.7");
+        assert_eq!(a.node_api, vec![SocketAddr::from(([0, 0, 0, 0], 9555))]);
+        let e = resolved("host-ip = \"::1\"")
+            .node_addresses(None)
+            .unwrap_err();
+        assert!(e.to_string().contains("only IPv4"), "{e}");
     }
 
     #[test]

@@ -158,6 +158,23 @@ async fn session(
     Ok(())
 }
 
+/// Swaps the DNS name table whenever a route snapshot arrives.
+pub async fn feed_dns(
+    mut routes: watch::Receiver<Option<Arc<RouteSnapshot>>>,
+    dns: Arc<zattera_dns::DnsServer>,
+) {
+    loop {
+        let snapshot = routes.borrow_and_update().clone();
+        if let Some(snapshot) = snapshot {
+            dns.set_table(name_table(&snapshot));
+            tracing::info!(version = snapshot.version, "DNS follows route snapshot");
+        }
+        if routes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

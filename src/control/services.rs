@@ -5,12 +5,21 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::proto::cluster::RouteSnapshot;
 
 use super::routes::{self, RoutesConfig};
 use super::sync::SyncConfig;
 use crate::node_api::{NodeApi, NodeContext};
+
+/// What [`spawn`] started: the route snapshots, and the tasks, for the
+/// agent to own.
+#[derive(Debug)]
+pub struct Services {
+    pub routes: watch::Receiver<Option<Arc<RouteSnapshot>>>,
+    pub tasks: Vec<(&'static str, JoinHandle<()>)>,
+}
 
 /// Starts the node API on each of `listen` (serving `node`) and the route watch for the node
 /// `sync` describes. Neither failing stops the agent: the sync stream matters more.
@@ -20,7 +29,8 @@ pub async fn spawn(
     node: NodeContext,
     controls: crate::node_api::ControlIds,
     metrics: Arc<crate::telemetry::AgentMetrics>,
-) -> watch::Receiver<Option<Arc<RouteSnapshot>>> {
+) -> Services {
+    let mut tasks = Vec::new();
     for &listen in listen {
         match NodeApi::bind_current(
             listen,
@@ -33,11 +43,12 @@ pub async fn spawn(
             Ok(api) => {
                 let api = api.with_metrics(Arc::clone(&metrics));
                 tracing::info!(%listen, "node API listening");
-                tokio::spawn(async move {
+                let server = tokio::spawn(async move {
                     if let Err(e) = api.serve().await {
                         tracing::error!(error = %e, "node API stopped");
                     }
                 });
+                tasks.push(("node API", server));
             }
             Err(e) => tracing::error!(error = %e, "node API unavailable"),
         }
@@ -53,8 +64,9 @@ pub async fn spawn(
             .dir()
             .join("routes.pb"),
     };
-    if let Err(e) = routes::spawn(cfg, tx) {
-        tracing::error!(error = %e, "route watch unavailable");
+    match routes::spawn(cfg, tx) {
+        Ok(watch) => tasks.push(("route watch", watch)),
+        Err(e) => tracing::error!(error = %e, "route watch unavailable"),
     }
-    rx
+    Services { routes: rx, tasks }
 }

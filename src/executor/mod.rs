@@ -123,6 +123,21 @@ impl ExecutorHandle {
     }
 }
 
+impl pass::WorkerState for Worker {
+    fn assignment_id(&self) -> &str {
+        &self.assignment_id
+    }
+    fn scope(&self) -> &str {
+        &self.scope
+    }
+    fn phase(&self) -> Phase {
+        self.phase
+    }
+    fn has_spec(&self) -> bool {
+        self.has_spec
+    }
+}
+
 /// A network of this node as the VIP rules need it: its name (the scope
 /// its bridge carries) and the project and environment *name* that DNS
 /// scopes by (D-7). Environment ids are per app (N-7), so the apps of one

@@ -121,21 +121,6 @@ pub(super) struct Worker {
     cmds: mpsc::UnboundedSender<Cmd>,
 }
 
-impl super::pass::WorkerState for Worker {
-    fn assignment_id(&self) -> &str {
-        &self.assignment_id
-    }
-    fn scope(&self) -> &str {
-        &self.scope
-    }
-    fn phase(&self) -> Phase {
-        self.phase
-    }
-    fn has_spec(&self) -> bool {
-        self.has_spec
-    }
-}
-
 impl Worker {
     /// Spawns the worker for `container_id`.
     pub fn spawn(

@@ -22,6 +22,7 @@
 
 pub mod assign;
 mod claims;
+pub mod feed;
 mod keypath;
 pub mod manifest;
 pub mod name;

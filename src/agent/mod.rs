@@ -7,17 +7,23 @@
 //! Stopping the agent leaves every container running: they belong to
 //! containerd's shims, and their logs to the log shims.
 
+mod tasks;
+
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use zattera_netns::{NetConfig, NetNode};
 
+use self::tasks::Tasks;
 use crate::admin;
 use crate::config::Config;
-use crate::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use crate::executor::{Executor, ExecutorConfig};
 use crate::runtime::Containerd;
-use crate::status::SourceError;
+
+/// How long each group of tasks may take to stop.
+const STOP_WITHIN: Duration = Duration::from_secs(5);
 
 /// Runs the agent with `config`. `logger_binary` is the executable the runc
 /// shims start as container loggers (normally this very binary).
@@ -50,7 +56,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     // for `engine_up`, and `status` says what it waits for.
     let ctd = Containerd::lazy(&config.containerd_address, config.namespace.clone());
     let (engine_notices, engine_notices_rx) = tokio::sync::watch::channel(Vec::new());
-    let engine_up = spawn_engine_watch(ctd.clone(), engine_notices);
+    let (engine_up, engine_watch) = spawn_engine_watch(ctd.clone(), engine_notices);
 
     let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
     net_cfg.default_subnet = config.default_subnet;
@@ -96,6 +102,13 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     );
     let mut renewer = None;
     let mut mesh_ip = None;
+    // The tasks, in the groups they stop in: first what feeds the node
+    // (the sync stream and what follows control, or the manifests), then
+    // the VIP proxy (it gives its addresses back), then the rest.
+    let mut feeds = Tasks::new();
+    let mut vips = Tasks::new();
+    let mut core = Tasks::new();
+    core.adopt("containerd watch", engine_watch);
     let cluster_registry = match &mut control {
         Some((sync, _, _)) => {
             let enrollment = crate::link::identity::IdentityDir::new(&config.data_dir)
@@ -115,7 +128,18 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 tx: controls_tx,
                 configured: config.control_node_ids.iter().cloned().collect(),
             };
-            mesh_ip = start_mesh(&config, &enrollment, sync, &logger_binary, feed).await?;
+            let link = crate::mesh::start::Link {
+                node_id: sync.node_id.clone(),
+                control_addr: sync.control_addr.clone(),
+                tls: sync.tls.clone(),
+            };
+            if let Some(mesh) =
+                crate::mesh::start::start(&config, &enrollment, link, &logger_binary, feed).await?
+            {
+                sync.targets = mesh.targets;
+                mesh_ip = Some(mesh.mesh_ip);
+                feeds.adopt("mesh", mesh.task);
+            }
             let tls = Arc::clone(&sync.tls.borrow());
             let registry = enrollment.cluster_registry(&tls).map(Arc::new);
             let (registry_tx, registry_rx) = tokio::sync::watch::channel(registry);
@@ -139,29 +163,8 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         }
         None => None,
     };
-    if let Some(ip) = mesh_ip
-        && config.host_ip == crate::config::DEFAULT_HOST_IP
-    {
-        // W-3: published ports on the mesh IP, where other nodes dial them.
-        config.host_ip = ip.into();
-    }
-    let host_ip = match config.host_ip {
-        std::net::IpAddr::V4(ip) => ip,
-        std::net::IpAddr::V6(ip) => {
-            anyhow::bail!("host-ip {ip}: only IPv4 host addresses are supported")
-        }
-    };
-    let node_api_listen = match mesh_ip {
-        // The mesh IP and loopback, never every address (AGENT-1).
-        Some(ip) if config.node_api_listen == crate::config::DEFAULT_NODE_API_LISTEN => {
-            let port = config.node_api_listen.port();
-            vec![
-                std::net::SocketAddr::from((ip, port)),
-                std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, port)),
-            ]
-        }
-        _ => vec![config.node_api_listen],
-    };
+    let addresses = config.node_addresses(mesh_ip)?;
+    let host_ip = addresses.host_ip;
     let standalone = config.control.is_none();
     let source = match (&config.control, &config.manifests) {
         (Some(addr), _) => format!("control {addr}"),
@@ -179,7 +182,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         run_dir: config.run_dir.clone(),
         logger_binary: logger_binary.clone(),
         cgroup_parent: cgroup_parent.clone(),
-        parallelism: 4,
+        parallelism: crate::config::PARALLELISM,
         host_port_range: config.host_port_range,
         pids_limit: config.pids_limit,
         pull_timeout: config.pull_timeout,
@@ -198,20 +201,23 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         Some(Arc::clone(&dns)),
         batches,
     );
-    let executor_task = tokio::spawn(after(engine_up.clone(), executor.run()));
-    let log_janitor = tokio::spawn(after(
-        engine_up.clone(),
-        crate::logs::janitor::run(
-            ctd.clone(),
-            config.data_dir.join("logs"),
-            config.log_retention,
-            crate::logs::janitor::EVERY,
-            {
-                let metrics = Arc::clone(&metrics);
-                move |bytes| metrics.gc_run("log", bytes)
-            },
+    core.spawn("executor", after(engine_up.clone(), executor.run()));
+    core.spawn(
+        "log janitor",
+        after(
+            engine_up.clone(),
+            crate::logs::janitor::run(
+                ctd.clone(),
+                config.data_dir.join("logs"),
+                config.log_retention,
+                crate::logs::janitor::EVERY,
+                {
+                    let metrics = Arc::clone(&metrics);
+                    move |bytes| metrics.gc_run("log", bytes)
+                },
+            ),
         ),
-    ));
+    );
     // Kept for the host's shutdown, whichever source owns `handle`.
     let halt = handle.clone();
 
@@ -222,38 +228,44 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
         )
     })?;
     let (disk_notices, disk_notices_rx) = tokio::sync::watch::channel(Vec::new());
-    let image_gc = tokio::spawn(after(
-        engine_up.clone(),
-        crate::image_gc::ImageGc {
-            ctd: ctd.clone(),
-            policy: config.image_gc.policy.clone(),
-            every: config.image_gc.every,
-            record: crate::image_gc::ImageGc::record_path(&config.data_dir),
-            notices: disk_notices,
-            metrics: Arc::clone(&metrics),
-        }
-        .run(),
-    ));
-    let admin_task = tokio::spawn(admin::serve(
-        listener,
-        admin::Admin {
-            status: handle.status.clone(),
-            notices: vec![
-                engine_notices_rx,
-                notices_rx,
-                disk_notices_rx,
-                api_notices_rx,
-            ],
-            node: Some(admin::ops::Node {
+    core.spawn(
+        "image gc",
+        after(
+            engine_up.clone(),
+            crate::image_gc::ImageGc {
                 ctd: ctd.clone(),
-                data_dir: config.data_dir.clone(),
-                cgroup_parent: cgroup_parent.clone(),
-                run_dir: config.run_dir.clone(),
-            }),
-        },
-    ));
+                policy: config.image_gc.policy.clone(),
+                every: config.image_gc.every,
+                record: crate::image_gc::ImageGc::record_path(&config.data_dir),
+                notices: disk_notices,
+                metrics: Arc::clone(&metrics),
+            }
+            .run(),
+        ),
+    );
+    core.spawn(
+        "admin socket",
+        admin::serve(
+            listener,
+            admin::Admin {
+                status: handle.status.clone(),
+                notices: vec![
+                    engine_notices_rx,
+                    notices_rx,
+                    disk_notices_rx,
+                    api_notices_rx,
+                ],
+                node: Some(admin::ops::Node {
+                    ctd: ctd.clone(),
+                    data_dir: config.data_dir.clone(),
+                    cgroup_parent: cgroup_parent.clone(),
+                    run_dir: config.run_dir.clone(),
+                }),
+            },
+        ),
+    );
     if let Some(renewer) = renewer {
-        tokio::spawn(renewer.run());
+        feeds.spawn("identity renewal", renewer.run());
     }
     tracing::info!(
         namespace = %config.namespace,
@@ -266,10 +278,9 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     // The VIP proxy (with a control plane): its listeners and addresses go
     // when the agent stops (V-2).
     let vip_shutdown = tokio_util::sync::CancellationToken::new();
-    let mut vip_proxy = None;
     let status_for_metrics = handle.status.clone();
     let mut samples_for_metrics = crate::metrics::none();
-    let source_task = match (&config.control, &config.manifests) {
+    match (&config.control, &config.manifests) {
         (Some(addr), _) => {
             let Some((sync, _, rx)) = control.take() else {
                 anyhow::bail!("--control {addr}: the sync client was not prepared");
@@ -280,12 +291,12 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             let stats = Arc::new(std::sync::Mutex::new(crate::metrics::persist::load(
                 &stats_path,
             )));
-            tokio::spawn(crate::metrics::persist::run(
-                Arc::clone(&stats),
-                stats_path.clone(),
-            ));
+            core.spawn(
+                "stats persistence",
+                crate::metrics::persist::run(Arc::clone(&stats), stats_path.clone()),
+            );
             stats_on_close = Some((Arc::clone(&stats), stats_path));
-            let (samples, _sampler) = crate::metrics::Sampler {
+            let (samples, sampler) = crate::metrics::Sampler {
                 ctd: ctd.clone(),
                 cgroup_parent: cgroup_parent.clone(),
                 status: handle.status.clone(),
@@ -297,12 +308,13 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
                 }),
             }
             .spawn();
+            core.adopt("sampler", sampler);
             samples_for_metrics = samples.clone();
             let node = crate::node_api::NodeContext {
                 ctd: ctd.clone(),
                 desired: handle.desired.subscribe(),
                 targets: crate::node_api::proxy::Targets {
-                    host_ips: vec![config.host_ip],
+                    host_ips: vec![std::net::IpAddr::V4(host_ip)],
                     status: handle.status.clone(),
                 },
                 data_dir: config.data_dir.clone(),
@@ -333,81 +345,92 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
             // With a control plane, internal names answer the service VIPs
             // of the latest route snapshot (persisted, so served while
             // control is away).
-            let routes = crate::control::services::spawn(
+            let services = crate::control::services::spawn(
                 &sync,
-                &node_api_listen,
+                &addresses.node_api,
                 node,
                 controls.clone(),
                 Arc::clone(&metrics),
             )
             .await;
-            vip_proxy = Some(tokio::spawn(crate::control::vip::run(
-                Arc::clone(&net),
-                routes.clone(),
-                handle.networks.clone(),
-                metrics.vip_connections.clone(),
-                vip_shutdown.clone(),
-            )));
-            tokio::spawn(feed_dns_from_routes(routes, Arc::clone(&dns)));
-            crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
-                .with_context(|| format!("--control {addr}: the node identity"))?
+            for (name, task) in services.tasks {
+                feeds.adopt(name, task);
+            }
+            let routes = services.routes;
+            // The proxy's own token lets it give its listeners and
+            // addresses back (V-2) before the group aborts it.
+            vips.spawn(
+                "VIP proxy",
+                crate::control::vip::run(
+                    Arc::clone(&net),
+                    routes.clone(),
+                    handle.networks.clone(),
+                    metrics.vip_connections.clone(),
+                    vip_shutdown.clone(),
+                ),
+            );
+            feeds.spawn(
+                "DNS from routes",
+                crate::control::routes::feed_dns(routes, Arc::clone(&dns)),
+            );
+            let stream = crate::control::sync::spawn(sync, handle.desired.clone(), rx, samples)
+                .with_context(|| format!("--control {addr}: the node identity"))?;
+            feeds.adopt("sync stream", stream);
         }
-        (None, Some(dir)) => tokio::spawn(feed_from_manifests(
-            dir.clone(),
-            config.data_dir.join("standalone"),
-            config.subnet_pool,
-            handle,
-        )),
+        (None, Some(dir)) => feeds.spawn(
+            "manifests",
+            crate::source::feed::feed_from_manifests(
+                dir.clone(),
+                config.data_dir.join("standalone"),
+                config.subnet_pool,
+                handle,
+            ),
+        ),
         (None, None) => {
             tracing::warn!(
                 "no --manifests and no --control: nothing to run; existing containers are kept as they are"
             );
-            tokio::spawn(async move {
+            feeds.spawn("no source", async move {
                 let _keep = handle;
                 std::future::pending::<()>().await;
-            })
+            });
         }
-    };
+    }
 
-    let _metrics_server = match config.metrics_listen {
-        Some(addr) => {
-            if config.control.is_none() {
-                // Standalone has no sampler of its own: start one for the
-                // per-instance figures.
-                let (samples, _sampler) = crate::metrics::Sampler {
-                    ctd: ctd.clone(),
-                    cgroup_parent: cgroup_parent.clone(),
-                    status: status_for_metrics.clone(),
-                    every: crate::metrics::SAMPLE_EVERY,
-                    store: None,
-                }
-                .spawn();
-                samples_for_metrics = samples;
-            }
-            let sources = crate::telemetry::collect::Sources {
-                status: status_for_metrics,
-                dns: Some(Arc::clone(&dns)),
-                samples: samples_for_metrics,
-                cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+    if let Some(addr) = config.metrics_listen {
+        if config.control.is_none() {
+            // Standalone has no sampler of its own: start one for the
+            // per-instance figures.
+            let (samples, sampler) = crate::metrics::Sampler {
+                ctd: ctd.clone(),
                 cgroup_parent: cgroup_parent.clone(),
-                log_dir: config.data_dir.join("logs"),
-            };
-            match tokio::net::TcpListener::bind(addr).await {
-                Ok(listener) => {
-                    tracing::info!(%addr, "metrics at /metrics");
-                    let registry = Arc::new(crate::telemetry::registry(&metrics, sources));
-                    Some(tokio::spawn(crate::telemetry::serve::run(
-                        listener, registry,
-                    )))
-                }
-                Err(e) => {
-                    tracing::error!(%addr, "metrics-listen: cannot listen: {e}; no metrics served");
-                    None
-                }
+                status: status_for_metrics.clone(),
+                every: crate::metrics::SAMPLE_EVERY,
+                store: None,
+            }
+            .spawn();
+            core.adopt("sampler", sampler);
+            samples_for_metrics = samples;
+        }
+        let sources = crate::telemetry::collect::Sources {
+            status: status_for_metrics,
+            dns: Some(Arc::clone(&dns)),
+            samples: samples_for_metrics,
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            cgroup_parent: cgroup_parent.clone(),
+            log_dir: config.data_dir.join("logs"),
+        };
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                tracing::info!(%addr, "metrics at /metrics");
+                let registry = Arc::new(crate::telemetry::registry(&metrics, sources));
+                core.spawn("metrics", crate::telemetry::serve::run(listener, registry));
+            }
+            Err(e) => {
+                tracing::error!(%addr, "metrics-listen: cannot listen: {e}; no metrics served");
             }
         }
-        None => None,
-    };
+    }
 
     notify(&[
         sd_notify::NotifyState::Ready,
@@ -415,15 +438,10 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     ]);
     shutdown.await;
     notify(&[sd_notify::NotifyState::Stopping]);
-    source_task.abort();
+    feeds.stop(STOP_WITHIN).await;
+    // Told through its own token, so that it gives its addresses back.
     vip_shutdown.cancel();
-    if let Some(proxy) = vip_proxy
-        && tokio::time::timeout(std::time::Duration::from_secs(5), proxy)
-            .await
-            .is_err()
-    {
-        tracing::warn!("the VIP proxy did not stop within 5 s");
-    }
+    vips.drain(STOP_WITHIN).await;
     // An executor still waiting for containerd has nothing to stop, and
     // would never answer a halt.
     if *engine_up.borrow() && host_is_going_down(&config.host_shutdown_check).await {
@@ -438,10 +456,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
     } else {
         tracing::info!("stopping; containers keep running");
     }
-    admin_task.abort();
-    executor_task.abort();
-    log_janitor.abort();
-    image_gc.abort();
+    core.stop(STOP_WITHIN).await;
     if let Some((stats, path)) = &stats_on_close {
         crate::metrics::persist::flush_now(stats, path).await;
     }
@@ -472,9 +487,12 @@ fn warn_if_ports_overlap_kernel(range: zattera_netns::PortRange) {
 fn spawn_engine_watch(
     ctd: Containerd,
     notices: tokio::sync::watch::Sender<Vec<String>>,
-) -> tokio::sync::watch::Receiver<bool> {
+) -> (
+    tokio::sync::watch::Receiver<bool>,
+    tokio::task::JoinHandle<()>,
+) {
     let (up_tx, up_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let mut delay = std::time::Duration::from_secs(1);
         for attempt in 1u32.. {
             match ctd.answers().await {
@@ -499,7 +517,7 @@ fn spawn_engine_watch(
             delay = (delay * 2).min(std::time::Duration::from_secs(10));
         }
     });
-    up_rx
+    (up_rx, task)
 }
 
 /// Runs `work` once `up` turns true.
@@ -514,23 +532,6 @@ async fn after<T>(mut up: tokio::sync::watch::Receiver<bool>, work: impl Future<
 fn notify(states: &[sd_notify::NotifyState<'_>]) {
     if let Err(e) = sd_notify::notify(states) {
         tracing::debug!(error = %e, "sd_notify");
-    }
-}
-
-/// Swaps the DNS name table whenever a route snapshot arrives.
-async fn feed_dns_from_routes(
-    mut routes: tokio::sync::watch::Receiver<Option<Arc<crate::proto::cluster::RouteSnapshot>>>,
-    dns: Arc<zattera_dns::DnsServer>,
-) {
-    loop {
-        let snapshot = routes.borrow_and_update().clone();
-        if let Some(snapshot) = snapshot {
-            dns.set_table(crate::control::routes::name_table(&snapshot));
-            tracing::info!(version = snapshot.version, "DNS follows route snapshot");
-        }
-        if routes.changed().await.is_err() {
-            return;
-        }
     }
 }
 
@@ -596,130 +597,6 @@ fn sync_target(config: &Config) -> Result<Option<String>> {
     }
     Ok(target)
 }
-
-/// With an enrollment that has the mesh: brings the interface up from the
-/// last peer set, keeps WatchPeers open, and points `sync`'s targets at
-/// the leader it names. Returns the node's mesh IP.
-async fn start_mesh(
-    config: &Config,
-    enrollment: &crate::link::identity::Enrollment,
-    sync: &mut crate::control::sync::SyncConfig,
-    device_binary: &std::path::Path,
-    controls: crate::mesh::watch::ControlFeed,
-) -> Result<Option<std::net::Ipv4Addr>> {
-    if !enrollment.mesh_enabled {
-        return Ok(None);
-    }
-    let mesh_ip: std::net::Ipv4Addr = enrollment
-        .mesh_ip
-        .parse()
-        .map_err(|_| crate::mesh::MeshError::BadMeshIp(enrollment.mesh_ip.clone()))?;
-    let node = crate::mesh::NodeMesh {
-        node_id: sync.node_id.clone(),
-        mesh_ip,
-        key: crate::mesh::load_or_create_key(&config.data_dir)?,
-        interface: config.mesh.interface.clone(),
-        listen_port: config.mesh.listen_port,
-    };
-    let backend = zattera_mesh::Backend::detect(
-        config.mesh.backend,
-        &node.interface,
-        device_binary.to_owned(),
-        config.run_dir.join(format!("mesh-{}.log", node.interface)),
-    )
-    .await;
-    let (targets, targets_rx) =
-        tokio::sync::watch::channel(crate::link::target::Targets::initial(&sync.control_addr));
-    sync.targets = targets_rx;
-    let task = crate::mesh::watch::MeshTask {
-        backend,
-        node,
-        control_addr: sync.control_addr.clone(),
-        tls: sync.tls.clone(),
-        targets,
-        state_file: crate::mesh::peers::path(&config.data_dir),
-        status_file: zattera_mesh::status_path(&config.run_dir),
-        controls,
-    };
-    task.restore().await;
-    task.spawn();
-    Ok(Some(mesh_ip))
-}
-
-/// Feeds the executor from the manifest directory, reloading on changes.
-async fn feed_from_manifests(
-    dir: PathBuf,
-    state_dir: PathBuf,
-    pool: (u8, u8),
-    handle: ExecutorHandle,
-) {
-    use crate::source::standalone::StandaloneSource;
-    use crate::source::watch::watch;
-    let mut source = StandaloneSource::new(dir.clone(), &state_dir);
-    // Slots outside the pool belong to someone else (another agent, a test).
-    source.reserve_subnets(
-        (0..=255u8)
-            .filter(|s| *s < pool.0 || *s > pool.1)
-            .map(zattera_netns::Subnet::from_slot),
-    );
-    // A directory that is missing (not made yet, or removed) cannot be
-    // watched: it is looked for again every WATCH_RETRY, and found, loaded.
-    let mut watched = None;
-    // What was logged last: the same again (a directory still missing) is
-    // not logged every WATCH_RETRY.
-    let (mut watch_error, mut load_errors) = (None, Vec::new());
-    loop {
-        if watched.is_none() {
-            match watch(&dir) {
-                Ok(w) => {
-                    watched = Some(w);
-                    watch_error = None;
-                }
-                Err(e) => {
-                    let text = e.to_string();
-                    if watch_error.as_ref() != Some(&text) {
-                        tracing::error!(dir = %dir.display(), error = %e, "cannot watch the manifest directory; looking again every {} s", WATCH_RETRY.as_secs());
-                    }
-                    watch_error = Some(text);
-                }
-            }
-        }
-        let loaded = source.load();
-        let texts: Vec<String> = loaded.errors.iter().map(|e| e.message.clone()).collect();
-        if texts != load_errors {
-            for e in &loaded.errors {
-                tracing::error!(file = %e.file.display(), "{}", e.message);
-            }
-            load_errors = texts;
-        }
-        let errors = loaded
-            .errors
-            .iter()
-            .map(|e| SourceError {
-                file: e.file.display().to_string(),
-                message: e.message.clone(),
-            })
-            .collect();
-        let _ = handle.source_errors.send(errors);
-        tracing::info!(
-            assignments = loaded.set.assignments.len(),
-            "manifests loaded"
-        );
-        let _ = handle.desired.send(Some(loaded.set));
-        match watched.as_mut() {
-            // The watch ends when the directory goes: look for it again.
-            Some((_, changes)) => {
-                if changes.recv().await.is_none() {
-                    watched = None;
-                }
-            }
-            None => tokio::time::sleep(WATCH_RETRY).await,
-        }
-    }
-}
-
-/// How often a manifest directory that cannot be watched is looked for.
-const WATCH_RETRY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Holds `<LOCK_DIR>/<namespace>.lock` for the agent's life: a second agent
 /// on the same containerd namespace refuses to start, whatever its run dir.
