@@ -208,6 +208,32 @@ impl Host {
         }
     }
 
+    /// A kill between a container's removal and its detach, or between an
+    /// attach and the container's creation, leaves an attachment that no
+    /// container owns. At boot nothing of ours is in flight, so every namespace
+    /// file and veth of ours without a container is such a leftover. Bridges
+    /// and the table are the passes' to manage.
+    pub async fn collect_orphans(&self, live: &BTreeSet<String>) {
+        let Some(net) = &self.net else { return };
+        let inventory = match zattera_netns::inventory::read(net).await {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list network attachments; leftovers stay until the next start");
+                return;
+            }
+        };
+        let mut plan = zattera_netns::inventory::plan(&inventory, Some(live));
+        plan.bridges.clear();
+        plan.delete_table = false;
+        if plan.is_empty() {
+            return;
+        }
+        tracing::info!(netns = ?plan.netns, veths = ?plan.veths, "removing network attachments no container owns");
+        if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
+            tracing::warn!(error = %e, "leftover attachments not all removed");
+        }
+    }
+
     /// Standalone: internal names answer these instances.
     pub fn set_names(&self, healthy: &[LocalInstance]) {
         if let Some(dns) = &self.dns {

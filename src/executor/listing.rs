@@ -13,6 +13,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+
 use crate::labels::OwnedContainer;
 
 /// A listing older than this is refreshed even if no event said so.
@@ -156,6 +158,92 @@ impl Listing {
     pub fn invalidate(&mut self) {
         self.cached = None;
     }
+}
+
+/// What a refresh of the listing found (`None`: it failed).
+#[derive(Debug)]
+pub(super) struct Refreshed {
+    pub refresh: Refresh,
+    pub at: Instant,
+    pub found: Option<Vec<OwnedContainer>>,
+}
+
+/// Stale containers read from containerd at once.
+const STALE_READS: usize = 8;
+
+impl Listing {
+    /// The owned containers: the last listing with what changed since read
+    /// again, or a new listing.
+    pub(super) async fn read(
+        &mut self,
+        ctd: &crate::runtime::Containerd,
+    ) -> Result<Vec<OwnedContainer>, crate::runtime::RuntimeError> {
+        let now = Instant::now();
+        match self.need() {
+            Need::Nothing => {}
+            Need::Some(stale) => {
+                let read: Vec<_> = futures::stream::iter(stale)
+                    .map(|id| async move {
+                        let found = crate::runtime::containers::get(ctd, &id).await;
+                        (id, found)
+                    })
+                    .buffer_unordered(STALE_READS)
+                    .collect()
+                    .await;
+                for (id, found) in read {
+                    let found = found?;
+                    self.patch(&id, found.as_ref().and_then(OwnedContainer::from_container));
+                }
+            }
+            Need::All => {
+                let owned = list_owned(ctd).await?;
+                self.store(now, owned);
+            }
+        }
+        Ok(self.owned())
+    }
+
+    /// Once a refresh is due, lists containerd beside the passes; the
+    /// answer comes back on `tx`.
+    pub(super) fn refresh_if_due(
+        &mut self,
+        ctd: &crate::runtime::Containerd,
+        tx: tokio::sync::mpsc::Sender<Refreshed>,
+    ) {
+        let now = Instant::now();
+        if !self.refresh_due(now) {
+            return;
+        }
+        let refresh = self.refresh_started();
+        let ctd = ctd.clone();
+        tokio::spawn(async move {
+            let found = match list_owned(&ctd).await {
+                Ok(owned) => Some(owned),
+                Err(e) => {
+                    tracing::debug!(error = %e, "refreshing the container listing failed");
+                    None
+                }
+            };
+            let _ = tx
+                .send(Refreshed {
+                    refresh,
+                    at: now,
+                    found,
+                })
+                .await;
+        });
+    }
+}
+
+/// The containers this agent owns in its namespace, from their labels.
+pub(super) async fn list_owned(
+    ctd: &crate::runtime::Containerd,
+) -> Result<Vec<OwnedContainer>, crate::runtime::RuntimeError> {
+    let listed = crate::runtime::containers::list(ctd, &crate::labels::OWNED_FILTER).await?;
+    Ok(listed
+        .iter()
+        .filter_map(OwnedContainer::from_container)
+        .collect())
 }
 
 #[cfg(test)]

@@ -26,7 +26,11 @@ pub mod instance;
 mod instances;
 pub mod listing;
 mod pass;
+mod plan;
+mod report;
 mod worker;
+
+pub use report::offline_status;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::Ipv4Addr;
@@ -38,29 +42,26 @@ use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use zattera_dns::DnsServer;
 use zattera_dns::table::LocalInstance;
-use zattera_netns::{NetNode, PortRange, Proto, PublishedPort, Subnet, SubnetError, network_name};
+use zattera_netns::{NetNode, PortRange, PublishedPort, Subnet, network_name};
 
-use self::alloc::{Alloc, AllocError, Allocation, WantedPort};
+use self::alloc::Alloc;
 use self::board::Board;
 use self::host::Host;
-use self::instance::{Handles, Plan};
-use self::listing::{Listing, Need, Refresh};
+use self::instance::Handles;
+use self::listing::{Listing, Refreshed, list_owned};
 use self::pass::{Run, Supervise};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
-use crate::labels::{self, OwnedContainer};
-use crate::proto::cluster::{AssignmentRuntime, AssignmentSet};
-use crate::proto::v1::{Assignment, AssignmentDesired, Protocol};
-use crate::runtime::containers::{self, TaskState};
+use crate::labels::OwnedContainer;
+use crate::proto::cluster::AssignmentSet;
+use crate::proto::v1::AssignmentDesired;
 use crate::runtime::events::{self, TaskEvent};
 use crate::runtime::pull::{ClusterRegistryWatch, Puller};
 use crate::runtime::{Containerd, RuntimeError};
-use crate::status::{AssignmentStatus, Observation, SourceError, State, StatusSnapshot};
+use crate::status::{Observation, SourceError, State, StatusSnapshot};
 
 const TICK: Duration = Duration::from_secs(5);
 /// How long after the task event stream ended it is subscribed again.
 const RESUBSCRIBE: Duration = Duration::from_secs(1);
-/// Stale containers read from containerd at once (see [`listing`]).
-const STALE_READS: usize = 8;
 /// Where a standalone manifest's `resources.pids` travels in the spec.
 pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
 /// Processes per container unless configured (`pids-limit`): contains a
@@ -377,10 +378,8 @@ impl Executor {
             }
             crate::runtime::exec_orphans::remove_fifo_dirs(&fifos, started);
         });
-        if let Some(net) = &self.h.net {
-            let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
-            collect_orphan_attachments(net, &live).await;
-        }
+        let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
+        self.host.collect_orphans(&live).await;
         self.alloc.adopt(&owned);
         // Every published port is held again before any rule uses it; a
         // container whose port someone took while we were down is removed,
@@ -410,29 +409,8 @@ impl Executor {
     /// Asks for a refresh of the listing once it is due; the passes go on
     /// with the old one until the answer comes in.
     fn refresh_listing(&mut self) {
-        let now = std::time::Instant::now();
-        if !self.listing.refresh_due(now) {
-            return;
-        }
-        let refresh = self.listing.refresh_started();
-        let ctd = self.h.ctd.clone();
-        let tx = self.refresh_tx.clone();
-        tokio::spawn(async move {
-            let found = match list_owned(&ctd).await {
-                Ok(owned) => Some(owned),
-                Err(e) => {
-                    tracing::debug!(error = %e, "refreshing the container listing failed");
-                    None
-                }
-            };
-            let _ = tx
-                .send(Refreshed {
-                    refresh,
-                    at: now,
-                    found,
-                })
-                .await;
-        });
+        self.listing
+            .refresh_if_due(&self.h.ctd, self.refresh_tx.clone());
     }
 
     /// Selects this node's part of the newest set (E-4), by assignment id.
@@ -449,31 +427,7 @@ impl Executor {
     /// The owned containers: the last listing with what changed since read
     /// again, or a new listing (see [`listing`]).
     async fn listed_owned(&mut self) -> Result<Vec<OwnedContainer>, RuntimeError> {
-        let now = std::time::Instant::now();
-        match self.listing.need() {
-            Need::Nothing => {}
-            Need::Some(stale) => {
-                let ctd = &self.h.ctd;
-                let read: Vec<_> = futures::stream::iter(stale)
-                    .map(|id| async move {
-                        let found = containers::get(ctd, &id).await;
-                        (id, found)
-                    })
-                    .buffer_unordered(STALE_READS)
-                    .collect()
-                    .await;
-                for (id, found) in read {
-                    let found = found?;
-                    self.listing
-                        .patch(&id, found.as_ref().and_then(OwnedContainer::from_container));
-                }
-            }
-            Need::All => {
-                let owned = list_owned(&self.h.ctd).await?;
-                self.listing.store(now, owned);
-            }
-        }
-        Ok(self.listing.owned())
+        self.listing.read(&self.h.ctd).await
     }
 
     /// A worker for `start`'s container.
@@ -589,6 +543,7 @@ impl Executor {
     /// removals are done (E-6), unless parked (E-9) or fenced (E-10).
     fn start_runs(&mut self, desired: &diff::Desired, batch: &mut Vec<Observation>) -> usize {
         let mut runs = 0;
+        let placement = self.placement();
         let board = &mut self.board;
         let steps = pass::runs(
             desired,
@@ -613,7 +568,7 @@ impl Executor {
                     id,
                     assignment: a,
                     runtime: rt,
-                } => match self.plan(a, rt) {
+                } => match plan::plan(&mut self.alloc, placement, a, rt) {
                     Ok(plan) => {
                         let spec = rt.spec.clone();
                         self.spawn(Start::Run(Box::new(plan)), spec);
@@ -718,54 +673,13 @@ impl Executor {
         self.publish_status();
     }
 
-    /// Allocates what a bring-up needs: container id, IP, host ports.
-    fn plan(&mut self, a: &Assignment, rt: &AssignmentRuntime) -> Result<Plan, PlanError> {
-        let id = a.meta.as_ref().map(|m| m.id.clone()).unwrap_or_default();
-        let container_id = labels::container_id(&id, &a.config_hash);
-        let subnet = diff::wanted_subnet(rt, self.h.cfg.default_subnet)?;
-        let spec = rt.spec.clone().unwrap_or_default();
-        for p in &spec.ports {
-            if u16::try_from(p.container_port).is_err() {
-                return Err(PlanError::ContainerPort {
-                    name: p.name.clone(),
-                    port: p.container_port,
-                });
-            }
+    fn placement(&self) -> plan::Placement {
+        plan::Placement {
+            host_ip: self.h.cfg.host_ip,
+            default_subnet: self.h.cfg.default_subnet,
+            standalone: self.h.cfg.standalone,
+            with_network: self.h.net.is_some(),
         }
-        let wanted: Vec<WantedPort> = spec
-            .ports
-            .iter()
-            .map(|p| WantedPort {
-                name: p.name.clone(),
-                proto: if p.protocol == Protocol::Udp as i32 {
-                    Proto::Udp
-                } else {
-                    Proto::Tcp
-                },
-                container_port: u16::try_from(p.container_port).unwrap_or_default(),
-                requested: if self.h.cfg.standalone {
-                    a.mesh_port_bindings
-                        .get(&p.name)
-                        .and_then(|v| u16::try_from(*v).ok())
-                        .filter(|v| *v > 0)
-                } else {
-                    None
-                },
-            })
-            .collect();
-        // Without the host's networking an instance gets neither.
-        let on_network = subnet.filter(|_| self.h.net.is_some());
-        let Allocation { ip, ports } =
-            self.alloc
-                .allocate(&container_id, on_network, self.h.cfg.host_ip, &wanted)?;
-        Ok(Plan {
-            assignment: a.clone(),
-            runtime: rt.clone(),
-            container_id,
-            subnet,
-            ip,
-            ports,
-        })
     }
 
     /// Only ports we hold are published; once the rules are in place, the
@@ -839,52 +753,15 @@ impl Executor {
 
     fn publish_status(&self) {
         let desired = self.desired();
-        let mut rows = Vec::new();
-        // Desired, kept, and still being removed.
-        let ids: BTreeSet<String> = desired
-            .as_ref()
-            .map(|d| d.keys().cloned().collect::<BTreeSet<_>>())
-            .unwrap_or_default()
-            .into_iter()
-            .chain(self.owned.keys().cloned())
-            .chain(self.workers.values().map(|w| w.assignment_id.clone()))
-            .collect();
-        for id in ids {
-            let a = desired.as_ref().and_then(|d| d.get(&id)).map(|(a, _)| a);
-            let o = self.owned.get(&id);
-            let obs = self.board.observation(&id);
-            rows.push(AssignmentStatus {
-                id: id.clone(),
-                project: a
-                    .map(|a| a.project_id.clone())
-                    .or_else(|| o.map(|o| o.project_id.clone()))
-                    .unwrap_or_default(),
-                app: a
-                    .map(|a| a.app_id.clone())
-                    .or_else(|| o.map(|o| o.app_id.clone()))
-                    .unwrap_or_default(),
-                environment: a
-                    .map(|a| a.environment_id.clone())
-                    .or_else(|| o.map(|o| o.environment_id.clone()))
-                    .unwrap_or_default(),
-                state: obs.map_or(State::Pending, |obs| obs.state),
-                container_id: o
-                    .map(|o| o.container_id.clone())
-                    .or_else(|| obs.map(|obs| obs.container_id.clone()))
-                    .unwrap_or_default(),
-                ip: o
-                    .and_then(|o| o.ip)
-                    .map(|ip| ip.to_string())
-                    .unwrap_or_default(),
-                ports: o.map(port_bindings).unwrap_or_default(),
-                restarts: obs.map_or(0, |obs| obs.restarts),
-                message: obs.map(|obs| obs.message.clone()).unwrap_or_default(),
-            });
-        }
         let snapshot = StatusSnapshot {
             node_id: self.h.cfg.node_id.clone(),
             source: self.h.cfg.source.clone(),
-            assignments: rows,
+            assignments: report::rows(
+                desired.as_deref(),
+                &self.owned,
+                self.workers.values().map(|w| w.assignment_id.as_str()),
+                &self.board,
+            ),
             errors: self.errors_rx.borrow().clone(),
             notices: Vec::new(),
         };
@@ -905,118 +782,5 @@ fn task_events(ctd: &Containerd, delay: Duration) -> TaskEvents {
     )
 }
 
-/// The status as containerd alone shows it, for `status` while the agent
-/// is down (DESIGN decision 8): owned containers and their task states.
-/// A kill between a container's removal and its detach, or between an
-/// attach and the container's creation, leaves an attachment that no
-/// container owns. At boot nothing of ours is in flight, so every namespace
-/// file and veth of ours without a container is such a leftover. Bridges
-/// and the table are the passes' to manage.
-async fn collect_orphan_attachments(net: &NetNode, live: &BTreeSet<String>) {
-    let inventory = match zattera_netns::inventory::read(net).await {
-        Ok(i) => i,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot list network attachments; leftovers stay until the next start");
-            return;
-        }
-    };
-    let mut plan = zattera_netns::inventory::plan(&inventory, Some(live));
-    plan.bridges.clear();
-    plan.delete_table = false;
-    if plan.is_empty() {
-        return;
-    }
-    tracing::info!(netns = ?plan.netns, veths = ?plan.veths, "removing network attachments no container owns");
-    if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
-        tracing::warn!(error = %e, "leftover attachments not all removed");
-    }
-}
-
-/// What a refresh of the listing found (`None`: it failed).
-#[derive(Debug)]
-struct Refreshed {
-    refresh: Refresh,
-    at: std::time::Instant,
-    found: Option<Vec<OwnedContainer>>,
-}
-
-async fn list_owned(ctd: &Containerd) -> Result<Vec<OwnedContainer>, RuntimeError> {
-    let listed = containers::list(ctd, &labels::OWNED_FILTER).await?;
-    Ok(listed
-        .iter()
-        .filter_map(OwnedContainer::from_container)
-        .collect())
-}
-
 /// Beyond the longest grace: the SIGKILL wait and the task deletes.
 const HALT_SLACK: Duration = Duration::from_secs(5);
-
-pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapshot, RuntimeError> {
-    let mut rows = Vec::new();
-    for o in list_owned(ctd).await? {
-        let (state, message) = match containers::task_state(ctd, &o.container_id).await? {
-            TaskState::Running { .. } | TaskState::Paused => (State::Running, String::new()),
-            TaskState::Stopped { exit_code: 0 } => {
-                (State::Stopped, "exited with code 0".to_owned())
-            }
-            TaskState::Stopped { exit_code } => {
-                (State::Failed, format!("exited with code {exit_code}"))
-            }
-            TaskState::Absent | TaskState::Created => {
-                (State::Pending, "no task (the agent starts it)".to_owned())
-            }
-            TaskState::Unknown => (
-                State::Pending,
-                "containerd could not read its task (the shim did not answer)".to_owned(),
-            ),
-        };
-        rows.push(AssignmentStatus {
-            id: o.assignment_id.clone(),
-            project: o.project_id.clone(),
-            app: o.app_name.clone(),
-            environment: o.environment_name.clone(),
-            state,
-            container_id: o.container_id.clone(),
-            ip: o.ip.map(|ip| ip.to_string()).unwrap_or_default(),
-            ports: port_bindings(&o),
-            restarts: 0,
-            message,
-        });
-    }
-    rows.sort_by(|a, b| a.id.cmp(&b.id));
-    Ok(StatusSnapshot {
-        node_id: String::new(),
-        source: format!("containerd only (agent not running: {why})"),
-        assignments: rows,
-        errors: Vec::new(),
-        notices: Vec::new(),
-    })
-}
-
-/// Why an assignment could not be planned; the text is its FAILED message.
-#[derive(Debug, thiserror::Error)]
-enum PlanError {
-    #[error("ensure network: {0}")]
-    Subnet(#[from] SubnetError),
-    #[error(transparent)]
-    Alloc(#[from] AllocError),
-    #[error("create: port {name}: container_port {port} is not a port")]
-    ContainerPort { name: String, port: u32 },
-}
-
-impl PlanError {
-    /// Retried every pass without counting toward parking (E-9): a host
-    /// port held by another process frees by itself.
-    fn is_transient(&self) -> bool {
-        matches!(self, Self::Alloc(e) if e.is_transient())
-    }
-}
-
-/// E-12: port name → host port, skipping unnamed or unpublished ports.
-pub(super) fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
-    o.ports
-        .iter()
-        .filter(|p| !p.name.is_empty() && p.port.host_port > 0)
-        .map(|p| (p.name.clone(), p.port.host_port))
-        .collect()
-}

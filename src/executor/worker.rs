@@ -305,7 +305,7 @@ impl<'a> Supervisor<'a> {
     fn observe(&self, state: State) -> Observation {
         let mut obs =
             Observation::new(&self.owned.assignment_id, state).container(&self.owned.container_id);
-        obs.ports = super::port_bindings(&self.owned);
+        obs.ports = super::report::port_bindings(&self.owned);
         obs.restarts = self.restarts;
         obs
     }
