@@ -22,7 +22,7 @@ apt-get install -y -qq "$deb" >/dev/null
 for p in containerd runc nftables; do
   dpkg-query -W -f='${Status}' "$p" | grep -q 'ok installed' || die "$p was not installed as a dependency"
 done
-files=(/usr/bin/zattera-agent /usr/bin/zattera-netns /etc/zattera/agent.toml
+files=(/usr/bin/zattera-agent /usr/bin/zattera-netns /usr/lib/zattera/zattera-logshim /etc/zattera/agent.toml
   /usr/lib/systemd/system/zattera-agent.service /usr/share/man/man1/zattera-agent.1.gz
   /usr/share/man/man1/zattera-netns.1.gz /usr/share/bash-completion/completions/zattera-agent
   /usr/share/bash-completion/completions/zattera-netns /usr/share/zsh/vendor-completions/_zattera-agent

@@ -65,8 +65,11 @@ command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
 bash scripts/rig.sh >/dev/null # idempotent: containerd on $SOCK, test images
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
-cargo build --release -q -p zattera-agent --bin zattera-agent
-AGENT=$CARGO_TARGET_DIR/release/zattera-agent
+# AGENT=PATH measures another build (an older commit's, to compare).
+if [ -z "${AGENT:-}" ]; then
+  cargo build --release -q -p zattera-agent --bin zattera-agent
+  AGENT=$CARGO_TARGET_DIR/release/zattera-agent
+fi
 
 work=$(mktemp -d /tmp/zt-bench-ex.XXXXXX)
 agent_pid=

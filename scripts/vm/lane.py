@@ -58,7 +58,8 @@ DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster
 HEALTHY_WITHIN = 300
 
 INSTALLED = [
-    "/usr/bin/zattera-agent", "/usr/bin/zattera-netns", "/etc/zattera/agent.toml",
+    "/usr/bin/zattera-agent", "/usr/bin/zattera-netns", "/usr/lib/zattera/zattera-logshim",
+    "/etc/zattera/agent.toml",
     "/usr/lib/systemd/system/zattera-agent.service", "/usr/share/man/man1/zattera-agent.1.gz",
     "/usr/share/man/man1/zattera-netns.1.gz", "/usr/share/bash-completion/completions/zattera-agent",
     "/usr/share/zsh/vendor-completions/_zattera-agent",
@@ -231,6 +232,9 @@ def case_install(ctx, g):
     ctx.facts["install: unit start to HEALTHY"] = f"{time.time() - t0:.0f} s"
     body = g.sh("curl -fsS --max-time 10 http://127.0.0.1:8080/whoami.txt", check=False)
     expect(body.returncode == 0 and "served by" in body.stdout, f"port 8080: {body.stdout}{body.stderr}")
+    # Each container's logger is the packaged small log shim (47).
+    shims = int(g.sh("pgrep -c -f '^/usr/lib/zattera/zattera-logshim ' || true").strip() or 0)
+    expect(shims >= 2, f"{shims} zattera-logshim processes for 2 web instances")
     journal = g.sh("journalctl -u zattera-agent --no-pager")
     expect("manifests loaded" in journal, f"the agent's lines are not in the journal:\n{journal[-2000:]}")
     node.wait("hog FAILED out of memory", lambda s: any(

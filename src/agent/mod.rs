@@ -36,17 +36,18 @@ type Samples = watch::Receiver<crate::metrics::InstanceSamples>;
 /// How long each group of tasks may take to stop.
 const STOP_WITHIN: Duration = Duration::from_secs(5);
 
-/// Runs the agent with `config`. `logger_binary` is the executable the runc
-/// shims start as container loggers (normally this very binary).
-pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
+/// Runs the agent with `config`. `agent_binary` is this very binary: the
+/// userspace mesh device and the self-upgrade run it, and the runc shims
+/// start the log shim found beside it (or it, when there is none).
+pub async fn run(mut config: Config, agent_binary: PathBuf) -> Result<()> {
     let (_lock, join_addr) = start::prepare(&mut config).await?;
     let shutdown = stop::shutdown_signal();
     tokio::pin!(shutdown);
-    let mut node = Node::new(config, logger_binary)?;
+    let mut node = Node::new(config, agent_binary)?;
     let control = ControlLink::prepare(
         &node.config,
         join_addr.as_deref(),
-        &node.logger_binary,
+        &node.agent_binary,
         &mut node.feeds,
     )
     .await?;
@@ -82,7 +83,7 @@ pub async fn run(mut config: Config, logger_binary: PathBuf) -> Result<()> {
 /// What the wiring's steps share.
 struct Node {
     config: Config,
-    logger_binary: PathBuf,
+    agent_binary: PathBuf,
     ctd: Containerd,
     /// True once containerd answered: what needs it waits for it (W-2).
     engine_up: watch::Receiver<bool>,
@@ -109,7 +110,7 @@ impl Node {
     /// containerd (lazily), networking, DNS and metrics. The sync stream,
     /// heartbeats, the mesh and the admin socket start whether containerd
     /// answers or not; `status` says what waits for it.
-    fn new(config: Config, logger_binary: PathBuf) -> Result<Self> {
+    fn new(config: Config, agent_binary: PathBuf) -> Result<Self> {
         let ctd = Containerd::lazy(&config.containerd_address, config.namespace.clone());
         let (notices, engine_notices) = watch::channel(Vec::new());
         let (engine_up, engine_watch) = spawn_engine_watch(ctd.clone(), notices);
@@ -128,7 +129,7 @@ impl Node {
         Ok(Self {
             cgroup_parent: format!("/zattera/{}", config.namespace),
             config,
-            logger_binary,
+            agent_binary,
             ctd,
             engine_up,
             engine_notices,
@@ -164,7 +165,7 @@ impl Node {
             host_ip: addresses.host_ip,
             data_dir: config.data_dir.clone(),
             run_dir: config.run_dir.clone(),
-            logger_binary: self.logger_binary.clone(),
+            logger_binary: crate::logs::shim::binary_for(&self.agent_binary),
             cgroup_parent: self.cgroup_parent.clone(),
             parallelism: crate::config::PARALLELISM,
             host_port_range: config.host_port_range,
@@ -300,7 +301,7 @@ impl Node {
                 base_url: config.upgrade_base_url.clone(),
                 // Resolved at start: once an upgrade renames a new file
                 // over it, the running image's path reads "(deleted)".
-                binary: self.logger_binary.clone(),
+                binary: self.agent_binary.clone(),
                 args: std::env::args().collect(),
                 busy: Arc::default(),
                 stats: stats_on_close.clone(),

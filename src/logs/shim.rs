@@ -24,8 +24,10 @@ use super::retention::{self, Retention};
 /// The argv key the runc shim passes us (from the log URI's query).
 pub const ARG: &str = "zattera-log";
 /// The retention caps, in seconds and bytes.
-const ARG_MAX_AGE: &str = "zattera-log-max-age";
-const ARG_MAX_BYTES: &str = "zattera-log-max-bytes";
+pub const ARG_MAX_AGE: &str = "zattera-log-max-age";
+pub const ARG_MAX_BYTES: &str = "zattera-log-max-bytes";
+/// The log shim's own binary, a small one (see `src/bin/zattera-logshim.rs`).
+pub const BINARY: &str = "zattera-logshim";
 pub const MAX_LINE: usize = 16 * 1024;
 pub const ROTATE_BYTES: u64 = 8 * 1024 * 1024;
 pub const ROTATE_AGE: Duration = Duration::from_secs(3600);
@@ -41,6 +43,25 @@ pub fn log_uri(agent_binary: &Path, log_path: &Path, caps: Retention) -> String 
         caps.max_age.as_secs(),
         caps.max_stream_bytes,
     )
+}
+
+/// The binary to run as the log shim of the agent at `agent`: the small
+/// `zattera-logshim` beside it (a build directory) or in `../lib/zattera`
+/// (the packages' `/usr/lib/zattera`), else the agent itself, which serves
+/// as its own log shim too (containers made by an older agent still name it).
+pub fn binary_for(agent: &Path) -> PathBuf {
+    let Some(dir) = agent.parent() else {
+        return agent.to_owned();
+    };
+    [dir.join(BINARY), dir.join("../lib/zattera").join(BINARY)]
+        .into_iter()
+        .find(|p| is_executable(p))
+        .unwrap_or_else(|| agent.to_owned())
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 fn percent_encode(s: &str) -> String {
@@ -319,6 +340,32 @@ impl RotatingFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_small_shim_is_found_beside_the_agent_or_in_lib_zattera() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let bin = root.path().join("usr/bin");
+        let lib = root.path().join("usr/lib/zattera");
+        fs::create_dir_all(&bin).unwrap();
+        fs::create_dir_all(&lib).unwrap();
+        let agent = bin.join("zattera-agent");
+        let put = |p: &Path, mode: u32| {
+            fs::write(p, b"#!/bin/true\n").unwrap();
+            fs::set_permissions(p, fs::Permissions::from_mode(mode)).unwrap();
+        };
+        put(&agent, 0o755);
+        // None: the agent is its own log shim.
+        assert_eq!(binary_for(&agent), agent);
+        // Not executable: not taken.
+        put(&lib.join(BINARY), 0o644);
+        assert_eq!(binary_for(&agent), agent);
+        put(&lib.join(BINARY), 0o755);
+        assert_eq!(binary_for(&agent), bin.join("../lib/zattera").join(BINARY));
+        // Beside the agent (a build directory) wins.
+        put(&bin.join(BINARY), 0o755);
+        assert_eq!(binary_for(&agent), bin.join(BINARY));
+    }
 
     #[test]
     fn uri_encodes_paths_and_shim_args_round_trip() {
