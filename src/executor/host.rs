@@ -89,6 +89,11 @@ pub(super) fn networks_in_use<'a>(
     in_use
 }
 
+/// The loop awaits these calls, in its order. As a task of its own fed the
+/// latest wants through a watch, the host could remove a bridge that looked
+/// unused while a worker that was just spawned ensures and attaches to it:
+/// that needs a guard shared between a worker's network step and the
+/// removal first (issue 46.3, left).
 pub(super) struct Host {
     net: Option<Arc<NetNode>>,
     dns: Option<Arc<DnsServer>>,

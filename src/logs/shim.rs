@@ -1,5 +1,7 @@
-//! The log shim: the agent binary run by containerd's runc shim as the
-//! `binary://` logger of one container (DESIGN decision 4, dataplane.md §3).
+//! The log shim: run by containerd's runc shim as the `binary://` logger of
+//! one container (DESIGN decision 4, dataplane.md §3), as the small
+//! `zattera-logshim` binary (one process per container: it must be cheap),
+//! or as the agent binary itself where that is missing.
 //!
 //! The runc shim starts it with the container's stdout on fd 3, stderr on
 //! fd 4 and a readiness pipe on fd 5, and owns it for the task's lifetime,
