@@ -188,11 +188,13 @@ mod tests {
         }
     }
 
-    /// A free range of ten ports on loopback, and the first of it; each
-    /// test its own `band` of 4,000, as they run in parallel.
+    /// A free range of ten ports on loopback, and the first of it: above
+    /// the kernel's ephemeral ports (to 60999), which other tests' clients
+    /// take at any moment, and each test in a `band` of its own, as they
+    /// run in parallel.
     fn free_range(band: u16) -> (PortRange, u16) {
-        let from = 41_000 + band * 4_000;
-        for lo in (from..from + 4_000).step_by(97) {
+        let from = 62_000 + band * 600;
+        for lo in (from..from + 600).step_by(11) {
             let hi = lo + 9;
             if (lo..=hi).all(|p| TcpListener::bind((Ipv4Addr::LOCALHOST, p)).is_ok()) {
                 return (PortRange { lo, hi }, lo);

@@ -146,20 +146,19 @@ mod tests {
         }
     }
 
-    /// A free port on loopback, for a fixed binding.
+    /// A free port on loopback for a fixed binding, above the kernel's
+    /// ephemeral ports, so that no other test's client takes it meanwhile.
     fn free_port() -> u16 {
-        std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
+        (64_950..65_000)
+            .find(|p| std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, *p)).is_ok())
+            .expect("a free port in 64950-64999")
     }
 
     #[test]
     fn a_port_that_is_no_port_fails_the_plan_before_anything_is_taken() {
         let mut alloc = Alloc::new(zattera_netns::PortRange {
-            lo: 40_990,
-            hi: 40_999,
+            lo: 64_400,
+            hi: 64_409,
         });
         let e = plan(
             &mut alloc,
@@ -181,8 +180,8 @@ mod tests {
         let a = assignment(&[("http", u32::from(fixed))]);
         let rt = runtime(&[("http", 80)]);
         let range = zattera_netns::PortRange {
-            lo: 41_990,
-            hi: 41_999,
+            lo: 64_500,
+            hi: 64_509,
         };
         let p = plan(&mut Alloc::new(range), placement(true, true), &a, &rt).unwrap();
         assert_eq!(p.container_id, labels::container_id("a1", "h1"));
@@ -196,8 +195,8 @@ mod tests {
     fn without_the_hosts_network_an_instance_gets_no_address_or_port() {
         let p = plan(
             &mut Alloc::new(zattera_netns::PortRange {
-                lo: 42_990,
-                hi: 42_999,
+                lo: 64_600,
+                hi: 64_609,
             }),
             placement(false, false),
             &assignment(&[]),

@@ -822,10 +822,13 @@ mod tests {
         let label = format!("label c1 {}=1", labels::RESTARTS);
         assert_eq!(fake.asked(&label).len(), 1);
 
-        // It crashes again at once: the next back-off is twice as long.
+        // It crashes again at once: the next back-off is twice as long. (A
+        // poll due at the same instant as the restart may have queued one
+        // more RUNNING: the crash's FAILED comes after it.)
         let crashed = Instant::now();
         fake.set("c1", TaskState::Stopped { exit_code: 3 });
         w.send(Cmd::Exited);
+        until(&mut rx, "Failed crash-looping: last exit code 3").await;
         until(&mut rx, "Running").await;
         let second = fake.asked("restart c1");
         assert_eq!(second.len(), 2);
