@@ -58,7 +58,9 @@ pub fn binary_for(agent: &Path) -> PathBuf {
     [dir.join(BINARY), dir.join("../lib/zattera").join(BINARY)]
         .into_iter()
         .find(|p| is_executable(p))
-        .unwrap_or_else(|| agent.to_owned())
+        // `/usr/bin/../lib/zattera/...` reads as `/usr/lib/zattera/...` in
+        // the log URI and in `ps`.
+        .map_or_else(|| agent.to_owned(), |p| fs::canonicalize(&p).unwrap_or(p))
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -363,10 +365,15 @@ mod tests {
         put(&lib.join(BINARY), 0o644);
         assert_eq!(binary_for(&agent), agent);
         put(&lib.join(BINARY), 0o755);
-        assert_eq!(binary_for(&agent), bin.join("../lib/zattera").join(BINARY));
+        let canonical = |p: &Path| fs::canonicalize(p).unwrap();
+        assert_eq!(
+            binary_for(&agent),
+            canonical(&lib.join(BINARY)),
+            "no `..` in it"
+        );
         // Beside the agent (a build directory) wins.
         put(&bin.join(BINARY), 0o755);
-        assert_eq!(binary_for(&agent), bin.join(BINARY));
+        assert_eq!(binary_for(&agent), canonical(&bin.join(BINARY)));
     }
 
     #[test]
