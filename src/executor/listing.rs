@@ -24,7 +24,7 @@ pub const MAX_STALE: usize = 64;
 
 /// What the next pass must read from containerd.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Need {
+enum Need {
     /// Nothing: the listing is good.
     Nothing,
     /// These containers, each by itself.
@@ -56,7 +56,7 @@ struct Cached {
 
 impl Listing {
     /// What must be read for the listing to be good.
-    pub fn need(&self) -> Need {
+    fn need(&self) -> Need {
         match &self.cached {
             Some(c) if c.stale.is_empty() => Need::Nothing,
             Some(c) => Need::Some(c.stale.iter().cloned().collect()),
@@ -71,14 +71,14 @@ impl Listing {
 
     /// Whether to ask for a refresh now: the listing is [`MAX_AGE`] old and
     /// no refresh is out.
-    pub fn refresh_due(&self, now: Instant) -> bool {
+    fn refresh_due(&self, now: Instant) -> bool {
         self.cached.as_ref().is_some_and(|c| {
             c.refreshing.is_none() && now.saturating_duration_since(c.at) >= MAX_AGE
         })
     }
 
     /// A refresh is asked for; its answer goes to [`Self::refreshed`].
-    pub fn refresh_started(&mut self) -> Refresh {
+    fn refresh_started(&mut self) -> Refresh {
         self.last_refresh += 1;
         let r = Refresh(self.last_refresh);
         if let Some(c) = &mut self.cached {
@@ -129,7 +129,7 @@ impl Listing {
 
     /// What reading `container_id` again found: the container (if it is
     /// still there and ours) or nothing.
-    pub fn patch(&mut self, container_id: &str, found: Option<OwnedContainer>) {
+    fn patch(&mut self, container_id: &str, found: Option<OwnedContainer>) {
         let Some(c) = &mut self.cached else { return };
         c.stale.remove(container_id);
         match found {
