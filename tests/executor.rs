@@ -21,6 +21,7 @@ use zattera_agent::proto::v1::{
     ServiceSpec,
 };
 use zattera_agent::runtime::{Containerd, import_archive};
+use zattera_agent::source::local_names;
 use zattera_agent::status::{State, StatusSnapshot};
 use zattera_netns::NetNode;
 
@@ -67,13 +68,16 @@ impl Agent {
             log_retention: zattera_agent::logs::Retention::default(),
             metrics: std::sync::Arc::default(),
         };
+        let dns = Arc::new(dns);
         let (exec, handle) = Executor::new(
             cfg,
             ctd.clone(),
             Some(Arc::clone(&net)),
-            Some(Arc::new(dns)),
+            Some(Arc::clone(&dns)),
             None,
         );
+        // Standalone names come from the status, as the agent wires them.
+        tokio::spawn(local_names::feed_dns(handle.status.clone(), dns));
         let task = tokio::spawn(exec.run());
         Self {
             handle,

@@ -106,9 +106,12 @@ type Key = (Proto, Ipv4Addr, u16);
 pub struct HostPorts {
     range: PortRange,
     held: BTreeMap<Key, Socket>,
-    /// Released, but still bound until the rules without them are applied.
-    retiring: BTreeMap<Key, Socket>,
+    /// Released, but still bound until the rules without them are applied;
+    /// with the [`mark`](HostPorts::mark) they were released under.
+    retiring: BTreeMap<Key, (Socket, u64)>,
     cursor: u16,
+    /// The mark the next published set will carry.
+    epoch: u64,
 }
 
 impl HostPorts {
@@ -184,7 +187,8 @@ impl HostPorts {
     /// [`retire`]: HostPorts::retire
     pub fn release(&mut self, proto: Proto, ip: Ipv4Addr, port: u16) {
         if let Some(socket) = self.held.remove(&(proto, ip, port)) {
-            self.retiring.insert((proto, ip, port), socket);
+            self.retiring
+                .insert((proto, ip, port), (socket, self.epoch));
         }
     }
 
@@ -192,6 +196,23 @@ impl HostPorts {
     /// them are in place.
     pub fn retire(&mut self) {
         self.retiring.clear();
+    }
+
+    /// Marks the set of held ports about to be published: the rules of a
+    /// set are applied later, elsewhere, and [`retire_through`] its mark
+    /// closes only what was released before the set was taken.
+    ///
+    /// [`retire_through`]: HostPorts::retire_through
+    pub fn mark(&mut self) -> u64 {
+        let mark = self.epoch;
+        self.epoch += 1;
+        mark
+    }
+
+    /// Closes the sockets released before [`mark`](HostPorts::mark)
+    /// returned `mark`: the rules of that set are in place.
+    pub fn retire_through(&mut self, mark: u64) {
+        self.retiring.retain(|_, (_, released)| *released > mark);
     }
 
     /// Whether this port is held (published by us right now).
@@ -202,7 +223,7 @@ impl HostPorts {
     /// The socket for `key`: a retiring one of ours (the port is published
     /// again, e.g. by the replacement of a container), else a new bind.
     fn take(&mut self, key: Key) -> Result<Socket> {
-        if let Some(socket) = self.retiring.remove(&key) {
+        if let Some((socket, _)) = self.retiring.remove(&key) {
             return Ok(socket);
         }
         let (proto, ip, port) = key;
@@ -406,6 +427,25 @@ mod tests {
         ports.retire();
         assert!(ports.is_held(Proto::Tcp, lo, p));
         assert!(TcpListener::bind((lo, p)).is_err());
+    }
+
+    #[test]
+    fn a_mark_retires_only_what_was_released_before_it() {
+        let lo = Ipv4Addr::LOCALHOST;
+        let mut ports = HostPorts::new(range_with_free_ports());
+        let early = ports.allocate(Proto::Tcp, lo, None).unwrap();
+        let late = ports.allocate(Proto::Tcp, lo, None).unwrap();
+        ports.release(Proto::Tcp, lo, early);
+        // The set without `early` is taken; `late` goes after, so that
+        // set's rules still point at it.
+        let mark = ports.mark();
+        ports.release(Proto::Tcp, lo, late);
+        ports.retire_through(mark);
+        drop(TcpListener::bind((lo, early)).unwrap());
+        assert!(TcpListener::bind((lo, late)).is_err(), "still in the rules");
+        let next = ports.mark();
+        ports.retire_through(next);
+        drop(TcpListener::bind((lo, late)).unwrap());
     }
 
     #[test]

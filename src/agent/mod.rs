@@ -348,6 +348,10 @@ impl Node {
     /// Standalone: the manifest directory feeds the executor, or nothing
     /// does and what exists is kept as it is.
     fn feed_standalone(&mut self, handle: ExecutorHandle) -> Samples {
+        // Internal names answer the healthy local instances.
+        let names =
+            crate::source::local_names::feed_dns(handle.status.clone(), Arc::clone(&self.dns));
+        self.feeds.spawn("DNS from local status", names);
         if let Some(dir) = &self.config.manifests {
             let feed = crate::source::feed::feed_from_manifests(
                 dir.clone(),

@@ -6,6 +6,7 @@
 //! Nothing here is persisted: the records are the containers' labels
 //! ([`OwnedContainer`]), read back at boot ([`Alloc::adopt`]).
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use zattera_netns::{HostPorts, IpRecord, Ipam, PortRange, Proto, PublishedPort, Subnet};
@@ -160,9 +161,23 @@ impl Alloc {
         self.ports.is_held(p.proto, p.host_ip, p.host_port)
     }
 
-    /// The rules no longer use the released ports: their sockets close.
-    pub fn retire(&mut self) {
-        self.ports.retire();
+    /// The ports to publish, marked: see [`Alloc::retire_through`].
+    pub fn published(
+        &mut self,
+        owned: &BTreeMap<String, OwnedContainer>,
+    ) -> (Vec<PublishedPort>, u64) {
+        let published = owned
+            .values()
+            .flat_map(|o| o.ports.iter().map(|p| p.port))
+            .filter(|p| self.is_held(p))
+            .collect();
+        (published, self.ports.mark())
+    }
+
+    /// The rules of the set marked `mark` are in place: the sockets of the
+    /// ports released before it close.
+    pub fn retire_through(&mut self, mark: u64) {
+        self.ports.retire_through(mark);
     }
 
     fn release_ports(&mut self, ports: &[NamedPort]) {
@@ -260,9 +275,12 @@ mod tests {
         assert!(alloc.is_held(&port));
         alloc.release("c1", got.ip, &got.ports);
         assert!(!alloc.is_held(&port));
-        // The socket stays until retire(): a rule may still point at it.
+        // The socket stays until the rules of a set without it are in
+        // place: a rule may still point at it.
+        let (published, mark) = alloc.published(&BTreeMap::new());
+        assert!(published.is_empty());
         assert!(TcpListener::bind((Ipv4Addr::LOCALHOST, lo)).is_err());
-        alloc.retire();
+        alloc.retire_through(mark);
         assert!(TcpListener::bind((Ipv4Addr::LOCALHOST, lo)).is_ok());
         // The address is free again too.
         assert!(alloc.addresses(subnet).is_empty());

@@ -61,6 +61,7 @@ impl Board {
         self.records.get(id).and_then(|r| r.observation.as_ref())
     }
 
+    #[cfg(test)]
     pub fn is_healthy(&self, id: &str) -> bool {
         self.observation(id)
             .is_some_and(|o| o.state == State::Healthy)

@@ -1,20 +1,23 @@
 //! The host's side of the instances: the published ports in our nftables
 //! table, the bridges that nothing uses any more (N-5), the networks the
-//! VIP rules need, and the DNS listeners on the gateways with, standalone,
-//! the names of the healthy local instances. The loop says what is in use
-//! ([`networks_in_use`], a pure function); [`Host`] makes the host so.
+//! VIP rules need, and the DNS listeners on the gateways. The loop says
+//! what it wants ([`networks_in_use`] is a pure function) through a
+//! [`HostHandle`], and never waits: [`Host`] is a task of its own that
+//! makes the host so, fed the latest want through a watch. What keeps it
+//! from removing a bridge a new worker is about to use is the workers'
+//! [`NetworkLeases`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
-use zattera_dns::table::LocalInstance;
-use zattera_dns::{DnsServer, ListenerSpec, NameTable, Scope};
+use zattera_dns::{DnsServer, ListenerSpec, Scope};
 use zattera_netns::{NetNode, PublishedPort, Subnet, network_name};
 
 use super::LocalNetwork;
 use super::diff::{self, Desired};
+use super::leases::NetworkLeases;
 use super::listing;
 use crate::labels::OwnedContainer;
 use crate::proto::v1::AssignmentDesired;
@@ -89,50 +92,154 @@ pub(super) fn networks_in_use<'a>(
     in_use
 }
 
-/// The loop awaits these calls, in its order. As a task of its own fed the
-/// latest wants through a watch, the host could remove a bridge that looked
-/// unused while a worker that was just spawned ensures and attaches to it:
-/// that needs a guard shared between a worker's network step and the
-/// removal first (issue 46.3, left).
+/// What the host should be, as the loop last said: its latest word
+/// replaces any the host task has not acted on yet.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Wanted {
+    /// The published ports, with the mark the loop retires their sockets
+    /// by ([`super::alloc::Alloc::retire_through`]); `None` until said.
+    pub published: Option<(Vec<PublishedPort>, u64)>,
+    /// The networks in use; `None` until said.
+    pub networks: Option<BTreeMap<Subnet, NetworkUse>>,
+}
+
+/// The loop's side of the host task: it says what it wants and never
+/// waits for the host to do it.
+#[derive(Debug)]
+pub(super) struct HostHandle {
+    with_network: bool,
+    wanted: watch::Sender<Wanted>,
+    /// The mark of the last published set whose rules are in place.
+    pub applied: watch::Receiver<u64>,
+}
+
+impl HostHandle {
+    /// Starts the host task; it ends when this handle drops.
+    pub fn spawn(&self, host: Host) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(host.run(self.wanted.subscribe()))
+    }
+}
+
+impl HostHandle {
+    /// Whether the agent manages the host's network at all.
+    pub fn has_network(&self) -> bool {
+        self.with_network
+    }
+
+    pub fn publish(&self, published: Vec<PublishedPort>, mark: u64) {
+        self.wanted
+            .send_modify(|w| w.published = Some((published, mark)));
+    }
+
+    pub fn use_networks(&self, in_use: BTreeMap<Subnet, NetworkUse>) {
+        self.wanted.send_if_modified(|w| {
+            let changed = w.networks.as_ref() != Some(&in_use);
+            w.networks = Some(in_use);
+            changed
+        });
+    }
+}
+
+/// How soon a failed rule update or a network left to remove is tried
+/// again, when nothing new comes first.
+const RETRY: Duration = Duration::from_secs(5);
+/// How soon a network is looked at again that a worker still held: a
+/// removal's worker lets go just after it reports.
+const LEASED_RETRY: Duration = Duration::from_secs(1);
+
+/// The host's state, owned by its task: firewall, bridges and DNS
+/// listeners follow [`Wanted`], in that order, each time it changes and
+/// while some of it is not done.
 pub(super) struct Host {
-    net: Option<Arc<NetNode>>,
+    net: Arc<NetNode>,
     dns: Option<Arc<DnsServer>>,
     default_subnet: Option<Subnet>,
+    leases: NetworkLeases,
+    /// The ports whose rules are in place.
+    published: Option<Vec<PublishedPort>>,
     /// The subnets in use at the last sync.
     networks: BTreeSet<Subnet>,
     /// When the bridges were last read and none was left to remove.
     clean_at: Option<Instant>,
+    /// Whether the last sync skipped a network a worker held.
+    skipped_leased: bool,
     networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
+    applied: watch::Sender<u64>,
 }
 
 impl Host {
+    /// The task's state and the loop's handle; `None` for the state when
+    /// the agent manages no network (the handle then says so).
     pub fn new(
         net: Option<Arc<NetNode>>,
         dns: Option<Arc<DnsServer>>,
         default_subnet: Option<Subnet>,
+        leases: NetworkLeases,
         networks_tx: watch::Sender<Arc<Vec<LocalNetwork>>>,
-    ) -> Self {
-        Self {
+    ) -> (Option<Self>, HostHandle) {
+        let (wanted, _) = watch::channel(Wanted::default());
+        let (applied_tx, applied) = watch::channel(0);
+        let handle = HostHandle {
+            with_network: net.is_some(),
+            wanted,
+            applied,
+        };
+        let host = net.map(|net| Self {
             net,
             dns,
             default_subnet,
+            leases,
+            published: None,
             networks: BTreeSet::new(),
             clean_at: None,
+            skipped_leased: false,
             networks_tx,
+            applied: applied_tx,
+        });
+        (host, handle)
+    }
+
+    /// Follows the loop's wants until its handle drops.
+    async fn run(mut self, mut wanted: watch::Receiver<Wanted>) {
+        loop {
+            let w = wanted.borrow_and_update().clone();
+            let mut again = None;
+            if let Some((ports, mark)) = w.published {
+                if self.published.as_ref() != Some(&ports) {
+                    if self.publish(&ports).await {
+                        self.published = Some(ports);
+                    } else {
+                        again = Some(RETRY);
+                    }
+                }
+                if again.is_none() {
+                    self.applied
+                        .send_if_modified(|m| std::mem::replace(m, mark) != mark);
+                }
+            }
+            if let Some(in_use) = w.networks {
+                self.sync_networks(in_use).await;
+                let recheck = if self.skipped_leased {
+                    LEASED_RETRY
+                } else if self.clean_at.is_some() {
+                    listing::MAX_AGE
+                } else {
+                    RETRY
+                };
+                again = Some(again.map_or(recheck, |a| a.min(recheck)));
+            }
+            tokio::select! {
+                changed = wanted.changed() => if changed.is_err() {
+                    return;
+                },
+                () = tokio::time::sleep(again.unwrap_or(RETRY)), if again.is_some() => {}
+            }
         }
     }
 
-    /// Whether the agent manages the host's network at all.
-    pub fn has_network(&self) -> bool {
-        self.net.is_some()
-    }
-
-    /// The published ports become exactly `published`. `true` once the
-    /// rules are in place: the sockets of the ports they no longer use may
-    /// close.
-    pub async fn publish(&self, published: Vec<PublishedPort>) -> bool {
-        let Some(net) = &self.net else { return false };
-        match net.set_published(published).await {
+    /// `true` once the rules publish exactly `published`.
+    async fn publish(&self, published: &[PublishedPort]) -> bool {
+        match self.net.set_published(published.to_vec()).await {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "publishing ports failed");
@@ -143,10 +250,8 @@ impl Host {
 
     /// Removes the networks nothing uses (N-5), tells the VIP rules which
     /// remain, and points DNS at them.
-    pub async fn sync_networks(&mut self, mut in_use: BTreeMap<Subnet, NetworkUse>) {
-        let Some(net) = self.net.clone() else {
-            return;
-        };
+    async fn sync_networks(&mut self, mut in_use: BTreeMap<Subnet, NetworkUse>) {
+        let net = self.net.clone();
         let wanted: BTreeSet<Subnet> = in_use.keys().copied().collect();
         // The bridges are read again when what is in use changed, when the
         // last read found some to remove, and at least every MAX_AGE: only
@@ -156,6 +261,7 @@ impl Host {
             && self
                 .clean_at
                 .is_some_and(|at| now.saturating_duration_since(at) < listing::MAX_AGE);
+        self.skipped_leased = false;
         if !checked {
             // The build bridge is the builds' (45.1), made per build.
             let builds = net.config().build_subnet;
@@ -170,6 +276,13 @@ impl Host {
                 .difference(&wanted)
                 .filter(|s| Some(**s) != builds)
             {
+                // The want may be a moment old: a worker spawned since
+                // holds its network already.
+                let Some(_removal) = self.leases.try_remove(*subnet) else {
+                    self.clean_at = None;
+                    self.skipped_leased = true;
+                    continue;
+                };
                 match net.remove_network(*subnet).await {
                     Ok(()) => tracing::info!(%subnet, "removed a network nothing uses"),
                     Err(e) => tracing::debug!(%subnet, error = %e, "network not removed yet"),
@@ -212,38 +325,30 @@ impl Host {
             }
         }
     }
+}
 
-    /// A kill between a container's removal and its detach, or between an
-    /// attach and the container's creation, leaves an attachment that no
-    /// container owns. At boot nothing of ours is in flight, so every namespace
-    /// file and veth of ours without a container is such a leftover. Bridges
-    /// and the table are the passes' to manage.
-    pub async fn collect_orphans(&self, live: &BTreeSet<String>) {
-        let Some(net) = &self.net else { return };
-        let inventory = match zattera_netns::inventory::read(net).await {
-            Ok(i) => i,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot list network attachments; leftovers stay until the next start");
-                return;
-            }
-        };
-        let mut plan = zattera_netns::inventory::plan(&inventory, Some(live));
-        plan.bridges.clear();
-        plan.delete_table = false;
-        if plan.is_empty() {
+/// A kill between a container's removal and its detach, or between an
+/// attach and the container's creation, leaves an attachment that no
+/// container owns. At boot nothing of ours is in flight, so every namespace
+/// file and veth of ours without a container is such a leftover. Bridges
+/// and the table are the host task's to manage.
+pub(super) async fn collect_orphans(net: &NetNode, live: &BTreeSet<String>) {
+    let inventory = match zattera_netns::inventory::read(net).await {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list network attachments; leftovers stay until the next start");
             return;
         }
-        tracing::info!(netns = ?plan.netns, veths = ?plan.veths, "removing network attachments no container owns");
-        if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
-            tracing::warn!(error = %e, "leftover attachments not all removed");
-        }
+    };
+    let mut plan = zattera_netns::inventory::plan(&inventory, Some(live));
+    plan.bridges.clear();
+    plan.delete_table = false;
+    if plan.is_empty() {
+        return;
     }
-
-    /// Standalone: internal names answer these instances.
-    pub fn set_names(&self, healthy: &[LocalInstance]) {
-        if let Some(dns) = &self.dns {
-            dns.set_table(NameTable::from_instances(healthy));
-        }
+    tracing::info!(netns = ?plan.netns, veths = ?plan.veths, "removing network attachments no container owns");
+    if let Err(e) = zattera_netns::inventory::apply(net, &plan).await {
+        tracing::warn!(error = %e, "leftover attachments not all removed");
     }
 }
 

@@ -28,6 +28,7 @@ pub mod files;
 mod host;
 pub mod instance;
 mod instances;
+mod leases;
 pub mod listing;
 mod pass;
 mod plan;
@@ -45,13 +46,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use zattera_dns::DnsServer;
-use zattera_dns::table::LocalInstance;
-use zattera_netns::{NetNode, PortRange, PublishedPort, Subnet, network_name};
+use zattera_netns::{NetNode, PortRange, Subnet, network_name};
 
 use self::alloc::Alloc;
 use self::board::Board;
-use self::host::Host;
+use self::host::{Host, HostHandle};
 use self::instance::Handles;
+use self::leases::NetworkLeases;
 use self::listing::{Listing, Refreshed, list_owned};
 use self::pass::{Run, Supervise};
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
@@ -157,8 +158,10 @@ pub struct LocalNetwork {
 
 pub struct Executor {
     h: Handles,
-    /// Firewall, networks and DNS.
-    host: Host,
+    /// Firewall, networks and DNS: what the loop wants of them.
+    host: HostHandle,
+    /// The task that makes the host so, until `run` starts it.
+    host_task: Option<Host>,
     /// Addresses and host ports.
     alloc: Alloc,
     /// The container kept per assignment.
@@ -220,7 +223,14 @@ impl Executor {
             puller = puller.with_cluster_registry(cluster.clone());
         }
         let alloc = Alloc::new(cfg.host_port_range);
-        let host = Host::new(net.clone(), dns, cfg.default_subnet, networks_tx);
+        let leases = NetworkLeases::default();
+        let (host_task, host) = Host::new(
+            net.clone(),
+            dns,
+            cfg.default_subnet,
+            leases.clone(),
+            networks_tx,
+        );
         let slots = Arc::new(tokio::sync::Semaphore::new(cfg.parallelism.max(1)));
         let h = Handles {
             ctd,
@@ -232,10 +242,12 @@ impl Executor {
             instances: Arc::new(instances::Containerd { h: h.clone() }),
             slots,
             reports: reports_tx,
+            leases,
         };
         let exec = Self {
             h,
             host,
+            host_task,
             alloc,
             owned: BTreeMap::new(),
             workers: HashMap::new(),
@@ -264,6 +276,7 @@ impl Executor {
 
     /// Runs until every handle is dropped.
     pub async fn run(mut self) {
+        let host_task = self.host_task.take().map(|h| self.host.spawn(h));
         if let Err(e) = self.boot().await {
             tracing::warn!(error = %e, "boot: could not adopt existing containers; will retry on the next pass");
         }
@@ -315,12 +328,21 @@ impl Executor {
                         events = task_events(&self.h.ctd, RESUBSCRIBE);
                     }
                 },
-                Some(report) = self.reports_rx.recv() => self.on_report(report).await,
+                Some(report) = self.reports_rx.recv() => self.on_report(report),
+                Ok(()) = self.host.applied.changed(), if self.host.has_network() => {
+                    let mark = *self.host.applied.borrow_and_update();
+                    self.alloc.retire_through(mark);
+                }
                 Some(reply) = self.halt_rx.recv() => {
                     let _ = reply.send(self.halt_all().await);
                     break;
                 }
             }
+        }
+        // The host task ends with its handle, after its last want is done.
+        drop(self);
+        if let Some(task) = host_task {
+            let _ = task.await;
         }
         tracing::info!("executor stopped");
     }
@@ -383,7 +405,9 @@ impl Executor {
             crate::runtime::exec_orphans::remove_fifo_dirs(&fifos, started);
         });
         let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();
-        self.host.collect_orphans(&live).await;
+        if let Some(net) = &self.h.net {
+            host::collect_orphans(net, &live).await;
+        }
         self.alloc.adopt(&owned);
         // Every published port is held again before any rule uses it; a
         // container whose port someone took while we were down is removed,
@@ -400,12 +424,12 @@ impl Executor {
                 }
             }
         }
-        self.apply_firewall().await;
+        self.apply_firewall();
         let adopt: Vec<OwnedContainer> = self.owned.values().cloned().collect();
         for o in adopt {
             self.spawn(Start::Adopt(o), None);
         }
-        self.sync_networks().await;
+        self.sync_networks();
         self.publish_status();
         Ok(())
     }
@@ -488,8 +512,8 @@ impl Executor {
         let mut batch = Vec::new();
         let runs = self.start_runs(&desired, &mut batch);
         self.board.emit(batch);
-        self.apply_firewall().await;
-        self.sync_networks_with(&desired).await;
+        self.apply_firewall();
+        self.sync_networks_with(&desired);
         self.publish_status();
         self.h.cfg.metrics.reconcile_passes.inc();
         self.h
@@ -593,7 +617,7 @@ impl Executor {
     }
 
     /// What a worker says about its container.
-    async fn on_report(&mut self, report: Report) {
+    fn on_report(&mut self, report: Report) {
         let Report {
             container_id,
             event,
@@ -608,7 +632,6 @@ impl Executor {
                 // A report of a container no longer ours comes too late.
                 if self.workers.contains_key(&container_id) {
                     self.board.emit(vec![obs]);
-                    self.update_dns_table();
                 }
             }
             Event::Up(owned) => {
@@ -619,8 +642,8 @@ impl Executor {
                 }
                 self.board.succeeded(&owned.assignment_id);
                 self.owned.insert(owned.assignment_id.clone(), owned);
-                self.apply_firewall().await;
-                self.sync_networks().await;
+                self.apply_firewall();
+                self.sync_networks();
             }
             Event::Failed { plan, failure } => {
                 self.workers.remove(&container_id);
@@ -632,7 +655,7 @@ impl Executor {
                 self.board.emit(vec![
                     Observation::new(&id, State::Failed).message(failure.to_string()),
                 ]);
-                self.apply_firewall().await;
+                self.apply_firewall();
             }
             Event::Down(o) | Event::Discarded(o) => {
                 self.workers.remove(&container_id);
@@ -666,8 +689,8 @@ impl Executor {
                 // The scope may be free for its new instances now.
                 self.start_runs(&desired, &mut batch);
                 self.board.emit(batch);
-                self.apply_firewall().await;
-                self.sync_networks_with(&desired).await;
+                self.apply_firewall();
+                self.sync_networks_with(&desired);
             }
             Event::StopFailed { owned, error } => {
                 self.workers.remove(&container_id);
@@ -686,30 +709,24 @@ impl Executor {
         }
     }
 
-    /// Only ports we hold are published; once the rules are in place, the
-    /// sockets of the ports they no longer use are closed.
-    async fn apply_firewall(&mut self) {
+    /// Only ports we hold are published; once the host task has the rules
+    /// in place, the sockets of the ports they no longer use are closed.
+    fn apply_firewall(&mut self) {
         if !self.host.has_network() {
             return;
         }
-        let published: Vec<PublishedPort> = self
-            .owned
-            .values()
-            .flat_map(|o| o.ports.iter().map(|p| p.port))
-            .filter(|p| self.alloc.is_held(p))
-            .collect();
-        if self.host.publish(published).await {
-            self.alloc.retire();
-        }
+        let (published, mark) = self.alloc.published(&self.owned);
+        self.host.publish(published, mark);
     }
 
-    async fn sync_networks(&mut self) {
+    fn sync_networks(&mut self) {
         let desired = self.desired().unwrap_or_default();
-        self.sync_networks_with(&desired).await;
+        self.sync_networks_with(&desired);
     }
 
-    /// Removes networks nothing uses (N-5), and points DNS at the rest.
-    async fn sync_networks_with(&mut self, desired: &diff::Desired) {
+    /// Tells the host task the networks in use: it removes the others
+    /// (N-5), and points DNS at these.
+    fn sync_networks_with(&mut self, desired: &diff::Desired) {
         if !self.host.has_network() {
             return;
         }
@@ -729,30 +746,7 @@ impl Executor {
             });
         let in_use =
             host::networks_in_use(desired, &self.owned, starting, self.h.cfg.default_subnet);
-        self.host.sync_networks(in_use).await;
-        self.update_dns_table();
-    }
-
-    /// Standalone: internal names answer the healthy local instances.
-    fn update_dns_table(&self) {
-        if !self.h.cfg.standalone {
-            return;
-        }
-        let healthy: Vec<LocalInstance> = self
-            .owned
-            .values()
-            .filter(|o| self.board.is_healthy(&o.assignment_id))
-            .filter_map(|o| {
-                Some(LocalInstance {
-                    project_id: o.project_id.clone(),
-                    project_name: o.project_id.clone(),
-                    environment: o.environment_name.clone(),
-                    app: o.app_name.clone(),
-                    ip: o.ip?,
-                })
-            })
-            .collect();
-        self.host.set_names(&healthy);
+        self.host.use_networks(in_use);
     }
 
     fn publish_status(&self) {

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::backoff;
 use super::instance::{Failure, Plan};
 use super::instances::Instances;
+use super::leases::NetworkLeases;
 use crate::health::{self, HealthUpdate, Monitor};
 use crate::labels::{self, OwnedContainer};
 use crate::proto::v1::ServiceSpec;
@@ -95,6 +96,8 @@ pub(super) struct Ctx {
     /// Bring-ups and removals running at once.
     pub slots: Arc<Semaphore>,
     pub reports: mpsc::UnboundedSender<Report>,
+    /// The networks the workers are on: the host removes none of them.
+    pub leases: NetworkLeases,
 }
 
 /// Where the loop is with a worker (it learns it from the reports).
@@ -151,8 +154,17 @@ impl Worker {
         // A bring-up is handed its spec (or the lack of one) with the plan;
         // an adopted container waits for the desired set to say.
         let has_spec = matches!(start, Start::Run(_)) || spec.is_some();
+        // Taken before the worker runs, so that no removal starts on a want
+        // that predates it; held for the worker's life.
+        let lease = network.as_ref().map(|(s, _, _)| ctx.leases.lease(*s));
         let (cmds, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(ctx, container_id, start, spec, rx));
+        tokio::spawn(async move {
+            if let Some(lease) = &lease {
+                lease.ready().await;
+            }
+            run(ctx, container_id, start, spec, rx).await;
+            drop(lease);
+        });
         Self {
             assignment_id,
             scope,
@@ -758,6 +770,7 @@ mod tests {
             instances: fake.clone(),
             slots: Arc::new(Semaphore::new(2)),
             reports,
+            leases: NetworkLeases::default(),
         };
         let w = Worker::spawn(
             ctx,

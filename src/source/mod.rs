@@ -24,6 +24,7 @@ pub mod assign;
 mod claims;
 pub mod feed;
 mod keypath;
+pub mod local_names;
 pub mod manifest;
 pub mod name;
 pub mod standalone;
