@@ -1,8 +1,9 @@
 //! One worker per container, the way kubelet runs one pod worker per pod: it
 //! owns that container's bring-up, its supervision (exits, crash back-off,
 //! the health monitor) and its teardown, and reports back to the executor
-//! loop, which owns everything shared (IPAM, host ports, firewall, networks,
-//! DNS, the status board). The loop never waits on a container: a stalled
+//! loop, which owns everything shared (IPAM, host ports, the status board,
+//! what it wants of the host). A worker holds a lease on its network for
+//! its life. The loop never waits on a container: a stalled
 //! pull or a long stop grace holds only its own worker.
 //!
 //! A worker starts with what it is for ([`Start`]) and afterwards takes only
