@@ -62,6 +62,10 @@ pub struct Settings {
     /// Processes per container (default 4096; 0 = unlimited).
     #[serde(alias = "pids_limit")]
     pub pids_limit: Option<u32>,
+    /// Containers of one environment per runc shim (default
+    /// [`crate::executor::DEFAULT_SHIM_GROUP_SIZE`]; 1 = a shim each).
+    #[serde(alias = "shim_group_size")]
+    pub shim_group_size: Option<u32>,
     /// Longest an image pull may take, as `90s`, `10m` (default 10m).
     #[serde(alias = "pull_timeout")]
     pub pull_timeout: Option<String>,
@@ -199,6 +203,7 @@ impl Settings {
             upgrade_base_url: top.upgrade_base_url.or(self.upgrade_base_url),
             host_port_range: top.host_port_range.or(self.host_port_range),
             pids_limit: top.pids_limit.or(self.pids_limit),
+            shim_group_size: top.shim_group_size.or(self.shim_group_size),
             pull_timeout: top.pull_timeout.or(self.pull_timeout),
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
             join_token: top.join_token.or(self.join_token),
@@ -325,6 +330,11 @@ impl Settings {
             pids_limit: self
                 .pids_limit
                 .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
+            shim_group_size: self
+                .shim_group_size
+                .map_or(crate::executor::DEFAULT_SHIM_GROUP_SIZE, |n| {
+                    n.max(1) as usize
+                }),
             control_node_ids: self.control_node_ids.unwrap_or_default(),
             join_token: self.join_token.filter(|t| !t.trim().is_empty()),
             bridge_prefix: self.bridge_prefix,
@@ -522,6 +532,8 @@ pub struct Config {
     pub upgrade_base_url: Option<String>,
     pub host_port_range: zattera_netns::PortRange,
     pub pids_limit: u32,
+    /// Containers of one environment per runc shim; 1: a shim each.
+    pub shim_group_size: usize,
     pub pull_timeout: std::time::Duration,
     pub control_node_ids: Vec<String>,
     pub join_token: Option<String>,

@@ -43,6 +43,12 @@ pub const EXIT_CODE: &str = "dev.zattera/exit-code";
 /// How many times the agent restarted the task (X-7 deviation: counted,
 /// and kept across agent restarts).
 pub const RESTARTS: &str = "dev.zattera/restarts";
+/// The runc shim group the container's task runs in (the value of
+/// [`RUNC_GROUP_ANNOTATION`] in its spec), when it shares a shim.
+pub const SHIM_GROUP: &str = "dev.zattera/shim-group";
+/// containerd's runc shim serves every container whose spec carries the
+/// same value here from one process.
+pub const RUNC_GROUP_ANNOTATION: &str = "io.containerd.runc.v2.group";
 
 /// The E-2 filter: managed services.
 pub const OWNED_FILTER: [(&str, &str); 2] = [(MANAGED, "true"), (ROLE, ROLE_SERVICE)];
@@ -110,6 +116,7 @@ pub struct OwnedContainer {
     pub restart: bool,
     pub exit_code: Option<u32>,
     pub restarts: u32,
+    pub shim_group: Option<String>,
 }
 
 impl OwnedContainer {
@@ -152,6 +159,7 @@ impl OwnedContainer {
             restart: l.get(RESTART).map(String::as_str) != Some("no"),
             exit_code: l.get(EXIT_CODE).and_then(|v| v.parse().ok()),
             restarts: l.get(RESTARTS).and_then(|v| v.parse().ok()).unwrap_or(0),
+            shim_group: l.get(SHIM_GROUP).filter(|g| !g.is_empty()).cloned(),
         })
     }
 }

@@ -530,6 +530,7 @@ impl Node {
             parallelism: 4,
             host_port_range: zattera_netns::PortRange::DEFAULT,
             pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
+            shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
             pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: false,
             source: format!("control {}", cp.address()),

@@ -170,6 +170,7 @@ impl Node {
             parallelism: crate::config::PARALLELISM,
             host_port_range: config.host_port_range,
             pids_limit: config.pids_limit,
+            shim_group_size: config.shim_group_size,
             pull_timeout: config.pull_timeout,
             standalone: control.is_none(),
             source,

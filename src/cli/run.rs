@@ -37,6 +37,10 @@ pub struct RunArgs {
     /// Processes per container, 0 = unlimited [default: 4096]
     #[arg(long, value_name = "N")]
     pids_limit: Option<u32>,
+    /// Containers of one environment that share a runc shim; 1 = a shim
+    /// per container [default: 8]
+    #[arg(long, value_name = "N")]
+    shim_group_size: Option<u32>,
     /// Longest an image pull may take [default: 10m]
     #[arg(long, value_name = "DURATION")]
     pull_timeout: Option<String>,
@@ -128,6 +132,7 @@ impl RunArgs {
             upgrade_base_url: self.upgrade_base_url.clone(),
             host_port_range: self.host_port_range.clone(),
             pids_limit: self.pids_limit,
+            shim_group_size: self.shim_group_size,
             pull_timeout: self.pull_timeout.clone(),
             join_token: self.join_token.clone(),
             default_subnet: self.default_subnet.clone(),

@@ -11,6 +11,7 @@ use std::net::Ipv4Addr;
 
 use zattera_netns::{HostPorts, IpRecord, Ipam, PortRange, Proto, PublishedPort, Subnet};
 
+use super::shim_groups::ShimGroups;
 use crate::labels::{NamedPort, OwnedContainer};
 
 /// A port of the spec, as the allocation needs it.
@@ -54,13 +55,16 @@ impl AllocError {
 pub struct Alloc {
     ipam: Ipam,
     ports: HostPorts,
+    shims: ShimGroups,
 }
 
 impl Alloc {
-    pub fn new(range: PortRange) -> Self {
+    /// `shim_group_size`: containers per runc shim (see [`ShimGroups`]).
+    pub fn new(range: PortRange, shim_group_size: usize) -> Self {
         Self {
             ipam: Ipam::default(),
             ports: HostPorts::new(range),
+            shims: ShimGroups::new(shim_group_size),
         }
     }
 
@@ -68,8 +72,10 @@ impl Alloc {
     /// refuses (two holders of one address) leaves IPAM empty, as before:
     /// the containers keep their addresses, and new ones may clash.
     pub fn adopt<'a>(&mut self, owned: impl IntoIterator<Item = &'a OwnedContainer>) {
+        let owned: Vec<&OwnedContainer> = owned.into_iter().collect();
+        self.shims.adopt(owned.iter().copied());
         let records: Vec<IpRecord> = owned
-            .into_iter()
+            .iter()
             .filter_map(|o| {
                 Some(IpRecord {
                     holder: o.container_id.clone(),
@@ -143,8 +149,14 @@ impl Alloc {
         })
     }
 
+    /// The runc shim a new container of `scope` shares, if any.
+    pub fn shim_group(&mut self, scope: &str, container_id: &str) -> Option<String> {
+        self.shims.assign(scope, container_id)
+    }
+
     /// Gives back what a bring-up or a container had.
     pub fn release(&mut self, container_id: &str, ip: Option<Ipv4Addr>, ports: &[NamedPort]) {
+        self.shims.release(container_id);
         if let Some(ip) = ip {
             self.ipam.release(container_id, ip);
         }
@@ -221,7 +233,7 @@ mod tests {
     #[test]
     fn a_failed_port_gives_back_the_address_and_the_ports_before_it() {
         let (range, lo) = free_range(0);
-        let mut alloc = Alloc::new(range);
+        let mut alloc = Alloc::new(range, 1);
         let subnet = Subnet::from_slot(77);
         // Someone else holds the fixed port the second one asks for.
         let taken = TcpListener::bind((Ipv4Addr::LOCALHOST, lo + 5)).unwrap();
@@ -261,7 +273,7 @@ mod tests {
     #[test]
     fn released_ports_stay_bound_until_the_rules_let_go() {
         let (range, lo) = free_range(1);
-        let mut alloc = Alloc::new(range);
+        let mut alloc = Alloc::new(range, 1);
         let subnet = Subnet::from_slot(78);
         let got = alloc
             .allocate(
@@ -311,7 +323,7 @@ mod tests {
         };
         let a = found("a", subnet.host(2), &[lo]);
         let b = found("b", subnet.host(3), &[lo + 1, lo + 2]);
-        let mut alloc = Alloc::new(range);
+        let mut alloc = Alloc::new(range, 1);
         alloc.adopt([&a, &b]);
         alloc.hold(&a).unwrap();
         // b's second port was taken while the agent was down.
@@ -332,7 +344,7 @@ mod tests {
     #[test]
     fn an_instance_without_a_network_takes_nothing() {
         let (range, _) = free_range(3);
-        let mut alloc = Alloc::new(range);
+        let mut alloc = Alloc::new(range, 1);
         let got = alloc
             .allocate("c1", None, Ipv4Addr::LOCALHOST, &[wanted("http", None)])
             .unwrap();

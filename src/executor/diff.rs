@@ -143,6 +143,7 @@ mod tests {
             restart: true,
             exit_code: None,
             restarts: 0,
+            shim_group: None,
         }
     }
 

@@ -45,6 +45,8 @@ pub struct Plan {
     pub subnet: Option<Subnet>,
     pub ip: Option<Ipv4Addr>,
     pub ports: Vec<NamedPort>,
+    /// The runc shim it shares with others of its scope, if any.
+    pub shim_group: Option<String>,
 }
 
 impl Plan {
@@ -377,6 +379,7 @@ pub async fn bring_up(
             cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
             image_architecture: image.config.architecture().to_string(),
             cgroup_v2: spec::host_has_cgroup_v2(),
+            shim_group: plan.shim_group.clone(),
         };
         let oci =
             spec::build(&container_spec).map_err(|e| Failure::new(Step::Create, format_args!("spec: {e}")))?;
@@ -400,6 +403,9 @@ pub async fn bring_up(
             stop_grace.as_millis().to_string(),
         );
         labels.insert(labels::LOG_PATH.into(), log_path.display().to_string());
+        if let Some(group) = &plan.shim_group {
+            labels.insert(labels::SHIM_GROUP.into(), group.clone());
+        }
         labels.insert(
             labels::RESTART.into(),
             if plan.is_job() {

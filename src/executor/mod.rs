@@ -37,6 +37,7 @@ pub mod listing;
 mod pass;
 mod plan;
 mod report;
+mod shim_groups;
 mod worker;
 
 pub use report::offline_status;
@@ -76,6 +77,10 @@ pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
 /// Processes per container unless configured (`pids-limit`): contains a
 /// fork bomb, and far above what a service needs.
 pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
+/// Containers of one environment per runc shim unless configured
+/// (`shim-group-size`); bench/density and bench/results/2026-12-06.md say
+/// why this many.
+pub const DEFAULT_SHIM_GROUP_SIZE: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct ExecutorConfig {
@@ -93,6 +98,9 @@ pub struct ExecutorConfig {
     pub host_port_range: PortRange,
     /// Processes per container (0 = unlimited); a manifest may lower it.
     pub pids_limit: u32,
+    /// Containers of one scope that share a runc shim (see
+    /// [`shim_groups`]); 1: a shim each.
+    pub shim_group_size: usize,
     /// Longest one pull may take before the bring-up fails.
     pub pull_timeout: Duration,
     /// Standalone: requested host ports come from the desired
@@ -226,7 +234,7 @@ impl Executor {
         if let Some(cluster) = &cfg.cluster_registry {
             puller = puller.with_cluster_registry(cluster.clone());
         }
-        let alloc = Alloc::new(cfg.host_port_range);
+        let alloc = Alloc::new(cfg.host_port_range, cfg.shim_group_size);
         let leases = NetworkLeases::default();
         let (host_task, host) = Host::new(
             net.clone(),

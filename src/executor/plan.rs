@@ -70,6 +70,8 @@ pub(super) fn plan(
     let on_network = subnet.filter(|_| cfg.with_network);
     let Allocation { ip, ports } =
         alloc.allocate(&container_id, on_network, cfg.host_ip, &wanted)?;
+    let scope = zattera_netns::network_name(&a.project_id, &a.environment_id);
+    let shim_group = alloc.shim_group(&scope, &container_id);
     Ok(Plan {
         assignment: a.clone(),
         runtime: rt.clone(),
@@ -77,6 +79,7 @@ pub(super) fn plan(
         subnet,
         ip,
         ports,
+        shim_group,
     })
 }
 
@@ -156,10 +159,13 @@ mod tests {
 
     #[test]
     fn a_port_that_is_no_port_fails_the_plan_before_anything_is_taken() {
-        let mut alloc = Alloc::new(zattera_netns::PortRange {
-            lo: 64_400,
-            hi: 64_409,
-        });
+        let mut alloc = Alloc::new(
+            zattera_netns::PortRange {
+                lo: 64_400,
+                hi: 64_409,
+            },
+            1,
+        );
         let e = plan(
             &mut alloc,
             placement(false, true),
@@ -183,21 +189,24 @@ mod tests {
             lo: 64_500,
             hi: 64_509,
         };
-        let p = plan(&mut Alloc::new(range), placement(true, true), &a, &rt).unwrap();
+        let p = plan(&mut Alloc::new(range, 1), placement(true, true), &a, &rt).unwrap();
         assert_eq!(p.container_id, labels::container_id("a1", "h1"));
         assert_eq!(p.ports[0].port.host_port, fixed);
         assert_eq!(p.ip, Some(Subnet::from_slot(64).host(2)));
-        let p = plan(&mut Alloc::new(range), placement(false, true), &a, &rt).unwrap();
+        let p = plan(&mut Alloc::new(range, 1), placement(false, true), &a, &rt).unwrap();
         assert!(range.contains(p.ports[0].port.host_port), "from the range");
     }
 
     #[test]
     fn without_the_hosts_network_an_instance_gets_no_address_or_port() {
         let p = plan(
-            &mut Alloc::new(zattera_netns::PortRange {
-                lo: 64_600,
-                hi: 64_609,
-            }),
+            &mut Alloc::new(
+                zattera_netns::PortRange {
+                    lo: 64_600,
+                    hi: 64_609,
+                },
+                1,
+            ),
             placement(false, false),
             &assignment(&[]),
             &runtime(&[("http", 80)]),

@@ -758,6 +758,7 @@ mod tests {
             subnet: None,
             ip: None,
             ports: Vec::new(),
+            shim_group: None,
         }
     }
 

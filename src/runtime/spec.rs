@@ -89,6 +89,9 @@ pub struct ContainerSpec {
     /// The host runs cgroup v2: the OOM killer then ends the whole
     /// container (`memory.oom.group`), not only the process it picked.
     pub cgroup_v2: bool,
+    /// The runc shim group the task joins (one shim serves them all);
+    /// `None`: a shim of its own.
+    pub shim_group: Option<String>,
 }
 
 /// Whether this host mounts the unified (v2) cgroup hierarchy.
@@ -302,6 +305,15 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
     ));
     spec.set_mounts(Some(mounts));
     spec.set_linux(Some(linux));
+    if let Some(group) = &c.shim_group {
+        spec.set_annotations(Some(
+            [(
+                crate::labels::RUNC_GROUP_ANNOTATION.to_owned(),
+                group.clone(),
+            )]
+            .into(),
+        ));
+    }
     Ok(spec)
 }
 
@@ -432,6 +444,7 @@ mod tests {
             memory_mb: 256,
             netns: Some("/run/zattera/netns/x".into()),
             cgroups_path: "/zattera/ns/x".into(),
+            shim_group: Some("zt-a.0".into()),
             mounts: vec![BindMount {
                 source: "/var/lib/zattera/volumes/v/_data".into(),
                 destination: "/data".into(),
@@ -454,6 +467,7 @@ mod tests {
             .unwrap();
         assert_eq!(net["path"], "/run/zattera/netns/x");
         assert_eq!(json["hostname"], "h1");
+        assert_eq!(json["annotations"]["io.containerd.runc.v2.group"], "zt-a.0");
         assert_eq!(json["process"]["terminal"], false);
         assert_eq!(json["root"]["path"], "rootfs");
         assert!(
