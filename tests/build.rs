@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "support/blobs.rs"]
-mod blobs;
 #[path = "support/control.rs"]
 mod control_plane;
 mod support;
@@ -14,7 +12,7 @@ mod support;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::time::Duration;
 
-use blobs::{BlobServer, context};
+use control_plane::blobs::{BlobServer, context};
 use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::registry::Registry;
 use support::{rig, with_namespace};
@@ -107,7 +105,7 @@ async fn cluster(rig: &support::Rig, ns: &str, prefix: &str, backend: &[&str]) -
         username: "node-builder".into(),
         password: "build-pw".into(),
     });
-    let blobs = BlobServer::start((&chain, &key), &cp.ca.pem).await;
+    let blobs = cp.serve_blobs().await;
     // Build bridges of agents running side by side need subnets apart.
     let build_subnet = format!(
         "10.202.{}.0/24",

@@ -858,14 +858,16 @@ async fn workers_behind_nat_reach_each_other_through_the_hub() {
     let c1 = net.add_host("c1", underlay(11));
     let mut cluster = Cluster::new(SECRET, &bin);
     cluster.set_hub("ctl-1");
-    cluster.add_control(
-        "ctl-1",
-        &c1,
-        underlay(11),
-        Ipv4Addr::new(10, 90, 0, 1),
-        "ztnc1",
-        true,
-    );
+    cluster
+        .add_control(
+            "ctl-1",
+            &c1,
+            underlay(11),
+            Ipv4Addr::new(10, 90, 0, 1),
+            "ztnc1",
+            true,
+        )
+        .await;
     let namespaces: Vec<zattera_agent::runtime::Namespace> = ["nata", "natb"]
         .iter()
         .map(|t| support::unique_namespace(t))
@@ -891,7 +893,7 @@ async fn workers_behind_nat_reach_each_other_through_the_hub() {
             cluster.members().iter().filter(|m| !m.is_control).count() >= 2
         })
         .await;
-        let workers: Vec<mesh_cluster::Member> = cluster
+        let workers: Vec<control_plane::Member> = cluster
             .members()
             .into_iter()
             .filter(|m| !m.is_control)
@@ -1458,22 +1460,26 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
     let c1 = net.add_host("c1", underlay(11));
     let c2 = net.add_host("c2", underlay(12));
     let mut cluster = Cluster::new(SECRET, &bin);
-    cluster.add_control(
-        "ctl-1",
-        &c1,
-        underlay(11),
-        Ipv4Addr::new(10, 90, 0, 1),
-        "ztmc1",
-        true,
-    );
-    cluster.add_control(
-        "ctl-2",
-        &c2,
-        underlay(12),
-        Ipv4Addr::new(10, 90, 0, 2),
-        "ztmc2",
-        false,
-    );
+    cluster
+        .add_control(
+            "ctl-1",
+            &c1,
+            underlay(11),
+            Ipv4Addr::new(10, 90, 0, 1),
+            "ztmc1",
+            true,
+        )
+        .await;
+    cluster
+        .add_control(
+            "ctl-2",
+            &c2,
+            underlay(12),
+            Ipv4Addr::new(10, 90, 0, 2),
+            "ztmc2",
+            false,
+        )
+        .await;
 
     let namespaces: Vec<zattera_agent::runtime::Namespace> = ["mesha", "meshb", "meshc", "meshd"]
         .iter()
@@ -1574,7 +1580,7 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         }
 
         // Control reaches each node API at <mesh_ip>:8444, from ctl-1.
-        let api_as = |caller: &'static str, m: &mesh_cluster::Member| {
+        let api_as = |caller: &'static str, m: &control_plane::Member| {
             let (cluster_ca, m) = (cluster.ca.clone(), m.clone());
             let c1 = c1.clone();
             async move {
@@ -1637,10 +1643,10 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             protocol: Protocol::Http as i32,
             public_l4_port: 0,
         }];
-        cluster.push_set(&mb.node_id, set_of(1, vec![(web, web_rt)]));
+        cluster.push_set_to(&mb.node_id, set_of(1, vec![(web, web_rt)]));
         let (client_a, mut client_rt) = control_plane::assignment("cli1", "env-cli", 51, "sleep 100000");
         client_rt.env.insert("ZATTERA_ENV".into(), "prod".into());
-        cluster.push_set(&ma.node_id, set_of(1, vec![(client_a, client_rt)]));
+        cluster.push_set_to(&ma.node_id, set_of(1, vec![(client_a, client_rt)]));
         let healthy = InstanceState::Healthy as i32;
         let running = InstanceState::Running as i32;
         tokio::time::timeout(
@@ -1828,12 +1834,12 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             fetch(ctds[0].clone(), client_id.clone(), fifo.clone())
         })
         .await;
-        let sessions_before = cluster.with(|r| r.sessions.iter().filter(|(_, n)| *n == mb.node_id).count());
+        let sessions_before = cluster.with(|r| r.sessions_of(&mb.node_id));
         cluster.set_away(&mb.node_id, false);
         let id = mb.node_id.clone();
         cluster
             .wait_for("B back on ctl-2", Duration::from_secs(60), |r| {
-                (r.sessions.iter().filter(|(_, n)| *n == id).count() > sessions_before).then_some(())
+                (r.sessions_of(&id) > sessions_before).then_some(())
             })
             .await;
         let web_after = cluster.with(|r| r.latest_of("web1")).unwrap().container_id;
