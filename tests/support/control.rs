@@ -1226,6 +1226,20 @@ pub fn join_cli(data: &std::path::Path, control: &str, token: &str, extra: &[&st
     );
 }
 
+/// What [`ControlledAgent::start_with`] adds to a plain join and run.
+#[derive(Default)]
+pub struct AgentFlags<'a> {
+    /// Extra `join` flags.
+    pub join: &'a [&'a str],
+    /// Extra `run` flags.
+    pub run: &'a [&'a str],
+    /// Run with (data dir, node id) between the join and the agent's start.
+    pub prepare: Option<Prepare<'a>>,
+}
+
+/// A step run on a joined node's (data dir, node id) before it starts.
+pub type Prepare<'a> = Box<dyn FnOnce(&std::path::Path, &str) + 'a>;
+
 /// The real agent binary joined to a test control plane and running under
 /// it, with its node API on a loopback port. Killed, and its cgroup parent
 /// removed, when dropped.
@@ -1247,57 +1261,19 @@ impl ControlledAgent {
         namespace: &str,
         prefix: &str,
     ) -> Self {
-        Self::start_with(cp, secret, rig, namespace, prefix, &[]).await
+        Self::start_with(cp, secret, rig, namespace, prefix, AgentFlags::default()).await
     }
 
-    /// [`Self::start`] with extra `join` flags.
-    pub async fn start_joined_with(
-        cp: &ControlPlane,
-        secret: &str,
-        rig: &crate::support::Rig,
-        namespace: &str,
-        prefix: &str,
-        join: &[&str],
-    ) -> Self {
-        Self::start_full(cp, secret, rig, namespace, prefix, join, &[], |_, _| {}).await
-    }
-
-    /// [`Self::start`] with extra `run` flags.
+    /// [`Self::start`] with `flags`.
     pub async fn start_with(
         cp: &ControlPlane,
         secret: &str,
         rig: &crate::support::Rig,
         namespace: &str,
         prefix: &str,
-        extra: &[&str],
+        flags: AgentFlags<'_>,
     ) -> Self {
-        Self::start_full(cp, secret, rig, namespace, prefix, &[], extra, |_, _| {}).await
-    }
-
-    /// [`Self::start`], with `prepare(data dir, node id)` run between the
-    /// join and the agent's start.
-    pub async fn start_prepared(
-        cp: &ControlPlane,
-        secret: &str,
-        rig: &crate::support::Rig,
-        namespace: &str,
-        prefix: &str,
-        prepare: impl FnOnce(&std::path::Path, &str),
-    ) -> Self {
-        Self::start_full(cp, secret, rig, namespace, prefix, &[], &[], prepare).await
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn start_full(
-        cp: &ControlPlane,
-        secret: &str,
-        rig: &crate::support::Rig,
-        namespace: &str,
-        prefix: &str,
-        join: &[&str],
-        extra: &[&str],
-        prepare: impl FnOnce(&std::path::Path, &str),
-    ) -> Self {
+        let AgentFlags { join, run, prepare } = flags;
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
@@ -1307,7 +1283,9 @@ impl ControlledAgent {
             .load_enrollment()
             .unwrap()
             .node_id;
-        prepare(&data, &node_id);
+        if let Some(prepare) = prepare {
+            prepare(&data, &node_id);
+        }
         let net_cfg = zattera_netns::NetConfig::for_namespace(namespace, &run_dir).unwrap();
         let net = crate::support::NetCleanup {
             prefix: prefix.into(),
@@ -1326,7 +1304,7 @@ impl ControlledAgent {
                 bridge_prefix: prefix,
                 api_addr: &api_addr,
             })
-            .args(extra)
+            .args(run)
             .env("RUST_LOG", "info")
             .stderr(log)
             .spawn()
