@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::agent::{AgentProc, BIN};
-use support::{TEST_IMAGE, rig, with_namespace};
+use support::{TEST_IMAGE, on_rig, on_rig_with_image, rig};
 use zattera_agent::runtime::containers::{self, TaskState};
 use zattera_agent::runtime::{Containerd, import_archive};
 
@@ -43,11 +43,7 @@ async fn owned_count(ctd: &Containerd) -> usize {
 
 #[tokio::test]
 async fn sigkill_mid_reconcile_leaves_nothing_duplicated_or_half_made() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-kill", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-kill", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztka", "150-151");
         agent.write_manifest("svc.toml", &sleeper("svc", 5));
         agent.start();
@@ -106,11 +102,7 @@ async fn sigkill_mid_reconcile_leaves_nothing_duplicated_or_half_made() {
 
 #[tokio::test]
 async fn a_simulated_reboot_is_recovered() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-reboot", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-reboot", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkb", "152-153");
         agent.write_manifest("svc.toml", &sleeper("svc", 2));
         agent.start();
@@ -182,11 +174,7 @@ async fn a_simulated_reboot_is_recovered() {
 /// "edits need a restart" and never read it again.
 #[tokio::test]
 async fn a_manifest_directory_made_after_start_is_picked_up() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-late-dir", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-late-dir", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkp", "125-126");
         std::fs::remove_dir(agent.manifests()).unwrap();
         agent.start();
@@ -210,11 +198,7 @@ async fn a_manifest_directory_made_after_start_is_picked_up() {
 
 #[tokio::test]
 async fn a_broken_manifest_is_reported_and_harms_nothing() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-broken", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-broken", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkc", "154-155");
         agent.write_manifest("a.toml", &sleeper("a", 1));
         agent.start();
@@ -266,8 +250,7 @@ async fn a_broken_manifest_is_reported_and_harms_nothing() {
 
 #[tokio::test]
 async fn a_second_agent_on_the_same_namespace_refuses_to_start() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-lock", |ctd, rig| async move {
+    on_rig("agent-lock", |ctd, rig| async move {
         let mut first = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkd", "156-157");
         first.start();
         // The first agent answers on its admin socket once it holds the lock.
@@ -307,9 +290,7 @@ async fn a_second_agent_on_the_same_namespace_refuses_to_start() {
 
 #[tokio::test]
 async fn container_output_is_kept_while_the_agent_is_down() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-logs", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+    on_rig_with_image("agent-logs", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkf", "160-161");
         let counter = format!(
             "[app]\nname = \"count\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n\
@@ -468,11 +449,7 @@ fn error_for(agent: &AgentProc, file: &str) -> String {
 /// goes, and across a restart; once the winner goes, the other file runs.
 #[tokio::test]
 async fn a_conflicting_manifest_never_evicts_what_runs() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-conflict", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-conflict", |ctd, rig| async move {
         let netns = support::agent::TestNetns::new("kcfl");
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztki", "166-167");
         agent.netns = Some(netns.path());
@@ -577,9 +554,7 @@ async fn a_conflicting_manifest_never_evicts_what_runs() {
 /// back-off and the restart count says so.
 #[tokio::test]
 async fn an_oom_kill_is_reported_as_out_of_memory() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-oom", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+    on_rig_with_image("agent-oom", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkj", "168-169");
         // dd is the container's PID 1 and asks for a 64 MiB buffer under 16.
         agent.write_manifest(
@@ -625,9 +600,7 @@ fn status_table(agent: &AgentProc) -> String {
 /// upgrade) leaves them running.
 #[tokio::test]
 async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-halt", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+    on_rig_with_image("agent-halt", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkk", "189-189");
         agent.write_manifest(
             "svc.toml",
@@ -678,9 +651,7 @@ async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
 /// whose check passes is HEALTHY again, and neither task is restarted.
 #[tokio::test]
 async fn an_agent_restart_never_reports_a_failing_check_healthy() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-h11", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None).await.unwrap();
+    on_rig_with_image("agent-h11", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkm", "198-198");
         let checked = |app: &str, check: &str| {
             format!(
@@ -741,8 +712,7 @@ async fn an_agent_restart_never_reports_a_failing_check_healthy() {
 #[tokio::test]
 async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
     use std::os::unix::process::CommandExt;
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-squat", |ctd, rig| async move {
+    on_rig("agent-squat", |ctd, rig| async move {
         let ns = ctd.namespace().as_str().to_owned();
         let squatted = format!("/run/lock/zattera-agent-{ns}.lock");
         // One process that holds the lock (no child left behind).
@@ -795,11 +765,7 @@ async fn a_local_user_holding_a_lock_in_run_lock_does_not_stop_the_agent() {
 /// start) is ended when the next agent starts; the container runs on.
 #[tokio::test]
 async fn a_restarted_agent_ends_the_exec_processes_the_old_one_left() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-orphans", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-orphans", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztko", "249-249");
         agent.write_manifest("svc.toml", &sleeper("svc", 1));
         agent.start();
@@ -887,11 +853,7 @@ fn shim_of(task_pid: u32) -> u32 {
 /// agent's poll took it for a crash.
 #[tokio::test]
 async fn a_shim_that_does_not_answer_is_not_taken_for_a_dead_task() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "agent-frozen-shim", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("agent-frozen-shim", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztkq", "204-204");
         agent.write_manifest("svc.toml", &sleeper("svc", 1));
         agent.start();

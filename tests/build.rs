@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "support/blobs.rs"]
-mod blobs;
 #[path = "support/control.rs"]
 mod control_plane;
 mod support;
@@ -14,10 +12,10 @@ mod support;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::time::Duration;
 
-use blobs::{BlobServer, context};
-use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
+use control_plane::blobs::{BlobServer, context};
+use control_plane::{AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::registry::Registry;
-use support::{rig, with_namespace};
+use support::{on_rig, rig, with_namespace};
 use zattera_agent::proto::cluster::{
     BuildEvent, CancelBuildRequest, Endpoint, InternalPort, InternalService, RouteSnapshot,
     RunBuildRequest,
@@ -107,7 +105,7 @@ async fn cluster(rig: &support::Rig, ns: &str, prefix: &str, backend: &[&str]) -
         username: "node-builder".into(),
         password: "build-pw".into(),
     });
-    let blobs = BlobServer::start((&chain, &key), &cp.ca.pem).await;
+    let blobs = cp.serve_blobs().await;
     // Build bridges of agents running side by side need subnets apart.
     let build_subnet = format!(
         "10.202.{}.0/24",
@@ -115,7 +113,18 @@ async fn cluster(rig: &support::Rig, ns: &str, prefix: &str, backend: &[&str]) -
     );
     let mut flags = backend.to_vec();
     flags.extend(["--build-subnet", build_subnet.as_str()]);
-    let agent = ControlledAgent::start_with(&cp, SECRET, rig, ns, prefix, &flags).await;
+    let agent = ControlledAgent::start_with(
+        &cp,
+        SECRET,
+        rig,
+        ns,
+        prefix,
+        AgentFlags {
+            run: &flags,
+            ..AgentFlags::default()
+        },
+    )
+    .await;
     Cluster {
         cp,
         registry,
@@ -192,8 +201,7 @@ fn buildah_containers(agent: &ControlledAgent) -> String {
 /// node credential; the agent then deploys `repo@digest` and it is HEALTHY.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tarball_build_is_pushed_and_deployed_healthy() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-push", |ctd, rig| async move {
+    on_rig("build-push", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -256,8 +264,7 @@ async fn a_tarball_build_is_pushed_and_deployed_healthy() {
 /// (control gives a build up after 4 min without an event).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_build_lands_in_containerd_runs_and_beats_while_silent() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-load", |ctd, rig| async move {
+    on_rig("build-load", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -290,8 +297,7 @@ async fn a_local_build_lands_in_containerd_runs_and_beats_while_silent() {
 /// container are gone; an unknown id is `canceled: false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_build_stops_buildah_and_its_container() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-cancel", |ctd, rig| async move {
+    on_rig("build-cancel", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -388,8 +394,7 @@ fn raw_tgz(name: &str, declared: u64, body: &[u8]) -> Vec<u8> {
 /// nothing outside the scratch directory; the agent keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-bad", |ctd, rig| async move {
+    on_rig("build-bad", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -567,8 +572,7 @@ impl Drop for Upstream {
 /// server outside, on a network of the test's own, still answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn build_steps_run_in_a_network_of_their_own() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-net", |ctd, rig| async move {
+    on_rig("build-net", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -598,8 +602,7 @@ async fn build_steps_run_in_a_network_of_their_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buildkit_steps_run_in_a_network_of_their_own() {
     let Some(bin) = buildkitd() else { return };
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-bkn", |ctd, rig| async move {
+    on_rig("build-bkn", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -995,8 +998,7 @@ fn buildkit_cleanup(c: &Cluster, rig: &support::Rig) -> BuildkitdCleanup {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buildkit_builds_pushes_and_the_image_deploys_healthy() {
     let Some(bin) = buildkitd() else { return };
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-bk", |ctd, rig| async move {
+    on_rig("build-bk", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -1036,8 +1038,7 @@ async fn buildkit_builds_pushes_and_the_image_deploys_healthy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buildkit_cancel_stops_the_solve() {
     let Some(bin) = buildkitd() else { return };
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-bkc", |ctd, rig| async move {
+    on_rig("build-bkc", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),
@@ -1119,8 +1120,7 @@ async fn buildkit_cancel_stops_the_solve() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buildkit_builds_never_read_images_another_tenant_pulled() {
     let Some(bin) = buildkitd() else { return };
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "build-bkp", |ctd, rig| async move {
+    on_rig("build-bkp", |ctd, rig| async move {
         let c = cluster(
             &rig,
             ctd.namespace().as_str(),

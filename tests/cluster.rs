@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use futures::FutureExt as _;
 
-use control_plane::{ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
+use control_plane::{AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
 use support::agent::KillOnDrop;
 use support::registry::Registry;
-use support::{rig, with_namespace};
+use support::{on_rig, on_rig_with_image, rig};
 use zattera_agent::proto::v1::{HealthCheck, HealthCheckType, InstanceState};
 use zattera_agent::runtime::import_archive;
 
@@ -45,11 +45,7 @@ fn seconds(s: i64) -> prost_types::Duration {
 /// passed before the crash (its state did not change across it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_comes_back_after_a_crash_loop() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-heal", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-heal", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcl").await;
@@ -118,8 +114,7 @@ async fn forwarder(to: String) -> (String, tokio::task::JoinHandle<()>) {
 /// both open the stream with the enrolled address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_after_join_syncs_with_the_address_the_join_returned() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-join", |ctd, rig| async move {
+    on_rig("cl-join", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let (join_addr, forward) = forwarder(cp.address()).await;
         let dir = tempfile::tempdir().unwrap();
@@ -198,11 +193,7 @@ async fn run_after_join_syncs_with_the_address_the_join_returned() {
 /// it replaces the instance onto the new network.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_subnet_replaces_the_instance() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-subnet", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-subnet", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcs").await;
@@ -287,11 +278,7 @@ fn reports(
 /// control as they happen; the hanging pull fails at the pull deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_pull_stalls_nothing_else() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-tarpit", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-tarpit", |ctd, rig| async move {
         let (registry, _tarpit) = tarpit().await;
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent = ControlledAgent::start_with(
@@ -300,7 +287,10 @@ async fn a_hanging_pull_stalls_nothing_else() {
             &rig,
             ctd.namespace().as_str(),
             "ztct",
-            &["--pull-timeout", "40s"],
+            AgentFlags {
+                run: &["--pull-timeout", "40s"],
+                ..AgentFlags::default()
+            },
         )
         .await;
         let (slow, mut slow_rt) = assignment("slow", "env", 193, "sleep 3600");
@@ -582,11 +572,7 @@ async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hundred_instances_adopted_under_a_slow_control_all_report() {
     use zattera_agent::proto::cluster::agent_message::Body;
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-300", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-300", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let mut agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztch").await;
@@ -686,8 +672,7 @@ async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
 /// `Stats` after the restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_survive_a_sigkill() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-stats", |ctd, rig| async move {
+    on_rig("cl-stats", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let mut agent =
             ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcm").await;
@@ -724,11 +709,7 @@ async fn stats_survive_a_sigkill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
     use zattera_agent::proto::v1::{LogQuery, LogSelector, LogSource};
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-moved", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-moved", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let id = "01JMOVED0000000000000000AA";
         let now = std::time::SystemTime::now()
@@ -740,20 +721,23 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
             env!("CARGO_MANIFEST_DIR"),
             "/tests/support/reference_store.py"
         );
-        let agent = ControlledAgent::start_prepared(
+        let agent = ControlledAgent::start_with(
             &cp,
             SECRET,
             &rig,
             ctd.namespace().as_str(),
             "ztcv",
-            |data, node_id| {
-                let status = std::process::Command::new("python3")
-                    .arg(script)
-                    .arg(data)
-                    .args([node_id, id, &t0.to_string()])
-                    .status()
-                    .unwrap();
-                assert!(status.success(), "{script}");
+            AgentFlags {
+                prepare: Some(Box::new(|data, node_id| {
+                    let status = std::process::Command::new("python3")
+                        .arg(script)
+                        .arg(data)
+                        .args([node_id, id, &t0.to_string()])
+                        .status()
+                        .unwrap();
+                    assert!(status.success(), "{script}");
+                })),
+                ..AgentFlags::default()
             },
         )
         .await;
@@ -858,14 +842,16 @@ async fn workers_behind_nat_reach_each_other_through_the_hub() {
     let c1 = net.add_host("c1", underlay(11));
     let mut cluster = Cluster::new(SECRET, &bin);
     cluster.set_hub("ctl-1");
-    cluster.add_control(
-        "ctl-1",
-        &c1,
-        underlay(11),
-        Ipv4Addr::new(10, 90, 0, 1),
-        "ztnc1",
-        true,
-    );
+    cluster
+        .add_control(
+            "ctl-1",
+            &c1,
+            underlay(11),
+            Ipv4Addr::new(10, 90, 0, 1),
+            "ztnc1",
+            true,
+        )
+        .await;
     let namespaces: Vec<zattera_agent::runtime::Namespace> = ["nata", "natb"]
         .iter()
         .map(|t| support::unique_namespace(t))
@@ -891,7 +877,7 @@ async fn workers_behind_nat_reach_each_other_through_the_hub() {
             cluster.members().iter().filter(|m| !m.is_control).count() >= 2
         })
         .await;
-        let workers: Vec<mesh_cluster::Member> = cluster
+        let workers: Vec<control_plane::Member> = cluster
             .members()
             .into_iter()
             .filter(|m| !m.is_control)
@@ -1024,8 +1010,7 @@ async fn recording_relay(
 /// and that registry never sees the credential.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_cluster_registry_alone_gets_the_node_credential() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-registry", |ctd, rig| async move {
+    on_rig("cl-registry", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let (chain, key) = cp.ca.server_identity();
         let (user, password) = ("node-builder", "the-node-password");
@@ -1080,11 +1065,7 @@ async fn the_cluster_registry_alone_gets_the_node_credential() {
 /// registry and the 401; other assignments keep running.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_registry_credential_fails_only_its_assignment() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-reg401", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-reg401", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let (chain, key) = cp.ca.server_identity();
         let cluster = Registry::start_with(
@@ -1133,11 +1114,7 @@ async fn a_refused_registry_credential_fails_only_its_assignment() {
 /// fresh session (control restarted) is still accepted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_kept_join_token_renews_the_identity_before_it_ends() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-renew", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-renew", |ctd, rig| async move {
         let mut cp = ControlPlane::start(&[SECRET]).await;
         let life = Duration::from_secs(45);
         cp.set_cert_life(life);
@@ -1149,7 +1126,10 @@ async fn a_kept_join_token_renews_the_identity_before_it_ends() {
             &rig,
             ctd.namespace().as_str(),
             "ztcn",
-            &["--join-token", &token],
+            AgentFlags {
+                run: &["--join-token", &token],
+                ..AgentFlags::default()
+            },
         )
         .await;
         let cert_path = agent.data_dir().join("node/node.crt");
@@ -1233,8 +1213,7 @@ async fn a_kept_join_token_renews_the_identity_before_it_ends() {
 /// left is a warning in the log and in `status`.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_expiring_certificate_without_a_token_is_a_warning() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-expiry", |ctd, rig| async move {
+    on_rig("cl-expiry", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         cp.set_cert_life(Duration::from_secs(10 * 86_400));
         let agent =
@@ -1269,11 +1248,7 @@ async fn an_expiring_certificate_without_a_token_is_a_warning() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_assignment_without_a_subnet_gets_the_default_network() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "cl-default", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("cl-default", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent = ControlledAgent::start_with(
             &cp,
@@ -1281,7 +1256,10 @@ async fn an_assignment_without_a_subnet_gets_the_default_network() {
             &rig,
             ctd.namespace().as_str(),
             "ztdn",
-            &["--default-subnet", "10.202.198.0/24"],
+            AgentFlags {
+                run: &["--default-subnet", "10.202.198.0/24"],
+                ..AgentFlags::default()
+            },
         )
         .await;
         let (a, mut rt) = assignment("plain", "env", 0, "httpd -f -p 80 -h /etc");
@@ -1458,22 +1436,26 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
     let c1 = net.add_host("c1", underlay(11));
     let c2 = net.add_host("c2", underlay(12));
     let mut cluster = Cluster::new(SECRET, &bin);
-    cluster.add_control(
-        "ctl-1",
-        &c1,
-        underlay(11),
-        Ipv4Addr::new(10, 90, 0, 1),
-        "ztmc1",
-        true,
-    );
-    cluster.add_control(
-        "ctl-2",
-        &c2,
-        underlay(12),
-        Ipv4Addr::new(10, 90, 0, 2),
-        "ztmc2",
-        false,
-    );
+    cluster
+        .add_control(
+            "ctl-1",
+            &c1,
+            underlay(11),
+            Ipv4Addr::new(10, 90, 0, 1),
+            "ztmc1",
+            true,
+        )
+        .await;
+    cluster
+        .add_control(
+            "ctl-2",
+            &c2,
+            underlay(12),
+            Ipv4Addr::new(10, 90, 0, 2),
+            "ztmc2",
+            false,
+        )
+        .await;
 
     let namespaces: Vec<zattera_agent::runtime::Namespace> = ["mesha", "meshb", "meshc", "meshd"]
         .iter()
@@ -1574,7 +1556,7 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         }
 
         // Control reaches each node API at <mesh_ip>:8444, from ctl-1.
-        let api_as = |caller: &'static str, m: &mesh_cluster::Member| {
+        let api_as = |caller: &'static str, m: &control_plane::Member| {
             let (cluster_ca, m) = (cluster.ca.clone(), m.clone());
             let c1 = c1.clone();
             async move {
@@ -1637,10 +1619,10 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             protocol: Protocol::Http as i32,
             public_l4_port: 0,
         }];
-        cluster.push_set(&mb.node_id, set_of(1, vec![(web, web_rt)]));
+        cluster.push_set_to(&mb.node_id, set_of(1, vec![(web, web_rt)]));
         let (client_a, mut client_rt) = control_plane::assignment("cli1", "env-cli", 51, "sleep 100000");
         client_rt.env.insert("ZATTERA_ENV".into(), "prod".into());
-        cluster.push_set(&ma.node_id, set_of(1, vec![(client_a, client_rt)]));
+        cluster.push_set_to(&ma.node_id, set_of(1, vec![(client_a, client_rt)]));
         let healthy = InstanceState::Healthy as i32;
         let running = InstanceState::Running as i32;
         tokio::time::timeout(
@@ -1828,12 +1810,12 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             fetch(ctds[0].clone(), client_id.clone(), fifo.clone())
         })
         .await;
-        let sessions_before = cluster.with(|r| r.sessions.iter().filter(|(_, n)| *n == mb.node_id).count());
+        let sessions_before = cluster.with(|r| r.sessions_of(&mb.node_id));
         cluster.set_away(&mb.node_id, false);
         let id = mb.node_id.clone();
         cluster
             .wait_for("B back on ctl-2", Duration::from_secs(60), |r| {
-                (r.sessions.iter().filter(|(_, n)| *n == id).count() > sessions_before).then_some(())
+                (r.sessions_of(&id) > sessions_before).then_some(())
             })
             .await;
         let web_after = cluster.with(|r| r.latest_of("web1")).unwrap().container_id;

@@ -603,8 +603,7 @@ fn rank(state: i32) -> usize {
 
 #[tokio::test]
 async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-e2e", |ctd, rig| async move {
+    support::on_rig("ctl-e2e", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
@@ -711,8 +710,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
 /// reported, and the healthy instance is never touched.
 #[tokio::test]
 async fn bad_input_through_the_stream_disturbs_nothing() {
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-bad", |ctd, rig| async move {
+    support::on_rig("ctl-bad", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
@@ -1064,8 +1062,7 @@ async fn run_exec(
 /// volume, and errors never show host paths.
 #[tokio::test]
 async fn node_api_volume_files_stay_inside_the_volume() {
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-vol", |ctd, _rig| async move {
+    support::on_rig("ctl-vol", |ctd, _rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let (data, node_id) = joined(&cp).await;
         let node_tls = IdentityDir::new(data.path()).load_tls().unwrap();
@@ -1221,8 +1218,7 @@ impl Drop for AgentBin {
 
 #[tokio::test]
 async fn the_binary_joins_and_runs_under_control() {
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-bin", |ctd, rig| async move {
+    support::on_rig("ctl-bin", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
@@ -1824,8 +1820,7 @@ async fn serve(routes: Vec<(&'static str, Route)>) -> (String, AbortOnDrop) {
 async fn the_binary_upgrades_itself_and_keeps_its_containers() {
     use sha2::Digest;
     use std::io::Write;
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-upg", |ctd, rig| async move {
+    support::on_rig("ctl-upg", |ctd, rig| async move {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
@@ -2057,8 +2052,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
 /// FAILED "out of memory (limit N MiB)", the restart counted (17.3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oom_kill_reaches_control_as_failed_out_of_memory() {
-    let Some(rig) = support::rig() else { return };
-    support::with_namespace(&rig, "ctl-oom", |ctd, rig| async move {
+    support::on_rig("ctl-oom", |ctd, rig| async move {
         zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .unwrap();
@@ -2186,13 +2180,16 @@ async fn a_meshless_cluster_names_its_control_nodes_at_join() {
     })
     .await;
     support::with_namespace(&rig, "ctl-meshless-named", |ctd, rig| async move {
-        let named = control_plane::ControlledAgent::start_joined_with(
+        let named = control_plane::ControlledAgent::start_with(
             cp,
             SECRET,
             &rig,
             ctd.namespace().as_str(),
             "ztlo",
-            &["--control-node-id", "ctl-x"],
+            control_plane::AgentFlags {
+                join: &["--control-node-id", "ctl-x"],
+                ..control_plane::AgentFlags::default()
+            },
         )
         .await;
         let doctor = text(named.cli(&["doctor"]));

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::{Rig, TEST_IMAGE, rig, with_namespace};
+use support::{Rig, TEST_IMAGE, on_rig};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use zattera_agent::proto::v1::{
@@ -225,8 +225,7 @@ fn bridge_exists(name: &str) -> bool {
 
 #[tokio::test]
 async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-life", |ctd, rig| async move {
+    on_rig("exec-life", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxa");
         let client = assignment(
@@ -343,8 +342,7 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
 
 #[tokio::test]
 async fn two_environments_are_isolated() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-iso", |ctd, rig| async move {
+    on_rig("exec-iso", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxb");
         agent.push(set(vec![
@@ -415,8 +413,7 @@ async fn two_environments_are_isolated() {
 
 #[tokio::test]
 async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-park", |ctd, rig| async move {
+    on_rig("exec-park", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxc");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -451,8 +448,7 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
 
 #[tokio::test]
 async fn a_crashing_service_is_restarted_with_back_off() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-crash", |ctd, rig| async move {
+    on_rig("exec-crash", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxd");
         let (a, rt) = assignment("crash-0", "crash", "prod", 224, "sleep 1; exit 3", "h1");
@@ -480,8 +476,7 @@ async fn a_crashing_service_is_restarted_with_back_off() {
 
 #[tokio::test]
 async fn an_empty_volume_is_filled_from_the_image_and_then_kept() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-vol", |ctd, rig| async move {
+    on_rig("exec-vol", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxe");
         let (a, mut rt) = web("vol-0", 225, "h1");
@@ -554,8 +549,7 @@ async fn an_empty_volume_is_filled_from_the_image_and_then_kept() {
 
 #[tokio::test]
 async fn jobs_run_once_and_report_their_exit() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-jobs", |ctd, rig| async move {
+    on_rig("exec-jobs", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxf");
         let (mut ok, ok_rt) = assignment("job-ok", "jobs", "prod", 226, "echo done", "h1");
@@ -596,8 +590,7 @@ async fn jobs_run_once_and_report_their_exit() {
 /// /etc/passwd and /etc/group, supplementary groups included.
 #[tokio::test]
 async fn image_user_names_are_resolved_from_the_image() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-user", |ctd, rig| async move {
+    on_rig("exec-user", |ctd, rig| async move {
         import_archive(&ctd, &rig.images.join("busybox-user-oci.tar"), None)
             .await
             .expect("import the user test image");
@@ -636,8 +629,7 @@ async fn image_user_names_are_resolved_from_the_image() {
 
 #[tokio::test]
 async fn a_stateful_service_without_its_lease_stays_pending() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-lease", |ctd, rig| async move {
+    on_rig("exec-lease", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxg");
         let (a, mut rt) = assignment("db-0", "db", "prod", 227, "sleep 1000", "h1");
@@ -686,8 +678,7 @@ async fn a_stateful_service_without_its_lease_stays_pending() {
 
 #[tokio::test]
 async fn bad_assignments_are_reported_and_disturb_nothing() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "exec-bad", |ctd, rig| async move {
+    on_rig("exec-bad", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start_as(&ctd, "ztxh", "n1");
         let (good, good_rt) = assignment("good-0", "good", "prod", 228, "sleep 1000", "h1");

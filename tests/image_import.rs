@@ -8,7 +8,7 @@ mod support;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::process::Command;
 
-use support::{TEST_IMAGE, list_snapshots, rig, with_namespace};
+use support::{TEST_IMAGE, list_snapshots, on_rig, rig, with_namespace};
 use zattera_agent::runtime::unpack::snapshot_exists;
 use zattera_agent::runtime::{ImageRef, import_archive};
 
@@ -32,8 +32,7 @@ fn ctr_run(socket: &std::path::Path, ns: &str, image: &str, args: &[&str]) -> St
 
 #[tokio::test]
 async fn oci_archive_imports_unpacks_and_runs() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "oci", |ctd, rig| async move {
+    on_rig("oci", |ctd, rig| async move {
         let imported = import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import");
@@ -66,8 +65,7 @@ async fn oci_archive_imports_unpacks_and_runs() {
 
 #[tokio::test]
 async fn docker_save_archive_imports_under_a_new_name() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "docker", |ctd, rig| async move {
+    on_rig("docker", |ctd, rig| async move {
         let name: ImageRef = "localhost:5000/team/bb:v1".parse().unwrap();
         let imported = import_archive(&ctd, &rig.docker_archive(), Some(name.clone()))
             .await
@@ -91,8 +89,7 @@ async fn docker_save_archive_imports_under_a_new_name() {
 
 #[tokio::test]
 async fn importing_twice_writes_nothing_new() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "twice", |ctd, rig| async move {
+    on_rig("twice", |ctd, rig| async move {
         let first = import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("first import");
@@ -194,8 +191,7 @@ async fn archive_that_is_not_an_image_names_the_file() {
 /// record alone, and runnable there; a missing one is an error naming it.
 #[tokio::test]
 async fn an_image_copied_between_namespaces_is_complete_and_runs() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "copy-from", |from, rig| async move {
+    on_rig("copy-from", |from, rig| async move {
         with_namespace(&rig, "copy-to", |to, rig| async move {
             import_archive(&from, &rig.oci_archive(), None)
                 .await

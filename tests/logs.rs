@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use support::agent::AgentProc;
-use support::{rig, with_namespace};
+use support::on_rig;
 use zattera_agent::logs::files::{self, Kind};
 use zattera_agent::proto::v1::{LogQuery, LogSelector};
 use zattera_agent::runtime::import_archive;
@@ -125,8 +125,7 @@ fn age(path: &Path, by: Duration) {
 
 #[tokio::test]
 async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "logs-heavy", |ctd, rig| async move {
+    on_rig("logs-heavy", |ctd, rig| async move {
         import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
             .await
             .unwrap();
@@ -283,8 +282,7 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
 
 #[tokio::test]
 async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "logs-cap", |ctd, rig| async move {
+    on_rig("logs-cap", |ctd, rig| async move {
         import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
             .await
             .unwrap();
@@ -329,8 +327,7 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
 /// in order, across every rotation (several may come between two looks).
 #[tokio::test]
 async fn logs_follow_reads_every_rotation() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "logs-follow", |ctd, rig| async move {
+    on_rig("logs-follow", |ctd, rig| async move {
         import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
             .await
             .unwrap();
@@ -375,8 +372,7 @@ async fn logs_follow_reads_every_rotation() {
 /// querying process's peak memory grows by a few MiB, not by the line.
 #[tokio::test]
 async fn a_query_of_a_line_without_end_stays_bounded() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "logs-endless-line", |ctd, rig| async move {
+    on_rig("logs-endless-line", |ctd, rig| async move {
         import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
             .await
             .unwrap();

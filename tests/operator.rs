@@ -11,8 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use support::agent::{AgentProc, BIN};
-use support::{TEST_IMAGE, rig, with_namespace};
-use zattera_agent::runtime::import_archive;
+use support::{TEST_IMAGE, on_rig_with_image};
 
 fn cli(agent: &AgentProc, args: &[&str]) -> std::process::Output {
     Command::new(BIN)
@@ -35,11 +34,7 @@ fn ok(out: &std::process::Output) -> String {
 
 #[tokio::test]
 async fn logs_top_stats_and_images_answer_from_the_running_agent() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "operator", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("operator", |ctd, rig| async move {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztle", "234-234");
         agent.write_manifest(
             "talk.toml",

@@ -15,9 +15,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use support::agent::{AgentProc, TestNetns, row};
-use support::{TEST_IMAGE, rig, with_namespace};
+use support::{TEST_IMAGE, on_rig_with_image};
 use zattera_agent::runtime::containers::{self, TaskState};
-use zattera_agent::runtime::import_archive;
 
 /// A host process that, for `argv[1]` seconds, binds port 0 on loopback,
 /// connects to itself and checks that its own listener answered. Prints one
@@ -137,11 +136,7 @@ fn host_ports(status: &serde_json::Value) -> BTreeSet<u64> {
 
 #[tokio::test]
 async fn host_processes_binding_port_zero_never_reach_a_container() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "ports-capture", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("ports-capture", |ctd, rig| async move {
         // A kernel ephemeral range of 40 ports, and the agent told to take
         // its ports from the very same range: only the held sockets keep
         // the two apart.
@@ -231,11 +226,7 @@ async fn host_processes_binding_port_zero_never_reach_a_container() {
 
 #[tokio::test]
 async fn ports_are_held_again_after_a_restart_and_a_stolen_one_fails_alone() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "ports-restart", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    on_rig_with_image("ports-restart", |ctd, rig| async move {
         let netns = TestNetns::new("prst");
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztpb", "172-173");
         agent.netns = Some(netns.path());

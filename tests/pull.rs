@@ -9,7 +9,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::{Arc, Mutex};
 
 use support::registry::Registry;
-use support::{list_snapshots, rig, with_namespace};
+use support::{list_snapshots, on_rig, rig, with_namespace};
 use zattera_agent::runtime::ImageRef;
 use zattera_agent::runtime::content;
 use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
@@ -309,8 +309,7 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
 /// ingest ref and abort each other's write, in step on every retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_writers_of_one_blob_both_succeed() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "pull-twice", |ctd, _rig| async move {
+    on_rig("pull-twice", |ctd, _rig| async move {
         use tokio::io::AsyncWriteExt;
         use zattera_agent::runtime::descriptor::Descriptor;
         use zattera_agent::runtime::digest::Digest;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use control_plane::{CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, set_of};
 use support::agent::{AgentProc, KillOnDrop, TestNetns, row};
-use support::{rig, with_namespace};
+use support::on_rig;
 use zattera_agent::proto::cluster::{
     AgentExecInput, AgentExecStart, AgentListFilesRequest, AgentReadFileRequest,
     AgentRemoveVolumeRequest, AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest,
@@ -83,8 +83,7 @@ fn ip_of(status: &serde_json::Value, app: &str) -> String {
 
 #[tokio::test]
 async fn an_image_symlink_never_copies_a_host_directory_into_a_volume() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-copyup", |ctd, rig| async move {
+    on_rig("sec-copyup", |ctd, rig| async move {
         import(&ctd, &rig, "symlink-oci.tar").await;
         let before = std::fs::read_dir(HOST_SECRET).unwrap().count();
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsa", "174-175");
@@ -180,8 +179,7 @@ fn host_events(services: &mut KillOnDrop) -> std::sync::mpsc::Receiver<String> {
 
 #[tokio::test]
 async fn containers_reach_neither_the_host_nor_another_environment() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-host", |ctd, rig| async move {
+    on_rig("sec-host", |ctd, rig| async move {
         import(&ctd, &rig, "tools-oci.tar").await;
         let netns = TestNetns::new("sech");
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsb", "176-177");
@@ -285,8 +283,7 @@ async fn containers_reach_neither_the_host_nor_another_environment() {
 
 #[tokio::test]
 async fn a_container_cannot_unshare_use_keys_or_fork_bomb_the_node() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-confine", |ctd, rig| async move {
+    on_rig("sec-confine", |ctd, rig| async move {
         import(&ctd, &rig, "tools-oci.tar").await;
         import(&ctd, &rig, "busybox-oci.tar").await;
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsc", "178-179");
@@ -358,8 +355,7 @@ async fn a_container_cannot_unshare_use_keys_or_fork_bomb_the_node() {
 
 #[tokio::test]
 async fn a_hanging_exec_probe_leaks_no_process_fifo_or_thread() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-probe", |ctd, rig| async move {
+    on_rig("sec-probe", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsd", "180-181");
         agent.write_manifest(
@@ -562,8 +558,7 @@ async fn serving(agent: &ControlledAgent, cp: &ControlPlane) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-api", |ctd, rig| async move {
+    on_rig("sec-api", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent =
@@ -668,8 +663,7 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-vol", |ctd, rig| async move {
+    on_rig("sec-vol", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent = ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsf").await;
@@ -795,8 +789,7 @@ async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
 /// one opens nothing that is not a regular file or a directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_node_planted_in_a_volume_is_never_opened() {
-    let Some(rig) = rig() else { return };
-    with_namespace(&rig, "sec-mknod", |ctd, rig| async move {
+    on_rig("sec-mknod", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent =

@@ -27,7 +27,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::io::AsyncBufReadExt as _;
 
-use mesh_cluster::{Cluster, Record, TestNet};
+use control_plane::Record;
+use mesh_cluster::{Cluster, TestNet};
 use zattera_agent::proto::cluster::{Endpoint, InternalPort, InternalService, RouteSnapshot};
 use zattera_agent::proto::v1::{InstanceState, PortSpec, Protocol};
 
@@ -54,14 +55,16 @@ fn serve_the_vm_lane() {
             let mut cluster = Cluster::new(SECRET, &bin);
             for (i, (id, name, host, mesh)) in CONTROLS.iter().enumerate() {
                 let host_ns = net.add_host(name, underlay(*host));
-                cluster.add_control(
-                    id,
-                    &host_ns,
-                    underlay(*host),
-                    Ipv4Addr::new(10, 90, 0, *mesh),
-                    &format!("ztvmc{}", i + 1),
-                    i == 0,
-                );
+                cluster
+                    .add_control(
+                        id,
+                        &host_ns,
+                        underlay(*host),
+                        Ipv4Addr::new(10, 90, 0, *mesh),
+                        &format!("ztvmc{}", i + 1),
+                        i == 0,
+                    )
+                    .await;
             }
             answer(&json!({
                 "ready": true,
@@ -125,7 +128,7 @@ async fn handle(cluster: &Cluster, req: &Value) -> Result<Value, String> {
                     let n = r
                         .sessions
                         .iter()
-                        .filter(|(h, n)| *h == host && *n == node)
+                        .filter(|s| s.host == host && s.node == node)
                         .count();
                     (n > after).then(|| json!({ "sessions": n }))
                 },
@@ -142,8 +145,9 @@ async fn handle(cluster: &Cluster, req: &Value) -> Result<Value, String> {
                 .ok_or("unknown state")? as i32;
             let healthy = InstanceState::Healthy as i32;
             poll(cluster, timeout, &format!("{assignment} {}", s("state")), |r| {
-                r.frames.iter().skip(since).rev().find_map(|(h, _, f)| {
-                    if !host.is_empty() && *h != host {
+                r.frames.iter().skip(since).rev().find_map(|(session, f)| {
+                    let from = &r.sessions[*session].host;
+                    if !host.is_empty() && *from != host {
                         return None;
                     }
                     let Some(zattera_agent::proto::cluster::agent_message::Body::Status(b)) = &f.body else {
@@ -152,7 +156,7 @@ async fn handle(cluster: &Cluster, req: &Value) -> Result<Value, String> {
                     let o = b.observed.get(&assignment)?;
                     (o.state == want || (want == InstanceState::Running as i32 && o.state == healthy))
                         .then(|| json!({
-                            "host": h, "state": o.state, "container_id": o.container_id,
+                            "host": from, "state": o.state, "container_id": o.container_id,
                             "mesh_port_bindings": o.mesh_port_bindings, "message": o.message,
                         }))
                 })
@@ -165,7 +169,7 @@ async fn handle(cluster: &Cluster, req: &Value) -> Result<Value, String> {
                 req["version"].as_u64().unwrap_or(1),
                 items.iter().map(assignment_of).collect(),
             );
-            cluster.push_set(&s("node"), set);
+            cluster.push_set_to(&s("node"), set);
             Ok(json!({}))
         }
         // A VIP for `fqdn` in `env` whose port `port` goes to `endpoint`

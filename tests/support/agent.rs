@@ -135,6 +135,16 @@ impl AgentProc {
         std::fs::rename(tmp, self.manifests().join(name)).unwrap();
     }
 
+    /// `cmd` with this agent's containerd, namespace and run dir (the
+    /// flags before a subcommand).
+    fn node_flags<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.arg("--containerd-address")
+            .arg(&self.socket)
+            .args(["--namespace", &self.ns, "--config", "/dev/null"])
+            .arg("--run-dir")
+            .arg(self.run_dir())
+    }
+
     pub fn start(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -151,17 +161,8 @@ impl AgentProc {
             }
             None => Command::new(run_bin()),
         };
-        let child = cmd
-            .arg("--containerd-address")
-            .arg(&self.socket)
-            .args([
-                "--namespace",
-                &self.ns,
-                "--config",
-                "/dev/null",
-                "--run-dir",
-            ])
-            .arg(self.run_dir())
+        let child = self
+            .node_flags(&mut cmd)
             .arg("--data-dir")
             .arg(self.data_dir())
             .args([
@@ -221,17 +222,8 @@ impl AgentProc {
     /// `status --json` with the agent's containerd settings, so that it can
     /// fall back to reading containerd when the agent is down.
     pub fn status_from_containerd(&self) -> serde_json::Value {
-        let out = Command::new(BIN)
-            .arg("--containerd-address")
-            .arg(&self.socket)
-            .args([
-                "--namespace",
-                &self.ns,
-                "--config",
-                "/dev/null",
-                "--run-dir",
-            ])
-            .arg(self.run_dir())
+        let out = self
+            .node_flags(&mut Command::new(BIN))
             .args(["status", "--json"])
             .output()
             .unwrap();

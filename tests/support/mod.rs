@@ -22,7 +22,7 @@ use futures::{FutureExt, StreamExt};
 pub mod agent;
 pub mod private;
 pub mod registry;
-use zattera_agent::runtime::{Containerd, Namespace};
+use zattera_agent::runtime::{Containerd, Namespace, import_archive};
 
 pub const DEFAULT_SOCKET: &str = "/run/zattera-rig/containerd/containerd.sock";
 pub const DEFAULT_IMAGES: &str = "/var/lib/zattera-rig/images";
@@ -111,6 +111,32 @@ where
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);
     }
+}
+
+/// The prologue of a test on the rig: skips without it (see [`rig`]),
+/// else runs `body` in a fresh namespace (see [`with_namespace`]).
+pub async fn on_rig<F, Fut>(test: &str, body: F)
+where
+    F: FnOnce(Containerd, Rig) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let Some(rig) = rig() else { return };
+    with_namespace(&rig, test, body).await;
+}
+
+/// [`on_rig`] with the test image ([`TEST_IMAGE`]) imported first.
+pub async fn on_rig_with_image<F, Fut>(test: &str, body: F)
+where
+    F: FnOnce(Containerd, Rig) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    on_rig(test, |ctd, rig| async move {
+        import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .unwrap();
+        body(ctd, rig).await;
+    })
+    .await;
 }
 
 /// Deletes everything in the connection's namespace, then the namespace.
