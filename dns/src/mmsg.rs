@@ -24,9 +24,13 @@ pub(crate) const BATCH: usize = 32;
 pub(crate) const MAX_QUERY: usize = 4096;
 
 /// Receive buffers for one socket and what the last receive put in them.
+/// The message headers are made once and reused: at low rates, where a
+/// batch holds one query, making them per call cost more instructions than
+/// answering the query.
 pub(crate) struct RecvBatch {
     buffers: Vec<Vec<u8>>,
     got: Vec<Received>,
+    headers: MultiHeaders<SockaddrStorage>,
 }
 
 /// One datagram of a batch: where it is (buffer and length) and its sender.
@@ -44,6 +48,7 @@ impl RecvBatch {
         Self {
             buffers: (0..BATCH).map(|_| vec![0u8; MAX_QUERY]).collect(),
             got: Vec::with_capacity(BATCH),
+            headers: MultiHeaders::preallocate(BATCH, None),
         }
     }
 
@@ -63,14 +68,13 @@ impl RecvBatch {
 
     fn recv_with(&mut self, fd: RawFd, flags: MsgFlags) -> io::Result<usize> {
         self.got.clear();
-        let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, None);
         let mut slices: Vec<[IoSliceMut<'_>; 1]> = self
             .buffers
             .iter_mut()
             .map(|b| [IoSliceMut::new(b.as_mut_slice())])
             .collect();
-        let results =
-            recvmmsg(fd, &mut headers, slices.iter_mut(), flags, None).map_err(io::Error::from)?;
+        let results = recvmmsg(fd, &mut self.headers, slices.iter_mut(), flags, None)
+            .map_err(io::Error::from)?;
         for (buffer, msg) in results.enumerate() {
             let Some(peer) = msg.address.as_ref().and_then(socket_addr) else {
                 continue;
@@ -93,12 +97,46 @@ impl RecvBatch {
     }
 }
 
+/// The message headers of one socket's sends, made once (see [`RecvBatch`]).
+pub(crate) struct SendBatch {
+    headers: MultiHeaders<SockaddrStorage>,
+}
+
+impl SendBatch {
+    pub(crate) fn new() -> Self {
+        Self {
+            headers: MultiHeaders::preallocate(BATCH, None),
+        }
+    }
+
+    /// [`send_batch`] with these headers.
+    pub(crate) fn send(
+        &mut self,
+        fd: RawFd,
+        replies: &[(Vec<u8>, SocketAddr)],
+        wait: bool,
+    ) -> io::Result<usize> {
+        send_with(&mut self.headers, fd, replies, wait)
+    }
+}
+
 /// Sends `replies` in order, as few calls as the kernel allows; returns how
 /// many went out. With `wait` a full socket buffer is waited out (a blocking
 /// socket); without, the count stops where the buffer was full. A reply the
 /// kernel refuses for itself (an unreachable peer) is skipped, as a lost
 /// datagram.
+#[cfg(test)]
 pub(crate) fn send_batch(
+    fd: RawFd,
+    replies: &[(Vec<u8>, SocketAddr)],
+    wait: bool,
+) -> io::Result<usize> {
+    let mut headers = MultiHeaders::preallocate(BATCH.min(replies.len()), None);
+    send_with(&mut headers, fd, replies, wait)
+}
+
+fn send_with(
+    headers: &mut MultiHeaders<SockaddrStorage>,
     fd: RawFd,
     replies: &[(Vec<u8>, SocketAddr)],
     wait: bool,
@@ -111,13 +149,12 @@ pub(crate) fn send_batch(
     let mut sent = 0;
     while sent < replies.len() {
         let chunk = &replies[sent..replies.len().min(sent + BATCH)];
-        let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(chunk.len(), None);
         let slices: Vec<[IoSlice<'_>; 1]> = chunk.iter().map(|(b, _)| [IoSlice::new(b)]).collect();
         let addrs: Vec<Option<SockaddrStorage>> = chunk
             .iter()
             .map(|(_, peer)| Some(SockaddrStorage::from(*peer)))
             .collect();
-        match sendmmsg(fd, &mut headers, &slices, &addrs, [], flags) {
+        match sendmmsg(fd, headers, &slices, &addrs, [], flags) {
             Ok(results) => {
                 let n = results.count();
                 if n == 0 {

@@ -69,33 +69,41 @@ impl InternalName {
     /// Working on labels, not a dotted string, keeps a label that itself
     /// contains a dot from passing for two labels.
     pub fn from_labels<'a>(labels: impl IntoIterator<Item = &'a [u8]>) -> NameClass {
-        let labels: Vec<&[u8]> = labels.into_iter().collect();
-        let Some((last, rest)) = labels.split_last() else {
-            return NameClass::External;
-        };
-        if !last.eq_ignore_ascii_case(b"internal") {
-            return NameClass::External;
-        }
-        let mut parts = Vec::with_capacity(rest.len());
-        for label in rest {
-            match std::str::from_utf8(label) {
-                Ok(text) if !text.is_empty() && !text.contains('.') => {
-                    parts.push(text.to_ascii_lowercase());
-                }
-                _ => return NameClass::Invalid,
+        // The forms answered have one or three labels before `internal`:
+        // those are kept (on the stack: this runs for every query), the
+        // rest only counted.
+        let mut first: [&[u8]; 3] = [&[]; 3];
+        let mut last: Option<&[u8]> = None;
+        let mut count = 0usize;
+        for label in labels {
+            if let Some(previous) = last
+                && let Some(slot) = first.get_mut(count - 1)
+            {
+                *slot = previous;
             }
+            last = Some(label);
+            count += 1;
         }
-        match <[String; 1]>::try_from(parts) {
-            Ok([app]) => NameClass::Internal(Self::Short { app }),
-            Err(parts) => match <[String; 3]>::try_from(parts) {
-                Ok([app, environment, project]) => NameClass::Internal(Self::Qualified {
+        if !last.is_some_and(|l| l.eq_ignore_ascii_case(b"internal")) {
+            return NameClass::External;
+        }
+        let lower = |label: &[u8]| match std::str::from_utf8(label) {
+            Ok(text) if !text.is_empty() && !text.contains('.') => Some(text.to_ascii_lowercase()),
+            _ => None,
+        };
+        let name = match (count - 1, first) {
+            (1, [app, _, _]) => lower(app).map(|app| Self::Short { app }),
+            (3, [app, environment, project]) => lower(app)
+                .zip(lower(environment))
+                .zip(lower(project))
+                .map(|((app, environment), project)| Self::Qualified {
                     app,
                     environment,
                     project,
                 }),
-                Err(_) => NameClass::Invalid,
-            },
-        }
+            _ => None,
+        };
+        name.map_or(NameClass::Invalid, NameClass::Internal)
     }
 }
 

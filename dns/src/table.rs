@@ -70,10 +70,13 @@ impl Entry {
 #[derive(Debug, Default)]
 pub struct NameTable {
     /// `<app>.internal`: scope (normalised) -> app -> entry.
-    short: HashMap<Scope, HashMap<String, Arc<Entry>>>,
+    short: HashMap<Scope, HashMap<String, Arc<Entry>, Hasher>, Hasher>,
     /// `<app>.<env>.<project>.internal` (lower case, no trailing dot).
-    full: HashMap<String, Arc<Entry>>,
+    full: HashMap<String, Arc<Entry>, Hasher>,
 }
+
+/// Every lookup hashes a scope and a name: see the crate's manifest.
+type Hasher = foldhash::fast::RandomState;
 
 impl NameTable {
     /// The table before the first snapshot: every internal name is NXDOMAIN.

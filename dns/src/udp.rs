@@ -29,7 +29,7 @@ use tokio::task::JoinSet;
 use tracing::debug;
 
 use crate::context::ListenerCtx;
-use crate::mmsg::{BATCH, RecvBatch, send_batch};
+use crate::mmsg::{BATCH, RecvBatch, SendBatch};
 use crate::request::{Outcome, Transport, respond};
 
 /// A blocked receive wakes up this often to look at the stop flag, in case
@@ -112,6 +112,7 @@ impl Drop for UdpWorker {
 /// ones in order and sends those answers together; see [`crate::mmsg`].
 fn serve(socket: &Arc<UdpSocket>, ctx: &ListenerCtx, runtime: &Handle, stop: &AtomicBool) {
     let mut batch = RecvBatch::new();
+    let mut sends = SendBatch::new();
     let mut replies: Vec<(Vec<u8>, SocketAddr)> = Vec::with_capacity(BATCH);
     let mut forwards = JoinSet::new();
     let fd = socket.as_raw_fd();
@@ -173,18 +174,18 @@ fn serve(socket: &Arc<UdpSocket>, ctx: &ListenerCtx, runtime: &Handle, stop: &At
                 }
             }
         }
-        flush(fd, &mut replies);
+        flush(&mut sends, fd, &mut replies);
     }
     forwards.abort_all();
 }
 
 /// Sends the answers of one batch, as few calls as the kernel allows,
 /// waiting for room in a full buffer so none is lost.
-fn flush(fd: std::os::fd::RawFd, replies: &mut Vec<(Vec<u8>, SocketAddr)>) {
+fn flush(sends: &mut SendBatch, fd: std::os::fd::RawFd, replies: &mut Vec<(Vec<u8>, SocketAddr)>) {
     if replies.is_empty() {
         return;
     }
-    if let Err(e) = send_batch(fd, replies, true) {
+    if let Err(e) = sends.send(fd, replies, true) {
         debug!(error = %e, "udp batch send failed");
     }
     replies.clear();
