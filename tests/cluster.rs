@@ -1561,16 +1561,8 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             let c1 = c1.clone();
             async move {
                 let addr = forward_from(&c1, SocketAddr::from((m.mesh_ip, 8444))).await;
-                let (cert, key) = cluster_ca.node_identity(caller, false);
-                let cfg = zattera_agent::link::tls::node_client(&zattera_agent::link::tls::NodeTls {
-                    key_pem: key.into_bytes(),
-                    cert_pem: cert.into_bytes(),
-                    ca_pem: cluster_ca.pem.clone().into_bytes(),
-                })
-                .unwrap();
-                let name = rustls::pki_types::ServerName::try_from(format!("node-{}", m.node_id)).unwrap();
-                let channel = zattera_agent::link::tls::connect_as(&addr, name, cfg).await.unwrap();
-                zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(channel)
+                let cfg = cluster_ca.client_tls(cluster_ca.node_identity(caller, false));
+                control_plane::node_api_client(&addr, &m.node_id, cfg).await
             }
         };
         for m in [&ma, &mb, &mc] {

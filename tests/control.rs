@@ -18,7 +18,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use control_plane::{AgentRun, ControlPlane, Record, TestCa};
+use control_plane::{
+    AbortOnDrop, AgentRun, ControlPlane, Record, TestCa, node_api_client, node_context,
+    serve_node_api,
+};
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
@@ -27,7 +30,6 @@ use zattera_agent::control::sync::{self, SyncConfig};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::link::identity::IdentityDir;
 use zattera_agent::link::tls::{self, NodeTls};
-use zattera_agent::node_api::{NodeApi, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
@@ -414,13 +416,6 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
             assert!(matches!(first.1.body, Some(Body::Hello(_))), "session {s}");
         }
     });
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Starts a sync client with `tls` as node `node_id`; returns its task.
@@ -930,22 +925,9 @@ async fn call_top(
         .map_err(|s| Some((s.code(), s.message().to_owned())))
 }
 
-/// Port-forward targets of a node that runs nothing.
-fn no_targets() -> zattera_agent::node_api::proxy::Targets {
-    zattera_agent::node_api::proxy::Targets {
-        host_ips: vec!["127.0.0.1".parse().unwrap()],
-        status: watch::channel(Arc::new(zattera_agent::status::StatusSnapshot::default())).1,
-    }
-}
-
 fn client_with(ca: &TestCa, identity: Option<(String, String)>) -> rustls::ClientConfig {
-    if let Some((cert, key)) = identity {
-        return tls::node_client(&NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: ca.pem.clone().into_bytes(),
-        })
-        .unwrap();
+    if let Some(identity) = identity {
+        return ca.client_tls(identity);
     }
     let mut roots = rustls::RootCertStore::empty();
     roots
@@ -967,18 +949,7 @@ async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
     let cp = ControlPlane::start(&[SECRET]).await;
     let (data, node_id) = joined(&cp).await;
     let node = IdentityDir::new(data.path()).load_tls().unwrap();
-    let api = NodeApi::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        &node,
-        None,
-        control_ids([control_plane::CONTROL_NODE_ID]),
-    )
-    .await
-    .unwrap();
-    let addr = api.local_addr().unwrap().to_string();
-    let _server = AbortOnDrop(tokio::spawn(async move {
-        let _ = api.serve().await;
-    }));
+    let (addr, _server) = serve_node_api(&node, None).await;
     // Without the mesh the node certificate has no IP SAN: verify it by
     // its DNS SAN.
     let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
@@ -1073,38 +1044,10 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         std::fs::write(data.path().join("host-secret"), "do not show").unwrap();
         std::os::unix::fs::symlink(data.path().join("host-secret"), root.join("leak")).unwrap();
         let (_tx, desired) = watch::channel(None);
-        let api = NodeApi::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            &node_tls,
-            Some(zattera_agent::node_api::NodeContext {
-                ctd: ctd.clone(),
-                desired,
-                targets: no_targets(),
-                data_dir: data.path().to_owned(),
-                run_dir: data.path().join("run"),
-                node_id: node_id.clone(),
-                stats: None,
-                upgrade: zattera_agent::upgrade::UpgradeConfig {
-                    base_url: None,
-                    binary: data.path().join("bin/zattera-agent"),
-                    args: Vec::new(),
-                    busy: Arc::default(),
-                    stats: None,
-                },
-                builder: Err("no builder in this test".into()),
-            }),
-            control_ids([control_plane::CONTROL_NODE_ID]),
-        )
-        .await
-        .unwrap();
-        let addr = api.local_addr().unwrap().to_string();
-        let _server = AbortOnDrop(tokio::spawn(async move {
-            let _ = api.serve().await;
-        }));
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+        let ctx = node_context(&ctd, data.path(), &node_id, desired);
+        let (addr, _server) = serve_node_api(&node_tls, Some(ctx)).await;
         let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api =
-            AgentLocalServiceClient::new(tls::connect_as(&addr, name, control).await.unwrap());
+        let mut api = node_api_client(&addr, &node_id, control).await;
         let list = |path: &str| AgentListFilesRequest {
             environment_id: "01JENVIRONMENT".into(),
             volume_name: "data".into(),
@@ -1468,13 +1411,8 @@ async fn the_binary_joins_and_runs_under_control() {
         );
 
         // The node API serves a control node on the configured address.
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
         let control = || client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api = AgentLocalServiceClient::new(
-            tls::connect_as(&api_addr, name.clone(), control())
-                .await
-                .unwrap(),
-        );
+        let mut api = node_api_client(&api_addr, &node_id, control()).await;
         // Top: web's processes, ps -ef style.
         let web = observed("b1").container_id;
         let top = api
@@ -1926,10 +1864,8 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         };
         let before = task_pid().await;
 
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
         let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api =
-            AgentLocalServiceClient::new(tls::connect_as(&api_addr, name, control).await.unwrap());
+        let mut api = node_api_client(&api_addr, &node_id, control).await;
         let request = |url: String, sha256: &str| AgentUpgradeRequest {
             version: "9.9.9".into(),
             url,

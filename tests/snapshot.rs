@@ -20,14 +20,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use control_plane::ControlPlane;
-use rustls::pki_types::ServerName;
+use control_plane::{AbortOnDrop, ControlPlane, node_api_client, node_context, serve_node_api};
 use sha2::Digest;
 use tokio::sync::watch;
 use zattera_agent::control::join::{JoinOptions, join};
 use zattera_agent::link::identity::IdentityDir;
-use zattera_agent::link::tls;
-use zattera_agent::node_api::{NodeApi, NodeContext, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::{
     AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest, S3Target, VolumeOpProgress,
@@ -35,7 +32,6 @@ use zattera_agent::proto::cluster::{
 use zattera_agent::proto::v1::{Meta, Volume, VolumeSnapshot};
 use zattera_agent::runtime::Containerd;
 use zattera_agent::snapshot::{Engine, S3Config, chunker, tar as dtar};
-use zattera_agent::upgrade::UpgradeConfig;
 use zattera_agent::volumes;
 
 const SECRET: &str = "join-secret";
@@ -114,13 +110,7 @@ struct Node {
     _cp: ControlPlane,
     data: tempfile::TempDir,
     api: AgentLocalServiceClient<tonic::transport::Channel>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
+    _server: AbortOnDrop,
 }
 
 impl Node {
@@ -140,54 +130,15 @@ impl Node {
         .expect("join");
         let node_tls = IdentityDir::new(data.path()).load_tls().unwrap();
         let (_tx, desired) = watch::channel(None);
-        let api = NodeApi::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            &node_tls,
-            Some(NodeContext {
-                ctd: ctd.clone(),
-                desired,
-                targets: zattera_agent::node_api::proxy::Targets {
-                    host_ips: vec!["127.0.0.1".parse().unwrap()],
-                    status: watch::channel(Arc::new(
-                        zattera_agent::status::StatusSnapshot::default(),
-                    ))
-                    .1,
-                },
-                data_dir: data.path().to_owned(),
-                run_dir: data.path().join("run"),
-                node_id: joined.node_id.clone(),
-                stats: None,
-                upgrade: UpgradeConfig {
-                    base_url: None,
-                    binary: data.path().join("bin/zattera-agent"),
-                    args: Vec::new(),
-                    busy: Arc::default(),
-                    stats: None,
-                },
-                builder: Err("no builder in this test".into()),
-            }),
-            control_ids([control_plane::CONTROL_NODE_ID]),
-        )
-        .await
-        .unwrap();
-        let addr = api.local_addr().unwrap().to_string();
-        let server = tokio::spawn(async move {
-            let _ = api.serve().await;
-        });
-        let name = ServerName::try_from(format!("node-{}", joined.node_id)).unwrap();
-        let (cert, key) = cp.ca.node_identity(control_plane::CONTROL_NODE_ID, false);
-        let client = tls::node_client(&tls::NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        })
-        .unwrap();
-        let api = AgentLocalServiceClient::new(tls::connect_as(&addr, name, client).await.unwrap());
+        let ctx = node_context(ctd, data.path(), &joined.node_id, desired);
+        let (addr, server) = serve_node_api(&node_tls, Some(ctx)).await;
+        let control = cp.ca.node_identity(control_plane::CONTROL_NODE_ID, false);
+        let api = node_api_client(&addr, &joined.node_id, cp.ca.client_tls(control)).await;
         Self {
             _cp: cp,
             data,
             api,
-            server,
+            _server: server,
         }
     }
 
