@@ -12,16 +12,11 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
-use zattera_agent::logs::shim::log_uri;
-use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
+use zattera_agent::runtime::containers::{self, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
 use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
 use zattera_agent::runtime::{events, stats};
-
-fn agent_binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent"))
-}
 
 /// Imports the test image and creates + starts a container running `script`.
 async fn start_busybox(
@@ -54,34 +49,12 @@ async fn start_busybox(
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()
     };
-    let labels = HashMap::from([
-        ("dev.zattera/managed".to_owned(), "true".to_owned()),
-        ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
-    ]);
-    containers::create(
-        ctd,
-        &NewContainer {
-            id: id.into(),
-            image: name.to_string(),
-            chain_id: image.chain_id,
-            labels,
-            spec: spec::build(&c).unwrap(),
-        },
-    )
-    .await
-    .expect("create container");
     let log = logs.join(format!("{id}.log"));
-    containers::start(
-        ctd,
-        id,
-        &log_uri(
-            &agent_binary(),
-            &log,
-            zattera_agent::logs::Retention::default(),
-        ),
-    )
-    .await
-    .expect("start task");
+    let labels = [
+        ("dev.zattera/managed", "true"),
+        ("dev.zattera/assignment-id", id),
+    ];
+    support::create_and_start(ctd, id, &name, image.chain_id, &labels, &c, &log).await;
     log
 }
 

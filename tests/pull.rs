@@ -261,19 +261,8 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
     use containerd_client::services::v1::ListStatusesRequest;
     let Some(rig) = rig() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let big = dir.path().join("big.tar");
     // Two incompressible 12 MiB layers for a 16 MiB content store.
-    let made = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/bench/runtime/mkbig.py"
-        ))
-        .arg(rig.oci_archive())
-        .arg(&big)
-        .args(["2", "12"])
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "mkbig: {made:?}");
+    let big = rig.big_archive(dir.path());
     let registry = Registry::start(None);
     let reference: ImageRef = registry.push(&big, None, "zattera/big:1").parse().unwrap();
     let private = support::private::PrivateContainerd::start_with_content_limit(16);

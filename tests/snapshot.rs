@@ -12,7 +12,6 @@
 mod control_plane;
 mod support;
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -699,7 +698,6 @@ async fn pre_hooks_run_in_the_volumes_container_and_restores_wait_for_it_to_stop
 
 /// A managed container running `sleep` with `root` mounted at /data.
 async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &Path, logs: &Path) {
-    use zattera_agent::runtime::containers::{self, NewContainer};
     use zattera_agent::runtime::spec::{self, BindMount, ContainerSpec};
     use zattera_agent::runtime::{ImageRef, get_local, import_archive};
     import_archive(ctd, &rig.oci_archive(), None).await.unwrap();
@@ -719,30 +717,14 @@ async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()
     };
-    let labels = HashMap::from([
-        ("dev.zattera/managed".to_owned(), "true".to_owned()),
-        ("dev.zattera/role".to_owned(), "service".to_owned()),
-        ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
-    ]);
-    containers::create(
-        ctd,
-        &NewContainer {
-            id: id.into(),
-            image: name.to_string(),
-            chain_id: image.chain_id,
-            labels,
-            spec: spec::build(&c).unwrap(),
-        },
-    )
-    .await
-    .unwrap();
+    let labels = [
+        ("dev.zattera/managed", "true"),
+        ("dev.zattera/role", "service"),
+        ("dev.zattera/assignment-id", id),
+    ];
     std::fs::create_dir_all(logs).unwrap();
-    let uri = zattera_agent::logs::shim::log_uri(
-        Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
-        &logs.join(format!("{id}.log")),
-        zattera_agent::logs::Retention::default(),
-    );
-    containers::start(ctd, id, &uri).await.unwrap();
+    let log = logs.join(format!("{id}.log"));
+    support::create_and_start(ctd, id, &name, image.chain_id, &labels, &c, &log).await;
 }
 
 /// A TCP relay to the S3 server that can be cut: `down` closes every

@@ -347,19 +347,8 @@ fn summarize(fig: &Figures) -> serde_json::Value {
 impl Lab {
     async fn start(rig: &Rig, desired: &Desired) -> Self {
         let scratch = tempfile::tempdir().unwrap();
-        let big = scratch.path().join("big.tar");
         // Two incompressible 12 MiB layers for a 16 MiB content store.
-        let made = std::process::Command::new("python3")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/bench/runtime/mkbig.py"
-            ))
-            .arg(rig.oci_archive())
-            .arg(&big)
-            .args(["2", "12"])
-            .output()
-            .unwrap();
-        assert!(made.status.success(), "mkbig: {made:?}");
+        let big = rig.big_archive(scratch.path());
         let registry = Registry::start(None);
         let big_image = registry.push(&big, None, "zattera/big:1");
 
