@@ -12,7 +12,6 @@ mod garbage;
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -516,23 +515,9 @@ impl Node {
         let run_dir = dirs.path().join("run");
         let (net, dns, cleanup) = support::test_network(ctd, prefix, &run_dir);
         let cfg = ExecutorConfig {
-            node_id: node_id.into(),
-            host_ip: Ipv4Addr::LOCALHOST,
-            data_dir: data.to_owned(),
-            run_dir,
-            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
-            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
-            parallelism: 4,
-            host_port_range: zattera_netns::PortRange::DEFAULT,
-            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
-            shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
-            pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: false,
             source: format!("control {}", cp.address()),
-            cluster_registry: None,
-            default_subnet: None,
-            log_retention: zattera_agent::logs::Retention::default(),
-            metrics: std::sync::Arc::default(),
+            ..support::executor_config(ctd, node_id, data, run_dir)
         };
         let (batches_tx, batches_rx) = mpsc::unbounded_channel();
         let (exec, handle) = Executor::new(

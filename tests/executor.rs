@@ -8,13 +8,12 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, TcpStream};
-use std::path::PathBuf;
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 use support::{Rig, TEST_IMAGE, on_rig};
-use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::executor::{Executor, ExecutorHandle};
 use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, HealthCheck, HealthCheckType, Meta, PortSpec, Protocol,
@@ -50,25 +49,7 @@ impl Agent {
         let dirs = tempfile::tempdir().unwrap();
         let run_dir = dirs.path().join("run");
         let (net, dns, cleanup) = support::test_network(ctd, prefix, &run_dir);
-        let cfg = ExecutorConfig {
-            node_id: node_id.into(),
-            host_ip: Ipv4Addr::LOCALHOST,
-            data_dir: dirs.path().join("data"),
-            run_dir,
-            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
-            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
-            parallelism: 4,
-            host_port_range: zattera_netns::PortRange::DEFAULT,
-            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
-            shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
-            pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
-            standalone: true,
-            source: "test".into(),
-            cluster_registry: None,
-            default_subnet: None,
-            log_retention: zattera_agent::logs::Retention::default(),
-            metrics: std::sync::Arc::default(),
-        };
+        let cfg = support::executor_config(ctd, node_id, &dirs.path().join("data"), run_dir);
         let dns = Arc::new(dns);
         let (exec, handle) = Executor::new(
             cfg,

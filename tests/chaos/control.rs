@@ -23,6 +23,7 @@ use zattera_netns::NetNode;
 use crate::control_plane::{ControlPlane, ControlledAgent, Record, assignment, set_of};
 use crate::invariants::{self, Row, World};
 use crate::model::Rng;
+use crate::newest_first;
 use crate::support::private::PrivateContainerd;
 use crate::support::{self, Rig};
 
@@ -168,14 +169,15 @@ impl ControlLab {
     }
 
     fn world(&self) -> World<'_> {
-        World {
-            ctd: &self.ctd,
-            net: &self.net,
-            table: self.table.clone(),
-            data_dir: self.agent.data_dir(),
-            foreign: (&self.foreign.0, self.foreign.1),
-            counter: (&self.counter.0, self.counter.1),
-        }
+        let data_dir = self.agent.data_dir();
+        World::of(
+            &self.ctd,
+            &self.net,
+            &self.table,
+            data_dir,
+            &self.foreign,
+            &self.counter,
+        )
     }
 
     async fn converge(&self, plan: &Plan, bound: Duration) -> Result<(), String> {
@@ -477,12 +479,6 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
         sizes.seed,
         violations.len(),
         violations.join("\n"),
-        lab.agent
-            .log()
-            .lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .join("\n")
+        newest_first(&lab.agent.log())
     );
 }

@@ -95,6 +95,27 @@ pub struct World<'a> {
     pub counter: (&'a str, u32),
 }
 
+impl<'a> World<'a> {
+    /// The world of a lab's node; `foreign` and `counter` are (container, pid).
+    pub fn of(
+        ctd: &'a Containerd,
+        net: &'a NetNode,
+        table: &str,
+        data_dir: PathBuf,
+        foreign: &'a (String, u32),
+        counter: &'a (String, u32),
+    ) -> Self {
+        Self {
+            ctd,
+            net,
+            table: table.to_owned(),
+            data_dir,
+            foreign: (&foreign.0, foreign.1),
+            counter: (&counter.0, counter.1),
+        }
+    }
+}
+
 /// Every invariant of the standalone node, once. An empty result means
 /// all hold.
 pub async fn check(world: &World<'_>, desired: &Desired, rows: &[Row]) -> Vec<String> {

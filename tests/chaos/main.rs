@@ -56,6 +56,11 @@ use zattera_netns::NetNode;
 use invariants::World;
 use model::{COUNTER, Desired, Rng};
 
+/// The last 40 lines of an agent's `log`, newest first.
+fn newest_first(log: &str) -> String {
+    log.lines().rev().take(40).collect::<Vec<_>>().join("\n")
+}
+
 /// How long the agent may take to converge after a fault ends (every
 /// instance of the desired set RUNNING or HEALTHY, nothing else).
 const CONVERGE_BOUND: Duration = Duration::from_secs(60);
@@ -171,13 +176,7 @@ async fn faults_in_any_order_break_no_promise() {
         sizes.seed,
         figures.violations.len(),
         figures.violations.join("\n"),
-        lab.agent
-            .log()
-            .lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .join("\n")
+        newest_first(&lab.agent.log())
     );
 }
 
@@ -404,14 +403,15 @@ impl Lab {
     }
 
     fn world(&self) -> World<'_> {
-        World {
-            ctd: &self.ctd,
-            net: &self.net,
-            table: self.table.clone(),
-            data_dir: self.agent.data_dir(),
-            foreign: (&self.foreign.0, self.foreign.1),
-            counter: (&self.counter.0, self.counter.1),
-        }
+        let data_dir = self.agent.data_dir();
+        World::of(
+            &self.ctd,
+            &self.net,
+            &self.table,
+            data_dir,
+            &self.foreign,
+            &self.counter,
+        )
     }
 
     /// Waits until the status rows are the desired set, all up.

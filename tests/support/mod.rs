@@ -416,6 +416,35 @@ pub async fn image_exists(ctd: &Containerd, name: &str) -> bool {
         .is_ok()
 }
 
+/// A standalone executor's config for node `node_id` in `ctd`'s namespace,
+/// with its state in `data_dir` and `run_dir` and test-sized defaults.
+pub fn executor_config(
+    ctd: &Containerd,
+    node_id: &str,
+    data_dir: &std::path::Path,
+    run_dir: PathBuf,
+) -> zattera_agent::executor::ExecutorConfig {
+    zattera_agent::executor::ExecutorConfig {
+        node_id: node_id.into(),
+        host_ip: std::net::Ipv4Addr::LOCALHOST,
+        data_dir: data_dir.to_owned(),
+        run_dir,
+        logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
+        cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
+        parallelism: 4,
+        host_port_range: zattera_netns::PortRange::DEFAULT,
+        pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
+        shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
+        pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
+        standalone: true,
+        source: "test".into(),
+        cluster_registry: None,
+        default_subnet: None,
+        log_retention: zattera_agent::logs::Retention::default(),
+        metrics: std::sync::Arc::default(),
+    }
+}
+
 /// Creates container `id` of image `name` (unpacked at `chain_id`) with
 /// `spec` and `labels`, and starts it logging to `log`.
 pub async fn create_and_start(
