@@ -69,6 +69,19 @@ async fn joined(cp: &ControlPlane) -> (tempfile::TempDir, String) {
     (data, e.node_id)
 }
 
+/// `Some` once a status frame of `session` reports assignment `id` HEALTHY.
+fn healthy_in_session(r: &Record, session: usize, id: &str) -> Option<()> {
+    let healthy = InstanceState::Healthy as i32;
+    r.frames
+        .iter()
+        .any(|(s, f)| {
+            *s == session
+                && matches!(&f.body, Some(Body::Status(b))
+                    if b.observed.get(id).is_some_and(|o| o.state == healthy))
+        })
+        .then_some(())
+}
+
 fn hello_of(r: &Record, session: usize) -> Option<AgentHello> {
     r.frames.iter().find_map(|(s, f)| match &f.body {
         Some(Body::Hello(h)) if *s == session => Some(h.clone()),
@@ -189,6 +202,16 @@ fn cli_join(data: &Path, control: &str, token: &str) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Joins `data` with the CLI (off the runtime); returns the node id.
+async fn cli_joined(data: &Path, addr: String, token: String) -> String {
+    let d = data.to_owned();
+    let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
+        .await
+        .unwrap();
+    assert!(ok, "join: {stderr}");
+    IdentityDir::new(data).load_enrollment().unwrap().node_id
 }
 
 #[tokio::test]
@@ -396,16 +419,8 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
         })
         .await;
     assert_eq!(hello.assignment_version, 9, "the highest version received");
-    let healthy = InstanceState::Healthy as i32;
     cp.wait_for("HEALTHY after the reconnect", WAIT, |r| {
-        r.frames
-            .iter()
-            .any(|(s, f)| {
-                *s == 1
-                    && matches!(&f.body, Some(Body::Status(b))
-                        if b.observed.get("a1").is_some_and(|o| o.state == healthy))
-            })
-            .then_some(())
+        healthy_in_session(r, 1, "a1")
     })
     .await;
     // Every session starts with its hello.
@@ -440,28 +455,10 @@ async fn mtls_refuses_foreign_cas_expired_certificates_and_wrong_hellos() {
     let t1 = start_sync(&cp, data.path(), &node_id, foreign_server);
     // Control does not accept a node certificate of another CA, nor an
     // expired one of its own.
-    let (cert, key) = other.node_identity(&node_id, false);
-    let t2 = start_sync(
-        &cp,
-        data.path(),
-        &node_id,
-        NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        },
-    );
-    let (cert, key) = cp.ca.node_identity(&node_id, true);
-    let t3 = start_sync(
-        &cp,
-        data.path(),
-        &node_id,
-        NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        },
-    );
+    let foreign_node = cp.ca.node_tls(other.node_identity(&node_id, false));
+    let t2 = start_sync(&cp, data.path(), &node_id, foreign_node);
+    let expired = cp.ca.node_tls(cp.ca.node_identity(&node_id, true));
+    let t3 = start_sync(&cp, data.path(), &node_id, expired);
     // A hello naming another node than the certificate is refused.
     let t4 = start_sync(&cp, data.path(), "someone-else", good.clone());
     cp.wait_for("the wrong hello refused", WAIT, |r| {
@@ -651,16 +648,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         cp.wait_for(
             "HEALTHY again after reconnecting",
             Duration::from_secs(40),
-            |r| {
-                r.frames
-                    .iter()
-                    .any(|(s, f)| {
-                        *s == 1
-                            && matches!(&f.body, Some(Body::Status(b))
-                            if b.observed.get("a1").is_some_and(|o| o.state == healthy))
-                    })
-                    .then_some(())
-            },
+            |r| healthy_in_session(r, 1, "a1"),
         )
         .await;
 
@@ -1155,12 +1143,7 @@ async fn the_binary_joins_and_runs_under_control() {
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
         let (token, addr) = (cp.ca.token(SECRET), cp.address());
-        let d = data.clone();
-        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
-            .await
-            .unwrap();
-        assert!(ok, "join: {stderr}");
-        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+        let node_id = cli_joined(&data, addr, token).await;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
         let _cleanup = support::NetCleanup {
@@ -1751,12 +1734,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         let dir = tempfile::tempdir().unwrap();
         let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
         let (token, addr) = (cp.ca.token(SECRET), cp.address());
-        let d = data.clone();
-        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
-            .await
-            .unwrap();
-        assert!(ok, "join: {stderr}");
-        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+        let node_id = cli_joined(&data, addr, token).await;
         // The agent runs from a copy: the upgrade replaces that file only.
         let binary = dir.path().join("bin/zattera-agent");
         std::fs::create_dir_all(binary.parent().unwrap()).unwrap();

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use support::registry::Registry;
 use support::{list_snapshots, on_rig, rig, with_namespace};
-use zattera_agent::runtime::ImageRef;
 use zattera_agent::runtime::content;
 use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
+use zattera_agent::runtime::{Containerd, ImageRef};
 
 #[tokio::test]
 async fn anonymous_pull_stores_unpacks_and_reports_progress() {
@@ -159,11 +159,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
     drop(f);
 
     with_namespace(&rig, "pull-corrupt", |ctd, _rig| async move {
-        let err = Puller::new(ctd.clone(), vec![])
-            .ensure(&reference, &Credentials::Anonymous, None)
-            .await
-            .unwrap_err()
-            .to_string();
+        let err = pull_error(&ctd, &reference).await;
         assert!(
             err.contains(&reference.to_string()) && err.contains(&layer_digest),
             "{err}"
@@ -272,11 +268,7 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
     )
     .await
     .unwrap();
-    let err = Puller::new(ctd.clone(), vec![])
-        .ensure(&reference, &Credentials::Anonymous, None)
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = pull_error(&ctd, &reference).await;
     assert!(
         err.contains(&reference.to_string()) && err.contains("no space left"),
         "{err}"
@@ -339,6 +331,41 @@ async fn two_writers_of_one_blob_both_succeed() {
     .await;
 }
 
+/// Pulls `reference` anonymously, which must fail; returns the error text.
+async fn pull_error(ctd: &Containerd, reference: &ImageRef) -> String {
+    Puller::new(ctd.clone(), vec![])
+        .ensure(reference, &Credentials::Anonymous, None)
+        .await
+        .unwrap_err()
+        .to_string()
+}
+
+/// [`pull_error`], where the pull must also end within a minute.
+async fn pull_error_within_a_minute(ctd: &Containerd, reference: &ImageRef) -> String {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        pull_error(ctd, reference),
+    )
+    .await
+    .expect("the pull ended")
+}
+
+/// Reads an HTTP request's head from `conn`; its first line, or `None`
+/// when the peer goes away first.
+async fn request_line(conn: &mut tokio::net::TcpStream) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut req = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        match conn.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => req.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&req);
+    Some(head.lines().next().unwrap_or_default().to_owned())
+}
+
 /// Issue 45.3, attack: a registry whose layer body never ends (here: 64 MiB
 /// for a layer that declares 1 KiB, then it stops). The old pull read it
 /// all into containerd's ingest, filling the disk, before the commit
@@ -348,7 +375,7 @@ async fn two_writers_of_one_blob_both_succeed() {
 async fn a_layer_longer_than_declared_is_cut_off() {
     use sha2::Digest as _;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let Some(rig) = rig() else { return };
     let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:0000000000000000000000000000000000000000000000000000000000000000"]},"config":{}}"#.to_vec();
     let config_digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&config)));
@@ -373,19 +400,9 @@ async fn a_layer_longer_than_declared_is_cut_off() {
                 Arc::clone(&sent_by_server),
             );
             tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let line = String::from_utf8_lossy(&req)
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned();
+                let Some(line) = request_line(&mut conn).await else {
+                    return;
+                };
                 let reply = |ctype: &str, body: &[u8]| {
                     let mut r = format!(
                         "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -427,14 +444,7 @@ async fn a_layer_longer_than_declared_is_cut_off() {
     });
     let reference: ImageRef = format!("{addr}/evil/endless:1").parse().unwrap();
     with_namespace(&rig, "pull-endless", |ctd, _rig| async move {
-        let err = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
-        )
-        .await
-        .expect("the pull ended")
-        .unwrap_err()
-        .to_string();
+        let err = pull_error_within_a_minute(&ctd, &reference).await;
         assert!(err.contains("declared 1024 bytes"), "{err}");
         assert!(
             sent.load(Ordering::Relaxed) < 16 << 20,
@@ -454,7 +464,7 @@ async fn a_layer_longer_than_declared_is_cut_off() {
 #[tokio::test]
 async fn an_endless_manifest_is_cut_off() {
     use std::sync::atomic::{AtomicU64, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let Some(rig) = rig() else { return };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -464,20 +474,10 @@ async fn an_endless_manifest_is_cut_off() {
         while let Ok((mut conn, _)) = listener.accept().await {
             let sent = Arc::clone(&sent_by_server);
             tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                if String::from_utf8_lossy(&req)
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .contains("/manifests/")
-                {
+                let Some(line) = request_line(&mut conn).await else {
+                    return;
+                };
+                if line.contains("/manifests/") {
                     let _ = conn
                         .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nConnection: close\r\n\r\n{\"schemaVersion\":2,\"annotations\":{\"a\":\"")
                         .await;
@@ -502,14 +502,7 @@ async fn an_endless_manifest_is_cut_off() {
     let reference: ImageRef = format!("{addr}/evil/endless-manifest:1").parse().unwrap();
     with_namespace(&rig, "pull-endless-manifest", |ctd, _rig| async move {
         let before = support::peak_rss();
-        let err = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
-        )
-        .await
-        .expect("the pull ended")
-        .unwrap_err()
-        .to_string();
+        let err = pull_error_within_a_minute(&ctd, &reference).await;
         let grew = support::peak_rss().saturating_sub(before);
         eprintln!(
             "read {} MiB of the manifest; peak memory grew {} MiB",

@@ -255,6 +255,22 @@ fn det_tar(root: &Path) -> (Vec<u8>, Vec<String>) {
     (out, listing)
 }
 
+/// Flips the byte at `at` of `file`, keeping its size and mtime; returns
+/// the new content.
+fn flip_byte_keeping_mtime(file: &Path, at: usize) -> Vec<u8> {
+    let mtime = std::fs::metadata(file).unwrap().modified().unwrap();
+    let mut data = std::fs::read(file).unwrap();
+    data[at] ^= 0xff;
+    std::fs::write(file, &data).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    data
+}
+
 fn assert_same_tree(a: &Path, b: &Path) {
     let (ta, la) = det_tar(a);
     let (tb, lb) = det_tar(b);
@@ -441,17 +457,8 @@ async fn dedup_adds_only_what_changed() {
     assert_eq!((again.new_chunks, again.new_bytes), (0, 0));
     assert_eq!(count().await, before + 1, "only the manifest");
 
-    let mut data = std::fs::read(&file).unwrap();
-    data[200_000] ^= 0xff;
     // Same size and mtime second: only the content differs.
-    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
-    std::fs::write(&file, &data).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
+    flip_byte_keeping_mtime(&file, 200_000);
     let flipped = engine.snapshot(dir.path(), "three", 3, none).await.unwrap();
     assert!(
         (1..=2).contains(&flipped.new_chunks),
@@ -1057,16 +1064,7 @@ async fn an_unchanged_root_reuses_its_last_walk_and_a_change_does_not() {
 
     // A same-size rewrite keeping the mtime: only ctime tells.
     let file = root.join("a/b/c");
-    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
-    let mut data = std::fs::read(&file).unwrap();
-    data[1000] ^= 0xff;
-    std::fs::write(&file, &data).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
+    let data = flip_byte_keeping_mtime(&file, 1000);
     let changed = snap("changed").await;
     assert!(!changed.reused && changed.new_chunks > 0, "{changed:?}");
     let out2 = dir.path().join("out2");

@@ -403,14 +403,14 @@ impl Lab {
     }
 
     fn world(&self) -> World<'_> {
-        let data_dir = self.agent.data_dir();
+        let (f, c) = (&self.foreign, &self.counter);
         World::of(
             &self.ctd,
             &self.net,
             &self.table,
-            data_dir,
-            &self.foreign,
-            &self.counter,
+            self.agent.data_dir(),
+            f,
+            c,
         )
     }
 

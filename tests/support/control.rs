@@ -179,15 +179,20 @@ impl TestCa {
         (cert.pem(), key.serialize_pem())
     }
 
-    /// A node-API client config presenting `identity` (cert PEM, key PEM)
-    /// and trusting this CA.
-    pub fn client_tls(&self, (cert, key): (String, String)) -> rustls::ClientConfig {
-        tls::node_client(&tls::NodeTls {
+    /// A node's TLS material presenting `identity` (cert PEM, key PEM) and
+    /// trusting this CA.
+    pub fn node_tls(&self, (cert, key): (String, String)) -> tls::NodeTls {
+        tls::NodeTls {
             key_pem: key.into_bytes(),
             cert_pem: cert.into_bytes(),
             ca_pem: self.pem.clone().into_bytes(),
-        })
-        .unwrap()
+        }
+    }
+
+    /// A node-API client config presenting `identity` (cert PEM, key PEM)
+    /// and trusting this CA.
+    pub fn client_tls(&self, identity: (String, String)) -> rustls::ClientConfig {
+        tls::node_client(&self.node_tls(identity)).unwrap()
     }
 }
 
