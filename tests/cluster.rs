@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use futures::FutureExt as _;
 
-use control_plane::{AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
+use control_plane::{
+    AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, controlled_agent, set_of,
+};
 use support::agent::KillOnDrop;
 use support::registry::Registry;
 use support::{on_rig, on_rig_with_image, rig};
@@ -46,9 +48,7 @@ fn seconds(s: i64) -> prost_types::Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_comes_back_after_a_crash_loop() {
     on_rig_with_image("cl-heal", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcl").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztcl", &[]).await;
         // No health check: crashes twice at once, then stays up.
         let plain = assignment("plain", "env", 190, &crashing(2, 0));
         // An exec probe that always passes: HEALTHY, a crash after 4 s, up again.
@@ -194,9 +194,7 @@ async fn run_after_join_syncs_with_the_address_the_join_returned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_subnet_replaces_the_instance() {
     on_rig_with_image("cl-subnet", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcs").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztcs", &[]).await;
         let ip_in = |slot: u8| {
             move |s: &serde_json::Value| {
                 s["assignments"].as_array().is_some_and(|rows| {
@@ -280,19 +278,8 @@ fn reports(
 async fn a_hanging_pull_stalls_nothing_else() {
     on_rig_with_image("cl-tarpit", |ctd, rig| async move {
         let (registry, _tarpit) = tarpit().await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start_with(
-            &cp,
-            SECRET,
-            &rig,
-            ctd.namespace().as_str(),
-            "ztct",
-            AgentFlags {
-                run: &["--pull-timeout", "40s"],
-                ..AgentFlags::default()
-            },
-        )
-        .await;
+        let (cp, agent) =
+            controlled_agent(SECRET, &rig, &ctd, "ztct", &["--pull-timeout", "40s"]).await;
         let (slow, mut slow_rt) = assignment("slow", "env", 193, "sleep 3600");
         slow_rt.image_ref = format!("{registry}/tarpit/app:1");
         let fast = |hash: &str| {
@@ -419,18 +406,13 @@ async fn private_containerd(
     String,
     zattera_agent::runtime::Containerd,
 ) {
+    let ns = format!("zt-test-cl-{tag}-{}", std::process::id());
     let private = support::private::PrivateContainerd::start();
+    let (private, ctd) = private.with_test_image(&rig, &ns).await;
     let rig = support::Rig {
         socket: private.socket.clone(),
         ..rig
     };
-    let ns = format!("zt-test-cl-{tag}-{}", std::process::id());
-    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
     (private, rig, ns, ctd)
 }
 
@@ -573,9 +555,7 @@ async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
 async fn three_hundred_instances_adopted_under_a_slow_control_all_report() {
     use zattera_agent::proto::cluster::agent_message::Body;
     on_rig_with_image("cl-300", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let mut agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztch").await;
+        let (cp, mut agent) = controlled_agent(SECRET, &rig, &ctd, "ztch", &[]).await;
         // Two environments: a /24 holds 253 instances.
         let ids: Vec<String> = (0..300).map(|i| format!("i{i:03}")).collect();
         let set = ids
@@ -673,9 +653,7 @@ async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_survive_a_sigkill() {
     on_rig("cl-stats", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let mut agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcm").await;
+        let (cp, mut agent) = controlled_agent(SECRET, &rig, &ctd, "ztcm", &[]).await;
         let file = agent.data_dir().join("metrics/tsdb.bin");
         let deadline = std::time::Instant::now() + Duration::from_secs(100);
         while !file.exists() {
@@ -1249,17 +1227,12 @@ async fn an_expiring_certificate_without_a_token_is_a_warning() {
 async fn an_assignment_without_a_subnet_gets_the_default_network() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     on_rig_with_image("cl-default", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start_with(
-            &cp,
+        let (cp, agent) = controlled_agent(
             SECRET,
             &rig,
-            ctd.namespace().as_str(),
+            &ctd,
             "ztdn",
-            AgentFlags {
-                run: &["--default-subnet", "10.202.198.0/24"],
-                ..AgentFlags::default()
-            },
+            &["--default-subnet", "10.202.198.0/24"],
         )
         .await;
         let (a, mut rt) = assignment("plain", "env", 0, "httpd -f -p 80 -h /etc");

@@ -17,7 +17,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use control_plane::{CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, set_of};
+use control_plane::{
+    CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, controlled_agent, set_of,
+};
 use support::agent::{AgentProc, KillOnDrop, TestNetns, row};
 use support::on_rig;
 use zattera_agent::proto::cluster::{
@@ -560,9 +562,7 @@ async fn serving(agent: &ControlledAgent, cp: &ControlPlane) {
 async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances() {
     on_rig("sec-api", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztse").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztse", &[]).await;
         // web: a published port; idle: holds port-forwards open, never reads.
         let (mut web, mut web_rt) = assignment("w1", "env", 188, "httpd -f -p 80 -h /var/www");
         web.app_id = "web".into();
@@ -665,8 +665,7 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
 async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
     on_rig("sec-vol", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsf").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztsf", &[]).await;
         // Two environments whose ULIDs share their first 8 characters.
         let (env_a, env_b) = ("01JENVIR00000000000000000A", "01JENVIR00000000000000000B");
         let volume = |(mut a, mut rt): (
@@ -791,9 +790,7 @@ async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
 async fn a_device_node_planted_in_a_volume_is_never_opened() {
     on_rig("sec-mknod", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsg").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztsg", &[]).await;
         let env = "01JENVMKNOD000000000000000";
         let (mut a, mut rt) = assignment(
             "mk",

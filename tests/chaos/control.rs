@@ -17,7 +17,7 @@ use futures::FutureExt;
 use zattera_agent::proto::cluster::AssignmentSet;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::v1::InstanceState;
-use zattera_agent::runtime::{Containerd, import_archive};
+use zattera_agent::runtime::Containerd;
 use zattera_netns::NetNode;
 
 use crate::control_plane::{ControlPlane, ControlledAgent, Record, assignment, set_of};
@@ -322,18 +322,12 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
     let mut plan = Plan::initial(20);
 
     let scratch = tempfile::tempdir().unwrap();
-    let containerd = PrivateContainerd::start();
+    let ns = format!("zt-test-chaosc-{}", std::process::id());
+    let (containerd, ctd) = PrivateContainerd::start().with_test_image(&rig, &ns).await;
     let rig = Rig {
         socket: containerd.socket.clone(),
         ..rig
     };
-    let ns = format!("zt-test-chaosc-{}", std::process::id());
-    let ctd = Containerd::connect(&rig.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
     let foreign = crate::start_foreign(&ctd, scratch.path()).await;
     let cp = ControlPlane::start(&[SECRET]).await;
     cp.push_set(plan.set());

@@ -50,7 +50,7 @@ use support::{Rig, TEST_IMAGE, rig};
 use zattera_agent::logs::shim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
-use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
+use zattera_agent::runtime::{Containerd, ImageRef, get_local};
 use zattera_netns::NetNode;
 
 use invariants::World;
@@ -351,14 +351,9 @@ impl Lab {
         let registry = Registry::start(None);
         let big_image = registry.push(&big, None, "zattera/big:1");
 
-        let containerd = PrivateContainerd::start_with_content_limit(16);
         let ns = format!("zt-test-chaos-{}", std::process::id());
-        let ctd = Containerd::connect(&containerd.socket, ns.parse().unwrap())
-            .await
-            .unwrap();
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+        let containerd = PrivateContainerd::start_with_content_limit(16);
+        let (containerd, ctd) = containerd.with_test_image(rig, &ns).await;
         let foreign = start_foreign(&ctd, scratch.path()).await;
 
         let prefix = env_or("ZATTERA_CHAOS_PREFIX", PREFIX);

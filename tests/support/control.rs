@@ -1321,6 +1321,25 @@ pub fn join_cli(data: &std::path::Path, control: &str, token: &str, extra: &[&st
     );
 }
 
+/// A new control plane accepting `secret` and an agent joined to it, run
+/// in `ctd`'s namespace with bridge prefix `prefix` and extra `run` flags.
+pub async fn controlled_agent(
+    secret: &str,
+    rig: &crate::support::Rig,
+    ctd: &zattera_agent::runtime::Containerd,
+    prefix: &str,
+    run: &[&str],
+) -> (ControlPlane, ControlledAgent) {
+    let cp = ControlPlane::start(&[secret]).await;
+    let flags = AgentFlags {
+        run,
+        ..AgentFlags::default()
+    };
+    let ns = ctd.namespace().as_str();
+    let agent = ControlledAgent::start_with(&cp, secret, rig, ns, prefix, flags).await;
+    (cp, agent)
+}
+
 /// What [`ControlledAgent::start_with`] adds to a plain join and run.
 #[derive(Default)]
 pub struct AgentFlags<'a> {
