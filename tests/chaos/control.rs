@@ -21,7 +21,7 @@ use zattera_agent::runtime::Containerd;
 use zattera_netns::NetNode;
 
 use crate::control_plane::{ControlPlane, ControlledAgent, Record, assignment, set_of};
-use crate::invariants::{self, Row, World};
+use crate::invariants::{self, Row, Watched, World};
 use crate::model::Rng;
 use crate::newest_first;
 use crate::support::private::PrivateContainerd;
@@ -149,9 +149,7 @@ struct ControlLab {
     cp: ControlPlane,
     agent: ControlledAgent,
     net: NetNode,
-    table: String,
-    foreign: (String, u32),
-    counter: (String, u32),
+    watched: Watched,
     _scratch: tempfile::TempDir,
 }
 
@@ -169,15 +167,7 @@ impl ControlLab {
     }
 
     fn world(&self) -> World<'_> {
-        let (f, c) = (&self.foreign, &self.counter);
-        World::of(
-            &self.ctd,
-            &self.net,
-            &self.table,
-            self.agent.data_dir(),
-            f,
-            c,
-        )
+        World::of(&self.ctd, &self.net, &self.watched, self.agent.data_dir())
     }
 
     async fn converge(&self, plan: &Plan, bound: Duration) -> Result<(), String> {
@@ -343,9 +333,11 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
         cp,
         agent,
         net: NetNode::new(cfg).unwrap(),
-        table,
-        foreign,
-        counter: (String::new(), 0),
+        watched: Watched {
+            table,
+            foreign,
+            counter: (String::new(), 0),
+        },
         _scratch: scratch,
     };
 
@@ -361,7 +353,7 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
             Ok(zattera_agent::runtime::containers::TaskState::Running { pid }) => pid,
             other => panic!("counter task: {other:?}"),
         };
-        lab.counter = (cid, pid);
+        lab.watched.counter = (cid, pid);
         let mut violations: Vec<String> = lab
             .settle(&plan)
             .await

@@ -95,23 +95,32 @@ pub struct World<'a> {
     pub counter: (&'a str, u32),
 }
 
+/// What a lab watches on its node besides containerd and the network.
+#[derive(Debug)]
+pub struct Watched {
+    /// The agent's nft table.
+    pub table: String,
+    /// The foreign container and its task pid.
+    pub foreign: (String, u32),
+    /// The counter's container and task pid (empty until it first runs).
+    pub counter: (String, u32),
+}
+
 impl<'a> World<'a> {
-    /// The world of a lab's node; `foreign` and `counter` are (container, pid).
+    /// The world of a lab's node, whose agent keeps its state in `data_dir`.
     pub fn of(
         ctd: &'a Containerd,
         net: &'a NetNode,
-        table: &str,
+        watched: &'a Watched,
         data_dir: PathBuf,
-        foreign: &'a (String, u32),
-        counter: &'a (String, u32),
     ) -> Self {
         Self {
             ctd,
             net,
-            table: table.to_owned(),
+            table: watched.table.clone(),
             data_dir,
-            foreign: (&foreign.0, foreign.1),
-            counter: (&counter.0, counter.1),
+            foreign: (&watched.foreign.0, watched.foreign.1),
+            counter: (&watched.counter.0, watched.counter.1),
         }
     }
 }

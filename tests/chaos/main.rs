@@ -53,7 +53,7 @@ use zattera_agent::runtime::spec::{self, ContainerSpec};
 use zattera_agent::runtime::{Containerd, ImageRef, get_local};
 use zattera_netns::NetNode;
 
-use invariants::World;
+use invariants::{Watched, World};
 use model::{COUNTER, Desired, Rng};
 
 /// The last 40 lines of an agent's `log`, newest first.
@@ -115,9 +115,7 @@ pub struct Lab {
     pub agent: AgentProc,
     pub net: NetNode,
     pub big_image: String,
-    table: String,
-    foreign: (String, u32),
-    counter: (String, u32),
+    watched: Watched,
     _registry: Registry,
     _scratch: tempfile::TempDir,
 }
@@ -374,9 +372,11 @@ impl Lab {
             agent,
             net,
             big_image,
-            table,
-            foreign,
-            counter: (String::new(), 0),
+            watched: Watched {
+                table,
+                foreign,
+                counter: (String::new(), 0),
+            },
             _registry: registry,
             _scratch: scratch,
         };
@@ -393,20 +393,12 @@ impl Lab {
             .map(|r| r.container_id)
             .unwrap();
         let pid = lab.task_pids().await.get(&cid).copied().unwrap_or(0);
-        lab.counter = (cid, pid);
+        lab.watched.counter = (cid, pid);
         lab
     }
 
     fn world(&self) -> World<'_> {
-        let (f, c) = (&self.foreign, &self.counter);
-        World::of(
-            &self.ctd,
-            &self.net,
-            &self.table,
-            self.agent.data_dir(),
-            f,
-            c,
-        )
+        World::of(&self.ctd, &self.net, &self.watched, self.agent.data_dir())
     }
 
     /// Waits until the status rows are the desired set, all up.
@@ -459,7 +451,7 @@ impl Lab {
             .unwrap_or(0);
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count);
         let nft = std::process::Command::new("nft")
-            .args(["-j", "list", "table", "inet", &self.table])
+            .args(["-j", "list", "table", "inet", &self.watched.table])
             .output()
             .map(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap_or_default())
             .unwrap_or_default();
