@@ -799,6 +799,34 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
     .await;
 }
 
+/// A test network `prefix` on the underlay 10.203.`subnet`.0/24 and a
+/// cluster of the run binary whose control host ctl-1 (mesh 10.90.0.1,
+/// the hub when `hub`) runs on its host c1 (.11); returns c1 too.
+async fn cluster_with_ctl1(
+    prefix: &str,
+    subnet: u8,
+    hub: bool,
+) -> (mesh_cluster::TestNet, mesh_cluster::Cluster, String) {
+    let bin = std::path::PathBuf::from(support::agent::run_bin());
+    let mut net = mesh_cluster::TestNet::new(prefix);
+    let c1_addr = std::net::Ipv4Addr::new(10, 203, subnet, 11);
+    let c1 = net.add_host("c1", c1_addr);
+    let mut cluster = mesh_cluster::Cluster::new(SECRET, &bin);
+    if hub {
+        cluster.set_hub("ctl-1");
+    }
+    let mesh_ip = std::net::Ipv4Addr::new(10, 90, 0, 1);
+    cluster
+        .add_control("ctl-1", &c1, c1_addr, mesh_ip, &format!("{prefix}c1"), true)
+        .await;
+    (net, cluster, c1)
+}
+
+/// A fresh containerd namespace for each of `tags`.
+fn namespaces(tags: &[&str]) -> Vec<zattera_agent::runtime::Namespace> {
+    tags.iter().map(|t| support::unique_namespace(t)).collect()
+}
+
 /// 44.11: workers behind NAT, in the reference's shape. The hub (ctl-1)
 /// carries 10.90.0.0/16; each worker sits behind a NAT of its own (a
 /// namespace that masquerades) with no `mesh-endpoint`, so its join must
@@ -810,30 +838,13 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
 /// nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_behind_nat_reach_each_other_through_the_hub() {
-    use mesh_cluster::{Cluster, TestNet, run_in};
+    use mesh_cluster::{TestNet, run_in};
     use std::net::Ipv4Addr;
 
     let Some(rig) = rig() else { return };
-    let bin = std::path::PathBuf::from(support::agent::run_bin());
-    let mut net = TestNet::new("ztn");
     let underlay = |n: u8| Ipv4Addr::new(10, 203, 78, n);
-    let c1 = net.add_host("c1", underlay(11));
-    let mut cluster = Cluster::new(SECRET, &bin);
-    cluster.set_hub("ctl-1");
-    cluster
-        .add_control(
-            "ctl-1",
-            &c1,
-            underlay(11),
-            Ipv4Addr::new(10, 90, 0, 1),
-            "ztnc1",
-            true,
-        )
-        .await;
-    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["nata", "natb"]
-        .iter()
-        .map(|t| support::unique_namespace(t))
-        .collect();
+    let (mut net, cluster, _c1) = cluster_with_ctl1("ztn", 78, true).await;
+    let namespaces = namespaces(&["nata", "natb"]);
     let token = cluster.ca.token(SECRET);
     let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
         let ns = net.add_host_behind_nat(name, underlay(n), u8::try_from(idx).unwrap() + 1);
@@ -1397,28 +1408,15 @@ where
 /// whose mesh and containers come back before control answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
-    use mesh_cluster::{Cluster, TestNet, device, forward_from, run_in};
+    use mesh_cluster::{TestNet, device, forward_from, run_in};
     use std::net::{Ipv4Addr, SocketAddr};
     use zattera_agent::proto::cluster::{Endpoint, InternalPort, InternalService, RouteSnapshot};
     use zattera_agent::proto::v1::{PortSpec, Protocol};
 
     let Some(rig) = rig() else { return };
-    let bin = std::path::PathBuf::from(support::agent::run_bin());
-    let mut net = TestNet::new("ztm");
     let underlay = |n: u8| Ipv4Addr::new(10, 203, 77, n);
-    let c1 = net.add_host("c1", underlay(11));
+    let (mut net, mut cluster, c1) = cluster_with_ctl1("ztm", 77, false).await;
     let c2 = net.add_host("c2", underlay(12));
-    let mut cluster = Cluster::new(SECRET, &bin);
-    cluster
-        .add_control(
-            "ctl-1",
-            &c1,
-            underlay(11),
-            Ipv4Addr::new(10, 90, 0, 1),
-            "ztmc1",
-            true,
-        )
-        .await;
     cluster
         .add_control(
             "ctl-2",
@@ -1430,10 +1428,7 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         )
         .await;
 
-    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["mesha", "meshb", "meshc", "meshd"]
-        .iter()
-        .map(|t| support::unique_namespace(t))
-        .collect();
+    let namespaces = namespaces(&["mesha", "meshb", "meshc", "meshd"]);
     let mut ctds = Vec::new();
     for ns in &namespaces {
         let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.clone())
