@@ -501,6 +501,19 @@ impl Drop for Node {
 }
 
 impl Node {
+    /// A new control plane and a node joined to it, started and heard
+    /// from (its hello); the data directory lives as long as the node.
+    async fn start_joined(
+        ctd: &Containerd,
+        prefix: &str,
+    ) -> (ControlPlane, tempfile::TempDir, Self) {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (data, node_id) = joined(&cp).await;
+        let node = Self::start(ctd, prefix, &cp, data.path(), &node_id);
+        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+        (cp, data, node)
+    }
+
     fn start(
         ctd: &Containerd,
         prefix: &str,
@@ -584,10 +597,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
-        let mut cp = ControlPlane::start(&[SECRET]).await;
-        let (data, node_id) = joined(&cp).await;
-        let mut node = Node::start(&ctd, "ztcp", &cp, data.path(), &node_id);
-        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+        let (mut cp, _data, mut node) = Node::start_joined(&ctd, "ztcp").await;
 
         cp.push_set(one("a1", 1, AssignmentDesired::Run));
         let healthy = InstanceState::Healthy as i32;
@@ -678,14 +688,8 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
 /// reported, and the healthy instance is never touched.
 #[tokio::test]
 async fn bad_input_through_the_stream_disturbs_nothing() {
-    support::on_rig("ctl-bad", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
-        let mut cp = ControlPlane::start(&[SECRET]).await;
-        let (data, node_id) = joined(&cp).await;
-        let mut node = Node::start(&ctd, "ztcb", &cp, data.path(), &node_id);
-        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+    support::on_rig_with_image("ctl-bad", |ctd, _rig| async move {
+        let (mut cp, _data, mut node) = Node::start_joined(&ctd, "ztcb").await;
 
         let mut set = one("good", 1, AssignmentDesired::Run);
         set.runtime.get_mut("good").unwrap().subnet_cidr = "10.201.184.0/24".into();
@@ -1134,10 +1138,7 @@ impl Drop for AgentBin {
 
 #[tokio::test]
 async fn the_binary_joins_and_runs_under_control() {
-    support::on_rig("ctl-bin", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
+    support::on_rig_with_image("ctl-bin", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
@@ -1726,10 +1727,7 @@ async fn serve(routes: Vec<(&'static str, Route)>) -> (String, AbortOnDrop) {
 async fn the_binary_upgrades_itself_and_keeps_its_containers() {
     use sha2::Digest;
     use std::io::Write;
-    support::on_rig("ctl-upg", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
+    support::on_rig_with_image("ctl-upg", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let dir = tempfile::tempdir().unwrap();
         let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
@@ -1951,10 +1949,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
 /// FAILED "out of memory (limit N MiB)", the restart counted (17.3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oom_kill_reaches_control_as_failed_out_of_memory() {
-    support::on_rig("ctl-oom", |ctd, rig| async move {
-        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    support::on_rig_with_image("ctl-oom", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent = control_plane::ControlledAgent::start(
             &cp,
