@@ -18,10 +18,7 @@ use zattera_agent::runtime::{Containerd, ImageRef};
 async fn anonymous_pull_stores_unpacks_and_reports_progress() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/busybox:test")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/busybox:test");
     with_namespace(&rig, "pull-anon", |ctd, _rig| async move {
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&events);
@@ -69,10 +66,7 @@ async fn anonymous_pull_stores_unpacks_and_reports_progress() {
 async fn basic_auth_is_required_and_used() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(Some(("zuser", "zpass")));
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "private/busybox:1")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "private/busybox:1");
     with_namespace(&rig, "pull-auth", |ctd, _rig| async move {
         let puller = Puller::new(ctd.clone(), vec![]);
         let anon = puller
@@ -139,10 +133,7 @@ async fn an_index_with_two_platforms_resolves_to_this_one() {
 async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/corrupt:1")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/corrupt:1");
     // The layer is the largest blob; flip a byte in the registry's copy.
     let layer_digest = registry.largest_blob();
     let file = registry.blob_file(&layer_digest);
@@ -184,10 +175,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
 async fn concurrent_pulls_of_one_reference_share_the_work() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/busybox:shared")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/busybox:shared");
     with_namespace(&rig, "pull-shared", |ctd, _rig| async move {
         let downloads = Arc::new(Mutex::new(0));
         let puller = Puller::new(ctd.clone(), vec![]);
@@ -329,6 +317,14 @@ async fn two_writers_of_one_blob_both_succeed() {
         assert!(content::exists(&ctd, &desc.digest).await.unwrap());
     })
     .await;
+}
+
+/// Pushes the test image to `registry` as `name`; returns its reference.
+fn push_test_image(registry: &Registry, rig: &support::Rig, name: &str) -> ImageRef {
+    registry
+        .push(&rig.oci_archive(), None, name)
+        .parse()
+        .unwrap()
 }
 
 /// Pulls `reference` anonymously, which must fail; returns the error text.

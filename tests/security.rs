@@ -219,41 +219,27 @@ async fn containers_reach_neither_the_host_nor_another_environment() {
                 .unwrap(),
         );
         let events = host_events(&mut services);
+        // Runs a script in the attacker's container; (exit code, output).
+        let attack = |script: String| {
+            let (ctd, attacker) = (&ctd, &attacker);
+            async move { sh(ctd, attacker, &script).await }
+        };
 
         // 1. The host's service on the gateway.
-        let (_, out) = sh(
-            &ctd,
-            &attacker,
-            &format!("echo hi | nc -w 2 {prod_gw} 2222; echo rc=$?"),
-        )
-        .await;
+        let (_, out) = attack(format!("echo hi | nc -w 2 {prod_gw} 2222; echo rc=$?")).await;
         // 2. A crafted packet to the host's loopback (CVE-2020-8558).
-        let (_, raw) = sh(
-            &ctd,
-            &attacker,
-            &format!("ztprobe udp eth0 {mac} {attacker_ip} 127.0.0.1 40000 5555 pwned"),
-        )
+        let (_, raw) = attack(format!(
+            "ztprobe udp eth0 {mac} {attacker_ip} 127.0.0.1 40000 5555 pwned"
+        ))
         .await;
         assert!(raw.contains("sent"), "the raw packet went out: {raw}");
         // 3. Another environment's resolver; its own answers.
-        let (_, foreign) = sh(
-            &ctd,
-            &attacker,
-            &format!("nslookup db.internal {staging_gw}"),
-        )
-        .await;
-        let (_, own) = sh(
-            &ctd,
-            &attacker,
-            &format!("nslookup attacker.internal {prod_gw}"),
-        )
-        .await;
+        let (_, foreign) = attack(format!("nslookup db.internal {staging_gw}")).await;
+        let (_, own) = attack(format!("nslookup attacker.internal {prod_gw}")).await;
         // 4. A query with db's address as its source: the answer would go to db.
-        let (_, spoof) = sh(
-            &ctd,
-            &attacker,
-            &format!("ztprobe udp eth0 {mac} {db_ip} {prod_gw} 5353 53 dns:attacker.internal"),
-        )
+        let (_, spoof) = attack(format!(
+            "ztprobe udp eth0 {mac} {db_ip} {prod_gw} 5353 53 dns:attacker.internal"
+        ))
         .await;
         assert!(spoof.contains("sent"), "{spoof}");
         tokio::time::sleep(Duration::from_secs(2)).await;
