@@ -104,6 +104,14 @@ async fn bucket(endpoint: &str, tag: &str) -> String {
     name
 }
 
+/// The rig's S3 endpoint and a fresh bucket `tag` in it; `None` (the test
+/// skips) without S3, see [`s3_endpoint`].
+async fn s3_bucket(tag: &str) -> Option<(String, String)> {
+    let endpoint = s3_endpoint()?;
+    let bucket = bucket(&endpoint, tag).await;
+    Some((endpoint, bucket))
+}
+
 /// A node API served for a joined node identity, with containerd.
 struct Node {
     _cp: ControlPlane,
@@ -360,12 +368,11 @@ fn rich_tree(root: &Path) {
 #[tokio::test]
 async fn a_snapshot_restores_every_entry_exactly_through_the_node_api() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("rich").await else {
         return;
     };
     support::with_namespace(&rig, "snap-rich", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "rich").await;
         let src = node.volume_root("source");
         std::fs::create_dir_all(&src).unwrap();
         rich_tree(&src);
@@ -430,10 +437,9 @@ async fn a_snapshot_restores_every_entry_exactly_through_the_node_api() {
 /// with 4 KiB average chunks, adds 1 or 2 chunks.
 #[tokio::test]
 async fn dedup_adds_only_what_changed() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("dedup").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "dedup").await;
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY)
         .unwrap()
         .with_params(chunker::Params::with(1024, 4096, 16384));
@@ -473,10 +479,9 @@ async fn dedup_adds_only_what_changed() {
 /// snapshot exactly, nothing merged.
 #[tokio::test]
 async fn a_restore_never_follows_planted_links() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("plant").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "plant").await;
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY).unwrap();
     let none: zattera_agent::snapshot::ProgressFn = Arc::new(|_| {});
     let base = tempfile::tempdir().unwrap();
@@ -525,10 +530,9 @@ async fn a_restore_never_follows_planted_links() {
 /// restore and leave the volume as it was.
 #[tokio::test]
 async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("tamper").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "tamper").await;
     let cfg = config(&endpoint, &bucket);
     let engine = Engine::new(&cfg, &KEY)
         .unwrap()
@@ -601,10 +605,9 @@ async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
 /// once, naming the chunk, and the volume is left as it was.
 #[tokio::test]
 async fn a_manifest_declaring_a_huge_chunk_is_refused() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("hugechunk").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "hugechunk").await;
     let cfg = config(&endpoint, &bucket);
     let engine = Engine::new(&cfg, &KEY).unwrap();
     let forged = format!(
@@ -641,12 +644,11 @@ async fn a_manifest_declaring_a_huge_chunk_is_refused() {
 #[tokio::test]
 async fn pre_hooks_run_in_the_volumes_container_and_restores_wait_for_it_to_stop() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("hook").await else {
         return;
     };
     support::with_namespace(&rig, "snap-hook", |ctd, rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "hook").await;
         let s3 = target(&endpoint, &bucket, &KEY);
         let root = node.volume_root("db");
         std::fs::create_dir_all(&root).unwrap();
@@ -822,12 +824,11 @@ impl Relay {
 #[tokio::test]
 async fn s3_down_mid_snapshot_fails_cleanly_and_the_next_one_works() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("down").await else {
         return;
     };
     support::with_namespace(&rig, "snap-down", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "down").await;
         let root = node.volume_root("big");
         std::fs::create_dir_all(&root).unwrap();
         for i in 0..6 {
@@ -909,13 +910,12 @@ fn run_python(args: &[&str], endpoint: &str, bucket: &str) -> String {
 #[tokio::test]
 async fn snapshots_cross_between_this_agent_and_an_independent_writer() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("compat").await else {
         return;
     };
     assert!(python().exists(), "the rig's S3 venv is missing");
     support::with_namespace(&rig, "snap-compat", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "compat").await;
         let s3 = target(&endpoint, &bucket, &KEY);
         // The independent FastCDC agrees with fastcdc-go's boundaries.
         let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/fastcdc/golden.txt");
@@ -1022,10 +1022,9 @@ async fn the_cli_saves_and_brings_back_a_directory() {
 /// trusted. Any change, a same-size rewrite included, reads everything again.
 #[tokio::test]
 async fn an_unchanged_root_reuses_its_last_walk_and_a_change_does_not() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("reuse").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "reuse").await;
     let cache = tempfile::tempdir().unwrap();
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY)
         .unwrap()
