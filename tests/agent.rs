@@ -13,9 +13,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use support::agent::{AgentProc, BIN};
+use support::private::PrivateContainerd;
 use support::{TEST_IMAGE, on_rig, on_rig_with_image, rig};
+use zattera_agent::runtime::Containerd;
 use zattera_agent::runtime::containers::{self, TaskState};
-use zattera_agent::runtime::{Containerd, import_archive};
 
 fn sleeper(app: &str, replicas: u32) -> String {
     format!(
@@ -333,14 +334,8 @@ async fn container_output_is_kept_while_the_agent_is_down() {
 #[tokio::test]
 async fn containerd_restarted_under_the_agent() {
     let Some(rig) = rig() else { return };
-    let mut private = support::private::PrivateContainerd::start();
     let ns = format!("zt-test-agent-ctd-{}", std::process::id());
-    let ctd = Containerd::connect(&private.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
+    let (mut private, ctd) = PrivateContainerd::start().with_test_image(&rig, &ns).await;
     let mut agent = AgentProc::new(&private.socket, &ns, "ztkg", "162-163");
     agent.write_manifest("svc.toml", &sleeper("svc", 1));
     agent.start();
@@ -370,14 +365,8 @@ async fn containerd_restarted_under_the_agent() {
 #[tokio::test]
 async fn the_agent_started_before_containerd_waits_and_converges() {
     let Some(rig) = rig() else { return };
-    let mut private = support::private::PrivateContainerd::start();
     let ns = format!("zt-test-agent-wait-{}", std::process::id());
-    let ctd = Containerd::connect(&private.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
+    let (mut private, ctd) = PrivateContainerd::start().with_test_image(&rig, &ns).await;
     private.down();
 
     let mut agent = AgentProc::new(&private.socket, &ns, "ztkh", "164-165");

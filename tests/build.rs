@@ -202,13 +202,7 @@ fn buildah_containers(agent: &ControlledAgent) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tarball_build_is_pushed_and_deployed_healthy() {
     on_rig("build-push", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztga",
-            &["--build-backend", "buildah"],
-        )
-        .await;
+        let c = buildah_cluster(&rig, &ctd, "ztga").await;
         let url = c.blobs.put(app_context(&c.base, ""));
         let repo = format!("{}/proj/app", c.registry.addr);
         let (lines, end) = run_build(
@@ -265,13 +259,7 @@ async fn a_tarball_build_is_pushed_and_deployed_healthy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_build_lands_in_containerd_runs_and_beats_while_silent() {
     on_rig("build-load", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgb",
-            &["--build-backend", "buildah"],
-        )
-        .await;
+        let c = buildah_cluster(&rig, &ctd, "ztgb").await;
         let url = c.blobs.put(app_context(&c.base, "RUN sleep 75\n"));
         let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-2", &url, "")).await;
         assert_eq!(
@@ -298,13 +286,7 @@ async fn a_local_build_lands_in_containerd_runs_and_beats_while_silent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_build_stops_buildah_and_its_container() {
     on_rig("build-cancel", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgc",
-            &["--build-backend", "buildah"],
-        )
-        .await;
+        let c = buildah_cluster(&rig, &ctd, "ztgc").await;
         let url = c
             .blobs
             .put(app_context(&c.base, "RUN echo sleeping && sleep 300\n"));
@@ -395,13 +377,7 @@ fn raw_tgz(name: &str, declared: u64, body: &[u8]) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
     on_rig("build-bad", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgd",
-            &["--build-backend", "buildah"],
-        )
-        .await;
+        let c = buildah_cluster(&rig, &ctd, "ztgd").await;
         let wrong = format!("/internal/blobs/sha256:{}", "0".repeat(64));
         let cases: Vec<(String, &str)> = vec![
             (
@@ -573,13 +549,7 @@ impl Drop for Upstream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn build_steps_run_in_a_network_of_their_own() {
     on_rig("build-net", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgn",
-            &["--build-backend", "buildah"],
-        )
-        .await;
+        let c = buildah_cluster(&rig, &ctd, "ztgn").await;
         steps_stay_in_their_network(&c, &ctd, &rig, "ztgn", 90, 124).await;
         // The build's namespace and veth are gone with it.
         let netns = c.agent.dir.path().join("run/netns");
@@ -603,14 +573,7 @@ async fn build_steps_run_in_a_network_of_their_own() {
 async fn buildkit_steps_run_in_a_network_of_their_own() {
     let Some(bin) = buildkitd() else { return };
     on_rig("build-bkn", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgo",
-            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
-        )
-        .await;
-        let cleanup = buildkit_cleanup(&c, &rig);
+        let (c, cleanup) = buildkit_cluster(&rig, &ctd, "ztgo", &bin).await;
         let checked = tokio::spawn({
             let (ctd, rig) = (ctd.clone(), rig.clone());
             async move {
@@ -979,6 +942,30 @@ impl BuildkitdCleanup {
     }
 }
 
+/// [`cluster`] in `ctd`'s namespace, whose agent builds with buildah.
+async fn buildah_cluster(
+    rig: &support::Rig,
+    ctd: &zattera_agent::runtime::Containerd,
+    prefix: &str,
+) -> Cluster {
+    let backend = ["--build-backend", "buildah"];
+    cluster(rig, ctd.namespace().as_str(), prefix, &backend).await
+}
+
+/// [`cluster`] in `ctd`'s namespace, whose agent builds with the buildkitd
+/// at `bin`, and the clean-up of what that buildkitd leaves.
+async fn buildkit_cluster(
+    rig: &support::Rig,
+    ctd: &zattera_agent::runtime::Containerd,
+    prefix: &str,
+    bin: &str,
+) -> (Cluster, BuildkitdCleanup) {
+    let backend = ["--build-backend", "buildkit", "--buildkitd-binary", bin];
+    let c = cluster(rig, ctd.namespace().as_str(), prefix, &backend).await;
+    let cleanup = buildkit_cleanup(&c, rig);
+    (c, cleanup)
+}
+
 fn buildkit_cleanup(c: &Cluster, rig: &support::Rig) -> BuildkitdCleanup {
     let worker = zattera_agent::build::buildkit::worker_namespace(&c.agent.namespace);
     BuildkitdCleanup {
@@ -999,14 +986,7 @@ fn buildkit_cleanup(c: &Cluster, rig: &support::Rig) -> BuildkitdCleanup {
 async fn buildkit_builds_pushes_and_the_image_deploys_healthy() {
     let Some(bin) = buildkitd() else { return };
     on_rig("build-bk", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztge",
-            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
-        )
-        .await;
-        let cleanup = buildkit_cleanup(&c, &rig);
+        let (c, cleanup) = buildkit_cluster(&rig, &ctd, "ztge", &bin).await;
         let url = c.blobs.put(app_context(&c.base, ""));
         let repo = format!("{}/proj/app", c.registry.addr);
         let (lines, end) = run_build(
@@ -1039,14 +1019,7 @@ async fn buildkit_builds_pushes_and_the_image_deploys_healthy() {
 async fn buildkit_cancel_stops_the_solve() {
     let Some(bin) = buildkitd() else { return };
     on_rig("build-bkc", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgf",
-            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
-        )
-        .await;
-        let cleanup = buildkit_cleanup(&c, &rig);
+        let (c, cleanup) = buildkit_cluster(&rig, &ctd, "ztgf", &bin).await;
         let url = c
             .blobs
             .put(app_context(&c.base, "RUN echo sleeping && sleep 301\n"));
@@ -1121,14 +1094,7 @@ async fn buildkit_cancel_stops_the_solve() {
 async fn buildkit_builds_never_read_images_another_tenant_pulled() {
     let Some(bin) = buildkitd() else { return };
     on_rig("build-bkp", |ctd, rig| async move {
-        let c = cluster(
-            &rig,
-            ctd.namespace().as_str(),
-            "ztgp",
-            &["--build-backend", "buildkit", "--buildkitd-binary", &bin],
-        )
-        .await;
-        let cleanup = buildkit_cleanup(&c, &rig);
+        let (c, cleanup) = buildkit_cluster(&rig, &ctd, "ztgp", &bin).await;
         let private = Registry::start(Some(("tenant-a", "tenant-a-pw")));
         let image = format!("{}/tenant-a/app:1", private.addr);
         zattera_agent::runtime::import_archive(

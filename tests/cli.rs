@@ -11,6 +11,21 @@ fn agent() -> Command {
     cmd
 }
 
+/// Runs `image import` against containerd at `socket`; asserts it fails
+/// with one line of stderr and returns that line.
+fn import_fails_in_one_line(socket: &std::path::Path) -> String {
+    let out = agent()
+        .args(["--config", "/dev/null", "--containerd-address"])
+        .arg(socket)
+        .args(["image", "import", "whatever.tar"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    stderr
+}
+
 #[test]
 fn version_prints_the_crate_version() {
     let out = agent().arg("version").output().unwrap();
@@ -25,15 +40,7 @@ fn version_prints_the_crate_version() {
 fn missing_containerd_socket_is_one_clear_line() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("containerd.sock");
-    let out = agent()
-        .args(["--config", "/dev/null", "--containerd-address"])
-        .arg(&socket)
-        .args(["image", "import", "whatever.tar"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let stderr = import_fails_in_one_line(&socket);
     assert!(stderr.contains(&socket.display().to_string()), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
@@ -44,15 +51,7 @@ fn refused_socket_is_one_clear_line() {
     let socket = dir.path().join("dead.sock");
     // A socket file nobody listens on: bound, then the listener is dropped.
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
-    let out = agent()
-        .args(["--config", "/dev/null", "--containerd-address"])
-        .arg(&socket)
-        .args(["image", "import", "whatever.tar"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let stderr = import_fails_in_one_line(&socket);
     assert!(
         stderr.contains("dead.sock") && stderr.contains("refused"),
         "{stderr}"

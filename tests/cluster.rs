@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use futures::FutureExt as _;
 
-use control_plane::{AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, set_of};
+use control_plane::{
+    AgentFlags, ControlPlane, ControlledAgent, RegistryGrant, assignment, controlled_agent, set_of,
+};
 use support::agent::KillOnDrop;
 use support::registry::Registry;
 use support::{on_rig, on_rig_with_image, rig};
@@ -46,9 +48,7 @@ fn seconds(s: i64) -> prost_types::Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn healthy_comes_back_after_a_crash_loop() {
     on_rig_with_image("cl-heal", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcl").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztcl", &[]).await;
         // No health check: crashes twice at once, then stays up.
         let plain = assignment("plain", "env", 190, &crashing(2, 0));
         // An exec probe that always passes: HEALTHY, a crash after 4 s, up again.
@@ -194,9 +194,7 @@ async fn run_after_join_syncs_with_the_address_the_join_returned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_subnet_replaces_the_instance() {
     on_rig_with_image("cl-subnet", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcs").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztcs", &[]).await;
         let ip_in = |slot: u8| {
             move |s: &serde_json::Value| {
                 s["assignments"].as_array().is_some_and(|rows| {
@@ -280,19 +278,8 @@ fn reports(
 async fn a_hanging_pull_stalls_nothing_else() {
     on_rig_with_image("cl-tarpit", |ctd, rig| async move {
         let (registry, _tarpit) = tarpit().await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start_with(
-            &cp,
-            SECRET,
-            &rig,
-            ctd.namespace().as_str(),
-            "ztct",
-            AgentFlags {
-                run: &["--pull-timeout", "40s"],
-                ..AgentFlags::default()
-            },
-        )
-        .await;
+        let (cp, agent) =
+            controlled_agent(SECRET, &rig, &ctd, "ztct", &["--pull-timeout", "40s"]).await;
         let (slow, mut slow_rt) = assignment("slow", "env", 193, "sleep 3600");
         slow_rt.image_ref = format!("{registry}/tarpit/app:1");
         let fast = |hash: &str| {
@@ -419,18 +406,13 @@ async fn private_containerd(
     String,
     zattera_agent::runtime::Containerd,
 ) {
+    let ns = format!("zt-test-cl-{tag}-{}", std::process::id());
     let private = support::private::PrivateContainerd::start();
+    let (private, ctd) = private.with_test_image(&rig, &ns).await;
     let rig = support::Rig {
         socket: private.socket.clone(),
         ..rig
     };
-    let ns = format!("zt-test-cl-{tag}-{}", std::process::id());
-    let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
     (private, rig, ns, ctd)
 }
 
@@ -573,9 +555,7 @@ async fn a_node_whose_containerd_is_down_at_start_still_heartbeats() {
 async fn three_hundred_instances_adopted_under_a_slow_control_all_report() {
     use zattera_agent::proto::cluster::agent_message::Body;
     on_rig_with_image("cl-300", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let mut agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztch").await;
+        let (cp, mut agent) = controlled_agent(SECRET, &rig, &ctd, "ztch", &[]).await;
         // Two environments: a /24 holds 253 instances.
         let ids: Vec<String> = (0..300).map(|i| format!("i{i:03}")).collect();
         let set = ids
@@ -673,9 +653,7 @@ async fn node_points(agent: &ControlledAgent, cp: &ControlPlane) -> Vec<i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_survive_a_sigkill() {
     on_rig("cl-stats", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let mut agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztcm").await;
+        let (cp, mut agent) = controlled_agent(SECRET, &rig, &ctd, "ztcm", &[]).await;
         let file = agent.data_dir().join("metrics/tsdb.bin");
         let deadline = std::time::Instant::now() + Duration::from_secs(100);
         while !file.exists() {
@@ -821,6 +799,34 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
     .await;
 }
 
+/// A test network `prefix` on the underlay 10.203.`subnet`.0/24 and a
+/// cluster of the run binary whose control host ctl-1 (mesh 10.90.0.1,
+/// the hub when `hub`) runs on its host c1 (.11); returns c1 too.
+async fn cluster_with_ctl1(
+    prefix: &str,
+    subnet: u8,
+    hub: bool,
+) -> (mesh_cluster::TestNet, mesh_cluster::Cluster, String) {
+    let bin = std::path::PathBuf::from(support::agent::run_bin());
+    let mut net = mesh_cluster::TestNet::new(prefix);
+    let c1_addr = std::net::Ipv4Addr::new(10, 203, subnet, 11);
+    let c1 = net.add_host("c1", c1_addr);
+    let mut cluster = mesh_cluster::Cluster::new(SECRET, &bin);
+    if hub {
+        cluster.set_hub("ctl-1");
+    }
+    let mesh_ip = std::net::Ipv4Addr::new(10, 90, 0, 1);
+    cluster
+        .add_control("ctl-1", &c1, c1_addr, mesh_ip, &format!("{prefix}c1"), true)
+        .await;
+    (net, cluster, c1)
+}
+
+/// A fresh containerd namespace for each of `tags`.
+fn namespaces(tags: &[&str]) -> Vec<zattera_agent::runtime::Namespace> {
+    tags.iter().map(|t| support::unique_namespace(t)).collect()
+}
+
 /// 44.11: workers behind NAT, in the reference's shape. The hub (ctl-1)
 /// carries 10.90.0.0/16; each worker sits behind a NAT of its own (a
 /// namespace that masquerades) with no `mesh-endpoint`, so its join must
@@ -832,30 +838,13 @@ async fn a_node_moved_from_the_reference_agent_keeps_its_logs_and_metrics() {
 /// nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn workers_behind_nat_reach_each_other_through_the_hub() {
-    use mesh_cluster::{Cluster, TestNet, run_in};
+    use mesh_cluster::{TestNet, run_in};
     use std::net::Ipv4Addr;
 
     let Some(rig) = rig() else { return };
-    let bin = std::path::PathBuf::from(support::agent::run_bin());
-    let mut net = TestNet::new("ztn");
     let underlay = |n: u8| Ipv4Addr::new(10, 203, 78, n);
-    let c1 = net.add_host("c1", underlay(11));
-    let mut cluster = Cluster::new(SECRET, &bin);
-    cluster.set_hub("ctl-1");
-    cluster
-        .add_control(
-            "ctl-1",
-            &c1,
-            underlay(11),
-            Ipv4Addr::new(10, 90, 0, 1),
-            "ztnc1",
-            true,
-        )
-        .await;
-    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["nata", "natb"]
-        .iter()
-        .map(|t| support::unique_namespace(t))
-        .collect();
+    let (mut net, cluster, _c1) = cluster_with_ctl1("ztn", 78, true).await;
+    let namespaces = namespaces(&["nata", "natb"]);
     let token = cluster.ca.token(SECRET);
     let node = |name: &str, n: u8, idx: usize, net: &mut TestNet| {
         let ns = net.add_host_behind_nat(name, underlay(n), u8::try_from(idx).unwrap() + 1);
@@ -1249,17 +1238,12 @@ async fn an_expiring_certificate_without_a_token_is_a_warning() {
 async fn an_assignment_without_a_subnet_gets_the_default_network() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     on_rig_with_image("cl-default", |ctd, rig| async move {
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start_with(
-            &cp,
+        let (cp, agent) = controlled_agent(
             SECRET,
             &rig,
-            ctd.namespace().as_str(),
+            &ctd,
             "ztdn",
-            AgentFlags {
-                run: &["--default-subnet", "10.202.198.0/24"],
-                ..AgentFlags::default()
-            },
+            &["--default-subnet", "10.202.198.0/24"],
         )
         .await;
         let (a, mut rt) = assignment("plain", "env", 0, "httpd -f -p 80 -h /etc");
@@ -1424,28 +1408,15 @@ where
 /// whose mesh and containers come back before control answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
-    use mesh_cluster::{Cluster, TestNet, device, forward_from, run_in};
+    use mesh_cluster::{TestNet, device, forward_from, run_in};
     use std::net::{Ipv4Addr, SocketAddr};
     use zattera_agent::proto::cluster::{Endpoint, InternalPort, InternalService, RouteSnapshot};
     use zattera_agent::proto::v1::{PortSpec, Protocol};
 
     let Some(rig) = rig() else { return };
-    let bin = std::path::PathBuf::from(support::agent::run_bin());
-    let mut net = TestNet::new("ztm");
     let underlay = |n: u8| Ipv4Addr::new(10, 203, 77, n);
-    let c1 = net.add_host("c1", underlay(11));
+    let (mut net, mut cluster, c1) = cluster_with_ctl1("ztm", 77, false).await;
     let c2 = net.add_host("c2", underlay(12));
-    let mut cluster = Cluster::new(SECRET, &bin);
-    cluster
-        .add_control(
-            "ctl-1",
-            &c1,
-            underlay(11),
-            Ipv4Addr::new(10, 90, 0, 1),
-            "ztmc1",
-            true,
-        )
-        .await;
     cluster
         .add_control(
             "ctl-2",
@@ -1457,10 +1428,7 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         )
         .await;
 
-    let namespaces: Vec<zattera_agent::runtime::Namespace> = ["mesha", "meshb", "meshc", "meshd"]
-        .iter()
-        .map(|t| support::unique_namespace(t))
-        .collect();
+    let namespaces = namespaces(&["mesha", "meshb", "meshc", "meshd"]);
     let mut ctds = Vec::new();
     for ns in &namespaces {
         let ctd = zattera_agent::runtime::Containerd::connect(&rig.socket, ns.clone())
@@ -1561,16 +1529,8 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
             let c1 = c1.clone();
             async move {
                 let addr = forward_from(&c1, SocketAddr::from((m.mesh_ip, 8444))).await;
-                let (cert, key) = cluster_ca.node_identity(caller, false);
-                let cfg = zattera_agent::link::tls::node_client(&zattera_agent::link::tls::NodeTls {
-                    key_pem: key.into_bytes(),
-                    cert_pem: cert.into_bytes(),
-                    ca_pem: cluster_ca.pem.clone().into_bytes(),
-                })
-                .unwrap();
-                let name = rustls::pki_types::ServerName::try_from(format!("node-{}", m.node_id)).unwrap();
-                let channel = zattera_agent::link::tls::connect_as(&addr, name, cfg).await.unwrap();
-                zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(channel)
+                let cfg = cluster_ca.client_tls(cluster_ca.node_identity(caller, false));
+                control_plane::node_api_client(&addr, &m.node_id, cfg).await
             }
         };
         for m in [&ma, &mb, &mc] {

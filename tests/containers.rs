@@ -12,15 +12,30 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use support::{Rig, TEST_IMAGE, list_snapshots, rig, with_namespace};
-use zattera_agent::logs::shim::log_uri;
-use zattera_agent::runtime::containers::{self, NewContainer, TaskState};
+use zattera_agent::runtime::containers::{self, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
 use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
 use zattera_agent::runtime::{events, stats};
 
-fn agent_binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent"))
+/// Skips without the rig, else runs `body` in a fresh namespace with a log
+/// directory for [`start_busybox`] that outlives the namespace.
+async fn on_rig_with_logs<F, Fut>(test: &str, body: F)
+where
+    F: FnOnce(Containerd, Rig, PathBuf) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let Some(rig) = rig() else { return };
+    let logs = tempfile::tempdir().unwrap();
+    let logs_path = logs.path().to_path_buf();
+    with_namespace(&rig, test, |ctd, rig| body(ctd, rig, logs_path)).await;
+}
+
+/// Removes container `id`, SIGKILLing its task at once (1 s grace).
+async fn kill_and_remove(ctd: &Containerd, id: &str) {
+    containers::remove(ctd, id, 9, Duration::from_secs(1))
+        .await
+        .unwrap();
 }
 
 /// Imports the test image and creates + starts a container running `script`.
@@ -54,34 +69,12 @@ async fn start_busybox(
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()
     };
-    let labels = HashMap::from([
-        ("dev.zattera/managed".to_owned(), "true".to_owned()),
-        ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
-    ]);
-    containers::create(
-        ctd,
-        &NewContainer {
-            id: id.into(),
-            image: name.to_string(),
-            chain_id: image.chain_id,
-            labels,
-            spec: spec::build(&c).unwrap(),
-        },
-    )
-    .await
-    .expect("create container");
     let log = logs.join(format!("{id}.log"));
-    containers::start(
-        ctd,
-        id,
-        &log_uri(
-            &agent_binary(),
-            &log,
-            zattera_agent::logs::Retention::default(),
-        ),
-    )
-    .await
-    .expect("start task");
+    let labels = [
+        ("dev.zattera/managed", "true"),
+        ("dev.zattera/assignment-id", id),
+    ];
+    support::create_and_start(ctd, id, &name, image.chain_id, &labels, &c, &log).await;
     log
 }
 
@@ -118,10 +111,7 @@ fn parse_cri(line: &str) -> (String, String, String) {
 
 #[tokio::test]
 async fn output_of_both_streams_lands_in_the_cri_log_in_order() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "logs", |ctd, rig| async move {
+    on_rig_with_logs("logs", |ctd, rig, logs_path| async move {
         let script = "echo $GREETING $HOSTNAME; for i in $(seq 1 300); do echo out $i; echo err $i >&2; done";
         let log = start_busybox(&ctd, &rig, "logs-1", script, &logs_path).await;
         assert_eq!(wait_stopped(&ctd, "logs-1").await, 0);
@@ -144,10 +134,7 @@ async fn output_of_both_streams_lands_in_the_cri_log_in_order() {
 
 #[tokio::test]
 async fn stop_honours_a_process_that_traps_sigterm() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "trap", |ctd, rig| async move {
+    on_rig_with_logs("trap", |ctd, rig, logs_path| async move {
         let script = "trap 'echo bye; exit 0' TERM; echo ready; while true; do sleep 0.1; done";
         let log = start_busybox(&ctd, &rig, "trap-1", script, &logs_path).await;
         read_log(&log, 1).await; // the trap is installed
@@ -178,10 +165,7 @@ async fn stop_honours_a_process_that_traps_sigterm() {
 
 #[tokio::test]
 async fn stop_kills_a_process_that_ignores_sigterm_after_grace() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "ignore", |ctd, rig| async move {
+    on_rig_with_logs("ignore", |ctd, rig, logs_path| async move {
         let script = "trap '' TERM; echo ready; while true; do sleep 0.1; done";
         let log = start_busybox(&ctd, &rig, "ignore-1", script, &logs_path).await;
         read_log(&log, 1).await;
@@ -202,10 +186,7 @@ async fn stop_kills_a_process_that_ignores_sigterm_after_grace() {
 
 #[tokio::test]
 async fn remove_is_idempotent_and_leaves_no_rootfs() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "remove", |ctd, rig| async move {
+    on_rig_with_logs("remove", |ctd, rig, logs_path| async move {
         start_busybox(&ctd, &rig, "rm-1", "sleep 1000", &logs_path).await;
         assert!(matches!(
             containers::task_state(&ctd, "rm-1").await.unwrap(),
@@ -227,10 +208,7 @@ async fn remove_is_idempotent_and_leaves_no_rootfs() {
 
 #[tokio::test]
 async fn list_filters_by_labels() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "list", |ctd, rig| async move {
+    on_rig_with_logs("list", |ctd, rig, logs_path| async move {
         start_busybox(&ctd, &rig, "list-a", "true", &logs_path).await;
         start_busybox(&ctd, &rig, "list-b", "true", &logs_path).await;
         let owned = containers::list(&ctd, &[("dev.zattera/managed", "true")])
@@ -267,10 +245,7 @@ async fn list_filters_by_labels() {
 
 #[tokio::test]
 async fn exec_returns_exit_codes_and_both_streams() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "exec", |ctd, rig| async move {
+    on_rig_with_logs("exec", |ctd, rig, logs_path| async move {
         start_busybox(&ctd, &rig, "exec-1", "sleep 1000", &logs_path).await;
         let fifo_dir = logs_path.join("fifos");
         let run = |args: &[&str], timeout_ms: u64| ExecRequest {
@@ -332,19 +307,14 @@ async fn exec_returns_exit_codes_and_both_streams() {
             0,
             "fifos are removed"
         );
-        containers::remove(&ctd, "exec-1", 9, Duration::from_secs(1))
-            .await
-            .unwrap();
+        kill_and_remove(&ctd, "exec-1").await;
     })
     .await;
 }
 
 #[tokio::test]
 async fn stats_see_cpu_and_memory_of_a_busy_container() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "stats", |ctd, rig| async move {
+    on_rig_with_logs("stats", |ctd, rig, logs_path| async move {
         start_busybox(&ctd, &rig, "stats-1", "while true; do :; done", &logs_path).await;
         let TaskState::Running { pid } = containers::task_state(&ctd, "stats-1").await.unwrap()
         else {
@@ -360,25 +330,18 @@ async fn stats_see_cpu_and_memory_of_a_busy_container() {
             "a busy loop uses most of a core, got {cpu}%"
         );
         assert!(second.memory_bytes > 0);
-        containers::remove(&ctd, "stats-1", 9, Duration::from_secs(1))
-            .await
-            .unwrap();
+        kill_and_remove(&ctd, "stats-1").await;
     })
     .await;
 }
 
 #[tokio::test]
 async fn container_events_name_the_container() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "cevents", |ctd, rig| async move {
+    on_rig_with_logs("cevents", |ctd, rig, logs_path| async move {
         let mut events = Box::pin(events::subscribe(&ctd));
         // The first event is the one containerd answers the subscription with.
         start_busybox(&ctd, &rig, "cevents-1", "sleep 30", &logs_path).await;
-        containers::remove(&ctd, "cevents-1", 9, Duration::from_secs(1))
-            .await
-            .unwrap();
+        kill_and_remove(&ctd, "cevents-1").await;
         let changed = tokio::time::timeout(Duration::from_secs(20), async {
             let mut changed = Vec::new();
             while changed.len() < 2 {
@@ -401,10 +364,7 @@ async fn container_events_name_the_container() {
 
 #[tokio::test]
 async fn exit_events_carry_the_exit_code() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "events", |ctd, rig| async move {
+    on_rig_with_logs("events", |ctd, rig, logs_path| async move {
         let mut events = Box::pin(events::subscribe(&ctd));
         // The subscription is sent at once; the container's sleep covers its flight time.
         start_busybox(&ctd, &rig, "events-1", "sleep 1; exit 7", &logs_path).await;
@@ -426,9 +386,7 @@ async fn exit_events_carry_the_exit_code() {
                 exit_code: 7
             }
         );
-        containers::remove(&ctd, "events-1", 9, Duration::from_secs(1))
-            .await
-            .unwrap();
+        kill_and_remove(&ctd, "events-1").await;
     })
     .await;
 }
@@ -439,10 +397,7 @@ async fn exit_events_carry_the_exit_code() {
 /// agent starts later are left alone.
 #[tokio::test]
 async fn exec_processes_an_earlier_agent_left_are_ended() {
-    let Some(rig) = rig() else { return };
-    let logs = tempfile::tempdir().unwrap();
-    let logs_path = logs.path().to_path_buf();
-    with_namespace(&rig, "exec-orphans", |ctd, rig| async move {
+    on_rig_with_logs("exec-orphans", |ctd, rig, logs_path| async move {
         start_busybox(&ctd, &rig, "orph-1", "sleep 1000", &logs_path).await;
         let ctr_exec = |exec_id: &str| support::ctr_exec_sleep(&rig, &ctd, "orph-1", exec_id);
         let start = std::time::SystemTime::now();

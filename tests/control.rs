@@ -12,13 +12,15 @@ mod garbage;
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use control_plane::{AgentRun, ControlPlane, Record, TestCa};
+use control_plane::{
+    AbortOnDrop, AgentRun, ControlPlane, Record, TestCa, node_api_client, node_context,
+    serve_node_api,
+};
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
 use zattera_agent::control::join::{JoinError, JoinOptions, join};
@@ -27,7 +29,6 @@ use zattera_agent::control::sync::{self, SyncConfig};
 use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
 use zattera_agent::link::identity::IdentityDir;
 use zattera_agent::link::tls::{self, NodeTls};
-use zattera_agent::node_api::{NodeApi, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::cluster::{
@@ -66,6 +67,19 @@ async fn joined(cp: &ControlPlane) -> (tempfile::TempDir, String) {
         .await
         .expect("join");
     (data, e.node_id)
+}
+
+/// `Some` once a status frame of `session` reports assignment `id` HEALTHY.
+fn healthy_in_session(r: &Record, session: usize, id: &str) -> Option<()> {
+    let healthy = InstanceState::Healthy as i32;
+    r.frames
+        .iter()
+        .any(|(s, f)| {
+            *s == session
+                && matches!(&f.body, Some(Body::Status(b))
+                    if b.observed.get(id).is_some_and(|o| o.state == healthy))
+        })
+        .then_some(())
 }
 
 fn hello_of(r: &Record, session: usize) -> Option<AgentHello> {
@@ -188,6 +202,16 @@ fn cli_join(data: &Path, control: &str, token: &str) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Joins `data` with the CLI (off the runtime); returns the node id.
+async fn cli_joined(data: &Path, addr: String, token: String) -> String {
+    let d = data.to_owned();
+    let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
+        .await
+        .unwrap();
+    assert!(ok, "join: {stderr}");
+    IdentityDir::new(data).load_enrollment().unwrap().node_id
 }
 
 #[tokio::test]
@@ -395,16 +419,8 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
         })
         .await;
     assert_eq!(hello.assignment_version, 9, "the highest version received");
-    let healthy = InstanceState::Healthy as i32;
     cp.wait_for("HEALTHY after the reconnect", WAIT, |r| {
-        r.frames
-            .iter()
-            .any(|(s, f)| {
-                *s == 1
-                    && matches!(&f.body, Some(Body::Status(b))
-                        if b.observed.get("a1").is_some_and(|o| o.state == healthy))
-            })
-            .then_some(())
+        healthy_in_session(r, 1, "a1")
     })
     .await;
     // Every session starts with its hello.
@@ -414,13 +430,6 @@ async fn sync_protocol_statuses_acks_and_reconnect() {
             assert!(matches!(first.1.body, Some(Body::Hello(_))), "session {s}");
         }
     });
-}
-
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// Starts a sync client with `tls` as node `node_id`; returns its task.
@@ -446,28 +455,10 @@ async fn mtls_refuses_foreign_cas_expired_certificates_and_wrong_hellos() {
     let t1 = start_sync(&cp, data.path(), &node_id, foreign_server);
     // Control does not accept a node certificate of another CA, nor an
     // expired one of its own.
-    let (cert, key) = other.node_identity(&node_id, false);
-    let t2 = start_sync(
-        &cp,
-        data.path(),
-        &node_id,
-        NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        },
-    );
-    let (cert, key) = cp.ca.node_identity(&node_id, true);
-    let t3 = start_sync(
-        &cp,
-        data.path(),
-        &node_id,
-        NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        },
-    );
+    let foreign_node = cp.ca.node_tls(other.node_identity(&node_id, false));
+    let t2 = start_sync(&cp, data.path(), &node_id, foreign_node);
+    let expired = cp.ca.node_tls(cp.ca.node_identity(&node_id, true));
+    let t3 = start_sync(&cp, data.path(), &node_id, expired);
     // A hello naming another node than the certificate is refused.
     let t4 = start_sync(&cp, data.path(), "someone-else", good.clone());
     cp.wait_for("the wrong hello refused", WAIT, |r| {
@@ -510,6 +501,19 @@ impl Drop for Node {
 }
 
 impl Node {
+    /// A new control plane and a node joined to it, started and heard
+    /// from (its hello); the data directory lives as long as the node.
+    async fn start_joined(
+        ctd: &Containerd,
+        prefix: &str,
+    ) -> (ControlPlane, tempfile::TempDir, Self) {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let (data, node_id) = joined(&cp).await;
+        let node = Self::start(ctd, prefix, &cp, data.path(), &node_id);
+        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+        (cp, data, node)
+    }
+
     fn start(
         ctd: &Containerd,
         prefix: &str,
@@ -521,23 +525,9 @@ impl Node {
         let run_dir = dirs.path().join("run");
         let (net, dns, cleanup) = support::test_network(ctd, prefix, &run_dir);
         let cfg = ExecutorConfig {
-            node_id: node_id.into(),
-            host_ip: Ipv4Addr::LOCALHOST,
-            data_dir: data.to_owned(),
-            run_dir,
-            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
-            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
-            parallelism: 4,
-            host_port_range: zattera_netns::PortRange::DEFAULT,
-            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
-            shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
-            pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
             standalone: false,
             source: format!("control {}", cp.address()),
-            cluster_registry: None,
-            default_subnet: None,
-            log_retention: zattera_agent::logs::Retention::default(),
-            metrics: std::sync::Arc::default(),
+            ..support::executor_config(ctd, node_id, data, run_dir)
         };
         let (batches_tx, batches_rx) = mpsc::unbounded_channel();
         let (exec, handle) = Executor::new(
@@ -607,10 +597,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         import_archive(&ctd, &rig.oci_archive(), None)
             .await
             .expect("import the test image");
-        let mut cp = ControlPlane::start(&[SECRET]).await;
-        let (data, node_id) = joined(&cp).await;
-        let mut node = Node::start(&ctd, "ztcp", &cp, data.path(), &node_id);
-        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+        let (mut cp, _data, mut node) = Node::start_joined(&ctd, "ztcp").await;
 
         cp.push_set(one("a1", 1, AssignmentDesired::Run));
         let healthy = InstanceState::Healthy as i32;
@@ -671,16 +658,7 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
         cp.wait_for(
             "HEALTHY again after reconnecting",
             Duration::from_secs(40),
-            |r| {
-                r.frames
-                    .iter()
-                    .any(|(s, f)| {
-                        *s == 1
-                            && matches!(&f.body, Some(Body::Status(b))
-                            if b.observed.get("a1").is_some_and(|o| o.state == healthy))
-                    })
-                    .then_some(())
-            },
+            |r| healthy_in_session(r, 1, "a1"),
         )
         .await;
 
@@ -710,14 +688,8 @@ async fn join_then_sync_runs_busybox_to_healthy_and_removes_it() {
 /// reported, and the healthy instance is never touched.
 #[tokio::test]
 async fn bad_input_through_the_stream_disturbs_nothing() {
-    support::on_rig("ctl-bad", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
-        let mut cp = ControlPlane::start(&[SECRET]).await;
-        let (data, node_id) = joined(&cp).await;
-        let mut node = Node::start(&ctd, "ztcb", &cp, data.path(), &node_id);
-        cp.wait_for("the hello", WAIT, |r| hello_of(r, 0)).await;
+    support::on_rig_with_image("ctl-bad", |ctd, _rig| async move {
+        let (mut cp, _data, mut node) = Node::start_joined(&ctd, "ztcb").await;
 
         let mut set = one("good", 1, AssignmentDesired::Run);
         set.runtime.get_mut("good").unwrap().subnet_cidr = "10.201.184.0/24".into();
@@ -930,22 +902,9 @@ async fn call_top(
         .map_err(|s| Some((s.code(), s.message().to_owned())))
 }
 
-/// Port-forward targets of a node that runs nothing.
-fn no_targets() -> zattera_agent::node_api::proxy::Targets {
-    zattera_agent::node_api::proxy::Targets {
-        host_ips: vec!["127.0.0.1".parse().unwrap()],
-        status: watch::channel(Arc::new(zattera_agent::status::StatusSnapshot::default())).1,
-    }
-}
-
 fn client_with(ca: &TestCa, identity: Option<(String, String)>) -> rustls::ClientConfig {
-    if let Some((cert, key)) = identity {
-        return tls::node_client(&NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: ca.pem.clone().into_bytes(),
-        })
-        .unwrap();
+    if let Some(identity) = identity {
+        return ca.client_tls(identity);
     }
     let mut roots = rustls::RootCertStore::empty();
     roots
@@ -967,18 +926,7 @@ async fn node_api_answers_only_cluster_nodes_and_names_missing_capabilities() {
     let cp = ControlPlane::start(&[SECRET]).await;
     let (data, node_id) = joined(&cp).await;
     let node = IdentityDir::new(data.path()).load_tls().unwrap();
-    let api = NodeApi::bind(
-        "127.0.0.1:0".parse().unwrap(),
-        &node,
-        None,
-        control_ids([control_plane::CONTROL_NODE_ID]),
-    )
-    .await
-    .unwrap();
-    let addr = api.local_addr().unwrap().to_string();
-    let _server = AbortOnDrop(tokio::spawn(async move {
-        let _ = api.serve().await;
-    }));
+    let (addr, _server) = serve_node_api(&node, None).await;
     // Without the mesh the node certificate has no IP SAN: verify it by
     // its DNS SAN.
     let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
@@ -1073,38 +1021,10 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         std::fs::write(data.path().join("host-secret"), "do not show").unwrap();
         std::os::unix::fs::symlink(data.path().join("host-secret"), root.join("leak")).unwrap();
         let (_tx, desired) = watch::channel(None);
-        let api = NodeApi::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            &node_tls,
-            Some(zattera_agent::node_api::NodeContext {
-                ctd: ctd.clone(),
-                desired,
-                targets: no_targets(),
-                data_dir: data.path().to_owned(),
-                run_dir: data.path().join("run"),
-                node_id: node_id.clone(),
-                stats: None,
-                upgrade: zattera_agent::upgrade::UpgradeConfig {
-                    base_url: None,
-                    binary: data.path().join("bin/zattera-agent"),
-                    args: Vec::new(),
-                    busy: Arc::default(),
-                    stats: None,
-                },
-                builder: Err("no builder in this test".into()),
-            }),
-            control_ids([control_plane::CONTROL_NODE_ID]),
-        )
-        .await
-        .unwrap();
-        let addr = api.local_addr().unwrap().to_string();
-        let _server = AbortOnDrop(tokio::spawn(async move {
-            let _ = api.serve().await;
-        }));
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
+        let ctx = node_context(&ctd, data.path(), &node_id, desired);
+        let (addr, _server) = serve_node_api(&node_tls, Some(ctx)).await;
         let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api =
-            AgentLocalServiceClient::new(tls::connect_as(&addr, name, control).await.unwrap());
+        let mut api = node_api_client(&addr, &node_id, control).await;
         let list = |path: &str| AgentListFilesRequest {
             environment_id: "01JENVIRONMENT".into(),
             volume_name: "data".into(),
@@ -1218,21 +1138,13 @@ impl Drop for AgentBin {
 
 #[tokio::test]
 async fn the_binary_joins_and_runs_under_control() {
-    support::on_rig("ctl-bin", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
+    support::on_rig_with_image("ctl-bin", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
         let (token, addr) = (cp.ca.token(SECRET), cp.address());
-        let d = data.clone();
-        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
-            .await
-            .unwrap();
-        assert!(ok, "join: {stderr}");
-        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+        let node_id = cli_joined(&data, addr, token).await;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
         let _cleanup = support::NetCleanup {
@@ -1468,13 +1380,8 @@ async fn the_binary_joins_and_runs_under_control() {
         );
 
         // The node API serves a control node on the configured address.
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
         let control = || client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api = AgentLocalServiceClient::new(
-            tls::connect_as(&api_addr, name.clone(), control())
-                .await
-                .unwrap(),
-        );
+        let mut api = node_api_client(&api_addr, &node_id, control()).await;
         // Top: web's processes, ps -ef style.
         let web = observed("b1").container_id;
         let top = api
@@ -1820,20 +1727,12 @@ async fn serve(routes: Vec<(&'static str, Route)>) -> (String, AbortOnDrop) {
 async fn the_binary_upgrades_itself_and_keeps_its_containers() {
     use sha2::Digest;
     use std::io::Write;
-    support::on_rig("ctl-upg", |ctd, rig| async move {
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .expect("import the test image");
+    support::on_rig_with_image("ctl-upg", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let dir = tempfile::tempdir().unwrap();
         let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
         let (token, addr) = (cp.ca.token(SECRET), cp.address());
-        let d = data.clone();
-        let (ok, _, stderr) = tokio::task::spawn_blocking(move || cli_join(&d, &addr, &token))
-            .await
-            .unwrap();
-        assert!(ok, "join: {stderr}");
-        let node_id = IdentityDir::new(&data).load_enrollment().unwrap().node_id;
+        let node_id = cli_joined(&data, addr, token).await;
         // The agent runs from a copy: the upgrade replaces that file only.
         let binary = dir.path().join("bin/zattera-agent");
         std::fs::create_dir_all(binary.parent().unwrap()).unwrap();
@@ -1926,10 +1825,8 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         };
         let before = task_pid().await;
 
-        let name = ServerName::try_from(format!("node-{node_id}")).unwrap();
         let control = client_with(&cp.ca, Some(cp.ca.node_identity("control-1", false)));
-        let mut api =
-            AgentLocalServiceClient::new(tls::connect_as(&api_addr, name, control).await.unwrap());
+        let mut api = node_api_client(&api_addr, &node_id, control).await;
         let request = |url: String, sha256: &str| AgentUpgradeRequest {
             version: "9.9.9".into(),
             url,
@@ -2052,10 +1949,7 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
 /// FAILED "out of memory (limit N MiB)", the restart counted (17.3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oom_kill_reaches_control_as_failed_out_of_memory() {
-    support::on_rig("ctl-oom", |ctd, rig| async move {
-        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+    support::on_rig_with_image("ctl-oom", |ctd, rig| async move {
         let cp = ControlPlane::start(&[SECRET]).await;
         let agent = control_plane::ControlledAgent::start(
             &cp,

@@ -8,13 +8,12 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, TcpStream};
-use std::path::PathBuf;
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
 use support::{Rig, TEST_IMAGE, on_rig};
-use zattera_agent::executor::{Executor, ExecutorConfig, ExecutorHandle};
+use zattera_agent::executor::{Executor, ExecutorHandle};
 use zattera_agent::proto::cluster::{AssignmentRuntime, AssignmentSet};
 use zattera_agent::proto::v1::{
     Assignment, AssignmentDesired, HealthCheck, HealthCheckType, Meta, PortSpec, Protocol,
@@ -22,7 +21,7 @@ use zattera_agent::proto::v1::{
 };
 use zattera_agent::runtime::{Containerd, import_archive};
 use zattera_agent::source::local_names;
-use zattera_agent::status::{State, StatusSnapshot};
+use zattera_agent::status::{AssignmentStatus, State, StatusSnapshot};
 use zattera_netns::NetNode;
 
 /// One test's agent: its executor task, handle and directories.
@@ -50,25 +49,7 @@ impl Agent {
         let dirs = tempfile::tempdir().unwrap();
         let run_dir = dirs.path().join("run");
         let (net, dns, cleanup) = support::test_network(ctd, prefix, &run_dir);
-        let cfg = ExecutorConfig {
-            node_id: node_id.into(),
-            host_ip: Ipv4Addr::LOCALHOST,
-            data_dir: dirs.path().join("data"),
-            run_dir,
-            logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
-            cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
-            parallelism: 4,
-            host_port_range: zattera_netns::PortRange::DEFAULT,
-            pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
-            shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
-            pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
-            standalone: true,
-            source: "test".into(),
-            cluster_registry: None,
-            default_subnet: None,
-            log_retention: zattera_agent::logs::Retention::default(),
-            metrics: std::sync::Arc::default(),
-        };
+        let cfg = support::executor_config(ctd, node_id, &dirs.path().join("data"), run_dir);
         let dns = Arc::new(dns);
         let (exec, handle) = Executor::new(
             cfg,
@@ -126,6 +107,29 @@ impl Agent {
 
 fn state_of(s: &StatusSnapshot, id: &str) -> Option<State> {
     s.assignments.iter().find(|a| a.id == id).map(|a| a.state)
+}
+
+/// The status row of assignment `id`; panics when there is none.
+fn row<'a>(s: &'a StatusSnapshot, id: &str) -> &'a AssignmentStatus {
+    s.assignments
+        .iter()
+        .find(|a| a.id == id)
+        .unwrap_or_else(|| panic!("no status row for {id}"))
+}
+
+/// The client of the lifecycle test: resolves web.internal every second,
+/// on web's subnet (slot 220).
+fn dns_client() -> (Assignment, AssignmentRuntime) {
+    let (a, mut rt) = assignment(
+        "client-0",
+        "client",
+        "prod",
+        220,
+        "while true; do nslookup web.internal > /tmp/ns.txt 2>&1; sleep 1; done",
+        "c1",
+    );
+    rt.subnet_cidr = "10.201.220.0/24".into();
+    (a, rt)
 }
 
 /// One assignment of the busybox image.
@@ -228,25 +232,15 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
     on_rig("exec-life", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxa");
-        let client = assignment(
-            "client-0",
-            "client",
-            "prod",
-            220,
-            "while true; do nslookup web.internal > /tmp/ns.txt 2>&1; sleep 1; done",
-            "c1",
-        );
         // Same project and environment id: one bridge, one DNS scope.
-        let (ca, mut crt) = client;
-        crt.subnet_cidr = "10.201.220.0/24".into();
-        agent.push(set(vec![web("web-0", 220, "h1"), (ca, crt)]));
+        agent.push(set(vec![web("web-0", 220, "h1"), dns_client()]));
 
         let snap = agent
             .wait_for("web HEALTHY", |s| {
                 state_of(s, "web-0") == Some(State::Healthy)
             })
             .await;
-        let web_row = snap.assignments.iter().find(|a| a.id == "web-0").unwrap();
+        let web_row = row(&snap, "web-0");
         assert!(web_row.ip.starts_with("10.201.220."), "{web_row:?}");
         let host_port = web_row.ports["http"];
         assert!(host_port > 0);
@@ -261,13 +255,7 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
 
         // The client resolves web.internal through its gateway to web's IP.
         let web_ip = web_row.ip.clone();
-        let client_cid = snap
-            .assignments
-            .iter()
-            .find(|a| a.id == "client-0")
-            .unwrap()
-            .container_id
-            .clone();
+        let client_cid = row(&snap, "client-0").container_id.clone();
         let mut resolved = String::new();
         for _ in 0..40 {
             let out = zattera_agent::runtime::exec::exec(
@@ -296,16 +284,7 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
         // An edit replaces only the changed instance.
         let client_before = client_cid.clone();
         let web_before = web_row.container_id.clone();
-        let (ca, mut crt) = assignment(
-            "client-0",
-            "client",
-            "prod",
-            220,
-            "while true; do nslookup web.internal > /tmp/ns.txt 2>&1; sleep 1; done",
-            "c1",
-        );
-        crt.subnet_cidr = "10.201.220.0/24".into();
-        agent.push(set(vec![web("web-0", 220, "h2"), (ca, crt)]));
+        agent.push(set(vec![web("web-0", 220, "h2"), dns_client()]));
         let snap = agent
             .wait_for("web replaced and HEALTHY", |s| {
                 s.assignments.iter().any(|a| {
@@ -313,13 +292,7 @@ async fn lifecycle_to_healthy_with_ports_dns_and_removal() {
                 })
             })
             .await;
-        let client_after = snap
-            .assignments
-            .iter()
-            .find(|a| a.id == "client-0")
-            .unwrap()
-            .container_id
-            .clone();
+        let client_after = row(&snap, "client-0").container_id.clone();
         assert_eq!(
             client_after, client_before,
             "the unchanged client is not restarted"
@@ -361,22 +334,8 @@ async fn two_environments_are_isolated() {
                     .all(|id| state_of(s, id) == Some(State::Healthy))
             })
             .await;
-        let ip = |id: &str| {
-            snap.assignments
-                .iter()
-                .find(|a| a.id == id)
-                .unwrap()
-                .ip
-                .clone()
-        };
-        let cid = |id: &str| {
-            snap.assignments
-                .iter()
-                .find(|a| a.id == id)
-                .unwrap()
-                .container_id
-                .clone()
-        };
+        let ip = |id: &str| row(&snap, id).ip.clone();
+        let cid = |id: &str| row(&snap, id).container_id.clone();
         let fifo = agent.dirs.path().join("fifos");
         let wget = |target: String| zattera_agent::runtime::exec::ExecRequest {
             args: vec![
@@ -429,7 +388,7 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
                 state_of(s, "bad-0") == Some(State::Failed)
             })
             .await;
-        let row = snap.assignments.iter().find(|a| a.id == "bad-0").unwrap();
+        let row = row(&snap, "bad-0");
         assert!(row.message.starts_with("pull 127.0.0.1:"), "{row:?}");
         // Three ticks (5 s apart) exhaust the attempts; afterwards nothing changes.
         tokio::time::sleep(Duration::from_secs(16)).await;
@@ -563,7 +522,7 @@ async fn jobs_run_once_and_report_their_exit() {
                     && state_of(s, "job-bad") == Some(State::Failed)
             })
             .await;
-        let bad_row = snap.assignments.iter().find(|a| a.id == "job-bad").unwrap();
+        let bad_row = row(&snap, "job-bad");
         assert_eq!(bad_row.message, "exited with code 4");
         // Ticks pass; a job is never run again.
         tokio::time::sleep(Duration::from_secs(6)).await;
@@ -711,14 +670,7 @@ async fn bad_assignments_are_reported_and_disturb_nothing() {
                         .all(|id| state_of(s, id) == Some(State::Failed))
             })
             .await;
-        let message = |id: &str| {
-            snap.assignments
-                .iter()
-                .find(|a| a.id == id)
-                .unwrap()
-                .message
-                .clone()
-        };
+        let message = |id: &str| row(&snap, id).message.clone();
         assert!(
             message("noimg-0").starts_with("pull "),
             "{}",

@@ -8,9 +8,9 @@ mod support;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::process::Command;
 
-use support::{TEST_IMAGE, list_snapshots, on_rig, rig, with_namespace};
+use support::{Rig, TEST_IMAGE, list_snapshots, on_rig, rig, with_namespace};
 use zattera_agent::runtime::unpack::snapshot_exists;
-use zattera_agent::runtime::{ImageRef, import_archive};
+use zattera_agent::runtime::{Containerd, ImageRef, import_archive};
 
 /// `ctr run --rm` of the image: proves the rootfs is unpacked and usable.
 fn ctr_run(socket: &std::path::Path, ns: &str, image: &str, args: &[&str]) -> String {
@@ -30,6 +30,24 @@ fn ctr_run(socket: &std::path::Path, ns: &str, image: &str, args: &[&str]) -> St
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Asserts that the test image in `ctd` is unpacked at `chain_id`, that
+/// the `op` lease is released, and that it runs (ctr prints its page).
+async fn assert_unpacked_and_runs(ctd: &Containerd, rig: &Rig, chain_id: &str, op: &str) {
+    assert!(snapshot_exists(ctd, chain_id).await.unwrap());
+    assert_eq!(
+        support::lease_count(ctd).await,
+        0,
+        "the {op} lease is released"
+    );
+    let out = ctr_run(
+        &rig.socket,
+        ctd.namespace().as_str(),
+        TEST_IMAGE,
+        &["cat", "/var/www/index.html"],
+    );
+    assert_eq!(out, "hello from zattera\n");
+}
+
 #[tokio::test]
 async fn oci_archive_imports_unpacks_and_runs() {
     on_rig("oci", |ctd, rig| async move {
@@ -41,24 +59,7 @@ async fn oci_archive_imports_unpacks_and_runs() {
         assert_eq!(image.names[0].to_string(), TEST_IMAGE);
         assert_eq!(image.blobs_written, 3, "manifest, config and one layer");
         assert!(support::image_exists(&ctd, TEST_IMAGE).await);
-        assert!(
-            snapshot_exists(&ctd, image.chain_id.as_str())
-                .await
-                .unwrap()
-        );
-        assert_eq!(
-            support::lease_count(&ctd).await,
-            0,
-            "the import lease is released"
-        );
-
-        let out = ctr_run(
-            &rig.socket,
-            ctd.namespace().as_str(),
-            TEST_IMAGE,
-            &["cat", "/var/www/index.html"],
-        );
-        assert_eq!(out, "hello from zattera\n");
+        assert_unpacked_and_runs(&ctd, &rig, image.chain_id.as_str(), "import").await;
     })
     .await;
 }
@@ -201,23 +202,7 @@ async fn an_image_copied_between_namespaces_is_complete_and_runs() {
                 .await
                 .expect("copy");
             assert_eq!(copied.names, vec![name.clone()]);
-            assert!(
-                snapshot_exists(&to, copied.chain_id.as_str())
-                    .await
-                    .unwrap()
-            );
-            assert_eq!(
-                support::lease_count(&to).await,
-                0,
-                "the copy lease is released"
-            );
-            let out = ctr_run(
-                &rig.socket,
-                to.namespace().as_str(),
-                TEST_IMAGE,
-                &["cat", "/var/www/index.html"],
-            );
-            assert_eq!(out, "hello from zattera\n");
+            assert_unpacked_and_runs(&to, &rig, copied.chain_id.as_str(), "copy").await;
             let missing: ImageRef = "zattera.local/none:1".parse().unwrap();
             let err = zattera_agent::runtime::transfer::copy_image(&from, &to, &missing)
                 .await

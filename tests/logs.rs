@@ -15,13 +15,45 @@ use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use support::agent::AgentProc;
-use support::on_rig;
+use support::{Rig, on_rig};
 use zattera_agent::logs::files::{self, Kind};
 use zattera_agent::proto::v1::{LogQuery, LogSelector};
-use zattera_agent::runtime::import_archive;
+use zattera_agent::runtime::{Containerd, import_archive};
 
 const TOOLS: &str = "docker.io/zattera/busybox:tools";
 const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Imports the tools image and makes an agent (not started) for `ctd`'s
+/// namespace, with bridge prefix `prefix` and subnet slots `pool`.
+async fn tools_agent(ctd: &Containerd, rig: &Rig, prefix: &str, pool: &str) -> AgentProc {
+    import_archive(ctd, &rig.images.join("tools-oci.tar"), None)
+        .await
+        .unwrap();
+    AgentProc::new(&rig.socket, ctd.namespace().as_str(), prefix, pool)
+}
+
+/// Kills `agent` and purges its namespace.
+async fn kill_and_purge(mut agent: AgentProc, ctd: &Containerd) {
+    agent.kill9();
+    support::purge_namespace(ctd).await;
+}
+
+/// Every line `query` finds in `agent`'s logs (with no desired set).
+async fn query_all(
+    ctd: &Containerd,
+    agent: &AgentProc,
+    query: LogQuery,
+) -> Vec<zattera_agent::proto::v1::LogLine> {
+    let (_, desired) = tokio::sync::watch::channel(None);
+    let mut got = zattera_agent::logs::query::query_logs(ctd, &agent.data_dir(), &desired, query)
+        .await
+        .unwrap();
+    let mut lines = Vec::new();
+    while let Some(l) = got.next().await {
+        lines.push(l);
+    }
+    lines
+}
 
 fn spewer(mib_per_sec: u32, secs: u32) -> String {
     format!(
@@ -126,10 +158,7 @@ fn age(path: &Path, by: Duration) {
 #[tokio::test]
 async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
     on_rig("logs-heavy", |ctd, rig| async move {
-        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
-            .await
-            .unwrap();
-        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztla", "230-230");
+        let mut agent = tools_agent(&ctd, &rig, "ztla", "230-230").await;
         agent.write_manifest("spew.toml", &spewer(20, 30));
         agent.start();
         let ids = agent.wait_all(1, "HEALTHY");
@@ -177,7 +206,6 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
         let newest_zst = &compressed.last().unwrap().path;
         let zst_last = texts_with_time(newest_zst).pop().unwrap();
         let live_first = texts_with_time(&live).into_iter().next().unwrap();
-        let (_, desired) = tokio::sync::watch::channel(None);
         let query = LogQuery {
             selector: Some(LogSelector {
                 instance_id: assignment.clone(),
@@ -188,14 +216,7 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
             limit: 10_000,
             ..LogQuery::default()
         };
-        let mut got =
-            zattera_agent::logs::query::query_logs(&ctd, &agent.data_dir(), &desired, query)
-                .await
-                .unwrap();
-        let mut lines = Vec::new();
-        while let Some(l) = got.next().await {
-            lines.push(l);
-        }
+        let lines = query_all(&ctd, &agent, query).await;
         assert!(
             lines.len() < 10_000,
             "{} lines: a read is far smaller",
@@ -274,8 +295,7 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
         // The running container was adopted, not restarted.
         assert_eq!(agent.wait_all(1, "HEALTHY").get(&assignment), Some(&cid));
 
-        agent.kill9();
-        support::purge_namespace(&ctd).await;
+        kill_and_purge(agent, &ctd).await;
     })
     .await;
 }
@@ -283,10 +303,7 @@ async fn a_heavy_writer_loses_no_line_and_retention_is_kept() {
 #[tokio::test]
 async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
     on_rig("logs-cap", |ctd, rig| async move {
-        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
-            .await
-            .unwrap();
-        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlb", "231-231");
+        let mut agent = tools_agent(&ctd, &rig, "ztlb", "231-231").await;
         agent.run_args = vec!["--log-max-stream-mb".into(), "1".into()];
         agent.write_manifest("spew.toml", &spewer(20, 6));
         agent.start();
@@ -317,8 +334,7 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
         }
         assert_eq!(last, &format!("spew end {}", first + numbers.len() as u64));
 
-        agent.kill9();
-        support::purge_namespace(&ctd).await;
+        kill_and_purge(agent, &ctd).await;
     })
     .await;
 }
@@ -328,10 +344,7 @@ async fn a_stream_over_its_cap_drops_its_oldest_rotations() {
 #[tokio::test]
 async fn logs_follow_reads_every_rotation() {
     on_rig("logs-follow", |ctd, rig| async move {
-        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
-            .await
-            .unwrap();
-        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlg", "238-238");
+        let mut agent = tools_agent(&ctd, &rig, "ztlg", "238-238").await;
         agent.write_manifest("spew.toml", &spewer(20, 4));
         agent.start();
         let ids = agent.wait_all(1, "HEALTHY");
@@ -360,8 +373,7 @@ async fn logs_follow_reads_every_rotation() {
             followed.len()
         );
 
-        agent.kill9();
-        support::purge_namespace(&ctd).await;
+        kill_and_purge(agent, &ctd).await;
     })
     .await;
 }
@@ -373,10 +385,7 @@ async fn logs_follow_reads_every_rotation() {
 #[tokio::test]
 async fn a_query_of_a_line_without_end_stays_bounded() {
     on_rig("logs-endless-line", |ctd, rig| async move {
-        import_archive(&ctd, &rig.images.join("tools-oci.tar"), None)
-            .await
-            .unwrap();
-        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztlq", "206-206");
+        let mut agent = tools_agent(&ctd, &rig, "ztlq", "206-206").await;
         agent.write_manifest(
             "long.toml",
             &format!(
@@ -404,7 +413,6 @@ async fn a_query_of_a_line_without_end_stays_bounded() {
             assert!(Instant::now() < deadline, "the writer never finished");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        let (_, desired) = tokio::sync::watch::channel(None);
         let query = LogQuery {
             selector: Some(LogSelector {
                 instance_id: assignment.clone(),
@@ -414,14 +422,11 @@ async fn a_query_of_a_line_without_end_stays_bounded() {
             ..LogQuery::default()
         };
         let before = support::peak_rss();
-        let mut got =
-            zattera_agent::logs::query::query_logs(&ctd, &agent.data_dir(), &desired, query)
-                .await
-                .unwrap();
-        let mut lines = Vec::new();
-        while let Some(l) = got.next().await {
-            lines.push(l.line);
-        }
+        let lines: Vec<String> = query_all(&ctd, &agent, query)
+            .await
+            .into_iter()
+            .map(|l| l.line)
+            .collect();
         let grew = support::peak_rss().saturating_sub(before);
         eprintln!("peak memory grew {} MiB over the query", grew >> 20);
         let long = lines.iter().find(|l| l.starts_with("AAAA")).unwrap_or_else(|| panic!("no long line: {:?}", lines.iter().map(|l| &l[..l.len().min(40)]).collect::<Vec<_>>()));

@@ -10,18 +10,15 @@ use std::sync::{Arc, Mutex};
 
 use support::registry::Registry;
 use support::{list_snapshots, on_rig, rig, with_namespace};
-use zattera_agent::runtime::ImageRef;
 use zattera_agent::runtime::content;
 use zattera_agent::runtime::pull::{Credentials, PullEvent, Puller};
+use zattera_agent::runtime::{Containerd, ImageRef};
 
 #[tokio::test]
 async fn anonymous_pull_stores_unpacks_and_reports_progress() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/busybox:test")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/busybox:test");
     with_namespace(&rig, "pull-anon", |ctd, _rig| async move {
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = Arc::clone(&events);
@@ -69,10 +66,7 @@ async fn anonymous_pull_stores_unpacks_and_reports_progress() {
 async fn basic_auth_is_required_and_used() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(Some(("zuser", "zpass")));
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "private/busybox:1")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "private/busybox:1");
     with_namespace(&rig, "pull-auth", |ctd, _rig| async move {
         let puller = Puller::new(ctd.clone(), vec![]);
         let anon = puller
@@ -139,10 +133,7 @@ async fn an_index_with_two_platforms_resolves_to_this_one() {
 async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/corrupt:1")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/corrupt:1");
     // The layer is the largest blob; flip a byte in the registry's copy.
     let layer_digest = registry.largest_blob();
     let file = registry.blob_file(&layer_digest);
@@ -159,11 +150,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
     drop(f);
 
     with_namespace(&rig, "pull-corrupt", |ctd, _rig| async move {
-        let err = Puller::new(ctd.clone(), vec![])
-            .ensure(&reference, &Credentials::Anonymous, None)
-            .await
-            .unwrap_err()
-            .to_string();
+        let err = pull_error(&ctd, &reference).await;
         assert!(
             err.contains(&reference.to_string()) && err.contains(&layer_digest),
             "{err}"
@@ -188,10 +175,7 @@ async fn a_corrupted_blob_is_refused_and_leaves_nothing() {
 async fn concurrent_pulls_of_one_reference_share_the_work() {
     let Some(rig) = rig() else { return };
     let registry = Registry::start(None);
-    let reference: ImageRef = registry
-        .push(&rig.oci_archive(), None, "zattera/busybox:shared")
-        .parse()
-        .unwrap();
+    let reference = push_test_image(&registry, &rig, "zattera/busybox:shared");
     with_namespace(&rig, "pull-shared", |ctd, _rig| async move {
         let downloads = Arc::new(Mutex::new(0));
         let puller = Puller::new(ctd.clone(), vec![]);
@@ -261,19 +245,8 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
     use containerd_client::services::v1::ListStatusesRequest;
     let Some(rig) = rig() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let big = dir.path().join("big.tar");
     // Two incompressible 12 MiB layers for a 16 MiB content store.
-    let made = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/bench/runtime/mkbig.py"
-        ))
-        .arg(rig.oci_archive())
-        .arg(&big)
-        .args(["2", "12"])
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "mkbig: {made:?}");
+    let big = rig.big_archive(dir.path());
     let registry = Registry::start(None);
     let reference: ImageRef = registry.push(&big, None, "zattera/big:1").parse().unwrap();
     let private = support::private::PrivateContainerd::start_with_content_limit(16);
@@ -283,11 +256,7 @@ async fn a_full_disk_fails_the_pull_and_leaves_no_partial_ingest() {
     )
     .await
     .unwrap();
-    let err = Puller::new(ctd.clone(), vec![])
-        .ensure(&reference, &Credentials::Anonymous, None)
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = pull_error(&ctd, &reference).await;
     assert!(
         err.contains(&reference.to_string()) && err.contains("no space left"),
         "{err}"
@@ -350,6 +319,49 @@ async fn two_writers_of_one_blob_both_succeed() {
     .await;
 }
 
+/// Pushes the test image to `registry` as `name`; returns its reference.
+fn push_test_image(registry: &Registry, rig: &support::Rig, name: &str) -> ImageRef {
+    registry
+        .push(&rig.oci_archive(), None, name)
+        .parse()
+        .unwrap()
+}
+
+/// Pulls `reference` anonymously, which must fail; returns the error text.
+async fn pull_error(ctd: &Containerd, reference: &ImageRef) -> String {
+    Puller::new(ctd.clone(), vec![])
+        .ensure(reference, &Credentials::Anonymous, None)
+        .await
+        .unwrap_err()
+        .to_string()
+}
+
+/// [`pull_error`], where the pull must also end within a minute.
+async fn pull_error_within_a_minute(ctd: &Containerd, reference: &ImageRef) -> String {
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        pull_error(ctd, reference),
+    )
+    .await
+    .expect("the pull ended")
+}
+
+/// Reads an HTTP request's head from `conn`; its first line, or `None`
+/// when the peer goes away first.
+async fn request_line(conn: &mut tokio::net::TcpStream) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let mut req = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+        match conn.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => req.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&req);
+    Some(head.lines().next().unwrap_or_default().to_owned())
+}
+
 /// Issue 45.3, attack: a registry whose layer body never ends (here: 64 MiB
 /// for a layer that declares 1 KiB, then it stops). The old pull read it
 /// all into containerd's ingest, filling the disk, before the commit
@@ -359,7 +371,7 @@ async fn two_writers_of_one_blob_both_succeed() {
 async fn a_layer_longer_than_declared_is_cut_off() {
     use sha2::Digest as _;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let Some(rig) = rig() else { return };
     let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:0000000000000000000000000000000000000000000000000000000000000000"]},"config":{}}"#.to_vec();
     let config_digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&config)));
@@ -384,19 +396,9 @@ async fn a_layer_longer_than_declared_is_cut_off() {
                 Arc::clone(&sent_by_server),
             );
             tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let line = String::from_utf8_lossy(&req)
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned();
+                let Some(line) = request_line(&mut conn).await else {
+                    return;
+                };
                 let reply = |ctype: &str, body: &[u8]| {
                     let mut r = format!(
                         "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -438,14 +440,7 @@ async fn a_layer_longer_than_declared_is_cut_off() {
     });
     let reference: ImageRef = format!("{addr}/evil/endless:1").parse().unwrap();
     with_namespace(&rig, "pull-endless", |ctd, _rig| async move {
-        let err = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
-        )
-        .await
-        .expect("the pull ended")
-        .unwrap_err()
-        .to_string();
+        let err = pull_error_within_a_minute(&ctd, &reference).await;
         assert!(err.contains("declared 1024 bytes"), "{err}");
         assert!(
             sent.load(Ordering::Relaxed) < 16 << 20,
@@ -465,7 +460,7 @@ async fn a_layer_longer_than_declared_is_cut_off() {
 #[tokio::test]
 async fn an_endless_manifest_is_cut_off() {
     use std::sync::atomic::{AtomicU64, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let Some(rig) = rig() else { return };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -475,20 +470,10 @@ async fn an_endless_manifest_is_cut_off() {
         while let Ok((mut conn, _)) = listener.accept().await {
             let sent = Arc::clone(&sent_by_server);
             tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                if String::from_utf8_lossy(&req)
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .contains("/manifests/")
-                {
+                let Some(line) = request_line(&mut conn).await else {
+                    return;
+                };
+                if line.contains("/manifests/") {
                     let _ = conn
                         .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nConnection: close\r\n\r\n{\"schemaVersion\":2,\"annotations\":{\"a\":\"")
                         .await;
@@ -513,14 +498,7 @@ async fn an_endless_manifest_is_cut_off() {
     let reference: ImageRef = format!("{addr}/evil/endless-manifest:1").parse().unwrap();
     with_namespace(&rig, "pull-endless-manifest", |ctd, _rig| async move {
         let before = support::peak_rss();
-        let err = tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            Puller::new(ctd.clone(), vec![]).ensure(&reference, &Credentials::Anonymous, None),
-        )
-        .await
-        .expect("the pull ended")
-        .unwrap_err()
-        .to_string();
+        let err = pull_error_within_a_minute(&ctd, &reference).await;
         let grew = support::peak_rss().saturating_sub(before);
         eprintln!(
             "read {} MiB of the manifest; peak memory grew {} MiB",

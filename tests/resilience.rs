@@ -26,13 +26,9 @@ async fn image_count(ctd: &Containerd) -> Result<usize, tonic::Status> {
 #[tokio::test]
 async fn the_connection_survives_a_containerd_restart() {
     let Some(rig) = rig() else { return };
-    let mut private = PrivateContainerd::start();
-    let ctd = Containerd::connect(&private.socket, "zt-resilience".parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .expect("import");
+    let (mut private, ctd) = PrivateContainerd::start()
+        .with_test_image(&rig, "zt-resilience")
+        .await;
     assert_eq!(image_count(&ctd).await.unwrap(), 1);
 
     private.down();

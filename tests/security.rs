@@ -17,7 +17,9 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use control_plane::{CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, set_of};
+use control_plane::{
+    CONTROL_NODE_ID, ControlPlane, ControlledAgent, assignment, controlled_agent, set_of,
+};
 use support::agent::{AgentProc, KillOnDrop, TestNetns, row};
 use support::on_rig;
 use zattera_agent::proto::cluster::{
@@ -217,41 +219,27 @@ async fn containers_reach_neither_the_host_nor_another_environment() {
                 .unwrap(),
         );
         let events = host_events(&mut services);
+        // Runs a script in the attacker's container; (exit code, output).
+        let attack = |script: String| {
+            let (ctd, attacker) = (&ctd, &attacker);
+            async move { sh(ctd, attacker, &script).await }
+        };
 
         // 1. The host's service on the gateway.
-        let (_, out) = sh(
-            &ctd,
-            &attacker,
-            &format!("echo hi | nc -w 2 {prod_gw} 2222; echo rc=$?"),
-        )
-        .await;
+        let (_, out) = attack(format!("echo hi | nc -w 2 {prod_gw} 2222; echo rc=$?")).await;
         // 2. A crafted packet to the host's loopback (CVE-2020-8558).
-        let (_, raw) = sh(
-            &ctd,
-            &attacker,
-            &format!("ztprobe udp eth0 {mac} {attacker_ip} 127.0.0.1 40000 5555 pwned"),
-        )
+        let (_, raw) = attack(format!(
+            "ztprobe udp eth0 {mac} {attacker_ip} 127.0.0.1 40000 5555 pwned"
+        ))
         .await;
         assert!(raw.contains("sent"), "the raw packet went out: {raw}");
         // 3. Another environment's resolver; its own answers.
-        let (_, foreign) = sh(
-            &ctd,
-            &attacker,
-            &format!("nslookup db.internal {staging_gw}"),
-        )
-        .await;
-        let (_, own) = sh(
-            &ctd,
-            &attacker,
-            &format!("nslookup attacker.internal {prod_gw}"),
-        )
-        .await;
+        let (_, foreign) = attack(format!("nslookup db.internal {staging_gw}")).await;
+        let (_, own) = attack(format!("nslookup attacker.internal {prod_gw}")).await;
         // 4. A query with db's address as its source: the answer would go to db.
-        let (_, spoof) = sh(
-            &ctd,
-            &attacker,
-            &format!("ztprobe udp eth0 {mac} {db_ip} {prod_gw} 5353 53 dns:attacker.internal"),
-        )
+        let (_, spoof) = attack(format!(
+            "ztprobe udp eth0 {mac} {db_ip} {prod_gw} 5353 53 dns:attacker.internal"
+        ))
         .await;
         assert!(spoof.contains("sent"), "{spoof}");
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -560,9 +548,7 @@ async fn serving(agent: &ControlledAgent, cp: &ControlPlane) {
 async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances() {
     on_rig("sec-api", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztse").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztse", &[]).await;
         // web: a published port; idle: holds port-forwards open, never reads.
         let (mut web, mut web_rt) = assignment("w1", "env", 188, "httpd -f -p 80 -h /var/www");
         web.app_id = "web".into();
@@ -665,8 +651,7 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
 async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
     on_rig("sec-vol", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent = ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsf").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztsf", &[]).await;
         // Two environments whose ULIDs share their first 8 characters.
         let (env_a, env_b) = ("01JENVIR00000000000000000A", "01JENVIR00000000000000000B");
         let volume = |(mut a, mut rt): (
@@ -791,9 +776,7 @@ async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
 async fn a_device_node_planted_in_a_volume_is_never_opened() {
     on_rig("sec-mknod", |ctd, rig| async move {
         import(&ctd, &rig, "busybox-oci.tar").await;
-        let cp = ControlPlane::start(&[SECRET]).await;
-        let agent =
-            ControlledAgent::start(&cp, SECRET, &rig, ctd.namespace().as_str(), "ztsg").await;
+        let (cp, agent) = controlled_agent(SECRET, &rig, &ctd, "ztsg", &[]).await;
         let env = "01JENVMKNOD000000000000000";
         let (mut a, mut rt) = assignment(
             "mk",

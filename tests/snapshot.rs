@@ -12,7 +12,6 @@
 mod control_plane;
 mod support;
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -20,14 +19,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use control_plane::ControlPlane;
-use rustls::pki_types::ServerName;
+use control_plane::{AbortOnDrop, ControlPlane, node_api_client, node_context, serve_node_api};
 use sha2::Digest;
 use tokio::sync::watch;
 use zattera_agent::control::join::{JoinOptions, join};
 use zattera_agent::link::identity::IdentityDir;
-use zattera_agent::link::tls;
-use zattera_agent::node_api::{NodeApi, NodeContext, control_ids};
 use zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient;
 use zattera_agent::proto::cluster::{
     AgentRestoreVolumeRequest, AgentSnapshotVolumeRequest, S3Target, VolumeOpProgress,
@@ -35,7 +31,6 @@ use zattera_agent::proto::cluster::{
 use zattera_agent::proto::v1::{Meta, Volume, VolumeSnapshot};
 use zattera_agent::runtime::Containerd;
 use zattera_agent::snapshot::{Engine, S3Config, chunker, tar as dtar};
-use zattera_agent::upgrade::UpgradeConfig;
 use zattera_agent::volumes;
 
 const SECRET: &str = "join-secret";
@@ -109,18 +104,20 @@ async fn bucket(endpoint: &str, tag: &str) -> String {
     name
 }
 
+/// The rig's S3 endpoint and a fresh bucket `tag` in it; `None` (the test
+/// skips) without S3, see [`s3_endpoint`].
+async fn s3_bucket(tag: &str) -> Option<(String, String)> {
+    let endpoint = s3_endpoint()?;
+    let bucket = bucket(&endpoint, tag).await;
+    Some((endpoint, bucket))
+}
+
 /// A node API served for a joined node identity, with containerd.
 struct Node {
     _cp: ControlPlane,
     data: tempfile::TempDir,
     api: AgentLocalServiceClient<tonic::transport::Channel>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
+    _server: AbortOnDrop,
 }
 
 impl Node {
@@ -140,54 +137,15 @@ impl Node {
         .expect("join");
         let node_tls = IdentityDir::new(data.path()).load_tls().unwrap();
         let (_tx, desired) = watch::channel(None);
-        let api = NodeApi::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            &node_tls,
-            Some(NodeContext {
-                ctd: ctd.clone(),
-                desired,
-                targets: zattera_agent::node_api::proxy::Targets {
-                    host_ips: vec!["127.0.0.1".parse().unwrap()],
-                    status: watch::channel(Arc::new(
-                        zattera_agent::status::StatusSnapshot::default(),
-                    ))
-                    .1,
-                },
-                data_dir: data.path().to_owned(),
-                run_dir: data.path().join("run"),
-                node_id: joined.node_id.clone(),
-                stats: None,
-                upgrade: UpgradeConfig {
-                    base_url: None,
-                    binary: data.path().join("bin/zattera-agent"),
-                    args: Vec::new(),
-                    busy: Arc::default(),
-                    stats: None,
-                },
-                builder: Err("no builder in this test".into()),
-            }),
-            control_ids([control_plane::CONTROL_NODE_ID]),
-        )
-        .await
-        .unwrap();
-        let addr = api.local_addr().unwrap().to_string();
-        let server = tokio::spawn(async move {
-            let _ = api.serve().await;
-        });
-        let name = ServerName::try_from(format!("node-{}", joined.node_id)).unwrap();
-        let (cert, key) = cp.ca.node_identity(control_plane::CONTROL_NODE_ID, false);
-        let client = tls::node_client(&tls::NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        })
-        .unwrap();
-        let api = AgentLocalServiceClient::new(tls::connect_as(&addr, name, client).await.unwrap());
+        let ctx = node_context(ctd, data.path(), &joined.node_id, desired);
+        let (addr, server) = serve_node_api(&node_tls, Some(ctx)).await;
+        let control = cp.ca.node_identity(control_plane::CONTROL_NODE_ID, false);
+        let api = node_api_client(&addr, &joined.node_id, cp.ca.client_tls(control)).await;
         Self {
             _cp: cp,
             data,
             api,
-            server,
+            _server: server,
         }
     }
 
@@ -305,6 +263,22 @@ fn det_tar(root: &Path) -> (Vec<u8>, Vec<String>) {
     (out, listing)
 }
 
+/// Flips the byte at `at` of `file`, keeping its size and mtime; returns
+/// the new content.
+fn flip_byte_keeping_mtime(file: &Path, at: usize) -> Vec<u8> {
+    let mtime = std::fs::metadata(file).unwrap().modified().unwrap();
+    let mut data = std::fs::read(file).unwrap();
+    data[at] ^= 0xff;
+    std::fs::write(file, &data).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(file)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    data
+}
+
 fn assert_same_tree(a: &Path, b: &Path) {
     let (ta, la) = det_tar(a);
     let (tb, lb) = det_tar(b);
@@ -394,12 +368,11 @@ fn rich_tree(root: &Path) {
 #[tokio::test]
 async fn a_snapshot_restores_every_entry_exactly_through_the_node_api() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("rich").await else {
         return;
     };
     support::with_namespace(&rig, "snap-rich", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "rich").await;
         let src = node.volume_root("source");
         std::fs::create_dir_all(&src).unwrap();
         rich_tree(&src);
@@ -464,10 +437,9 @@ async fn a_snapshot_restores_every_entry_exactly_through_the_node_api() {
 /// with 4 KiB average chunks, adds 1 or 2 chunks.
 #[tokio::test]
 async fn dedup_adds_only_what_changed() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("dedup").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "dedup").await;
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY)
         .unwrap()
         .with_params(chunker::Params::with(1024, 4096, 16384));
@@ -491,17 +463,8 @@ async fn dedup_adds_only_what_changed() {
     assert_eq!((again.new_chunks, again.new_bytes), (0, 0));
     assert_eq!(count().await, before + 1, "only the manifest");
 
-    let mut data = std::fs::read(&file).unwrap();
-    data[200_000] ^= 0xff;
     // Same size and mtime second: only the content differs.
-    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
-    std::fs::write(&file, &data).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
+    flip_byte_keeping_mtime(&file, 200_000);
     let flipped = engine.snapshot(dir.path(), "three", 3, none).await.unwrap();
     assert!(
         (1..=2).contains(&flipped.new_chunks),
@@ -516,10 +479,9 @@ async fn dedup_adds_only_what_changed() {
 /// snapshot exactly, nothing merged.
 #[tokio::test]
 async fn a_restore_never_follows_planted_links() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("plant").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "plant").await;
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY).unwrap();
     let none: zattera_agent::snapshot::ProgressFn = Arc::new(|_| {});
     let base = tempfile::tempdir().unwrap();
@@ -568,10 +530,9 @@ async fn a_restore_never_follows_planted_links() {
 /// restore and leave the volume as it was.
 #[tokio::test]
 async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("tamper").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "tamper").await;
     let cfg = config(&endpoint, &bucket);
     let engine = Engine::new(&cfg, &KEY)
         .unwrap()
@@ -644,10 +605,9 @@ async fn bad_objects_and_wrong_keys_fail_and_leave_the_volume() {
 /// once, naming the chunk, and the volume is left as it was.
 #[tokio::test]
 async fn a_manifest_declaring_a_huge_chunk_is_refused() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("hugechunk").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "hugechunk").await;
     let cfg = config(&endpoint, &bucket);
     let engine = Engine::new(&cfg, &KEY).unwrap();
     let forged = format!(
@@ -684,12 +644,11 @@ async fn a_manifest_declaring_a_huge_chunk_is_refused() {
 #[tokio::test]
 async fn pre_hooks_run_in_the_volumes_container_and_restores_wait_for_it_to_stop() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("hook").await else {
         return;
     };
     support::with_namespace(&rig, "snap-hook", |ctd, rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "hook").await;
         let s3 = target(&endpoint, &bucket, &KEY);
         let root = node.volume_root("db");
         std::fs::create_dir_all(&root).unwrap();
@@ -748,7 +707,6 @@ async fn pre_hooks_run_in_the_volumes_container_and_restores_wait_for_it_to_stop
 
 /// A managed container running `sleep` with `root` mounted at /data.
 async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &Path, logs: &Path) {
-    use zattera_agent::runtime::containers::{self, NewContainer};
     use zattera_agent::runtime::spec::{self, BindMount, ContainerSpec};
     use zattera_agent::runtime::{ImageRef, get_local, import_archive};
     import_archive(ctd, &rig.oci_archive(), None).await.unwrap();
@@ -768,30 +726,14 @@ async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()
     };
-    let labels = HashMap::from([
-        ("dev.zattera/managed".to_owned(), "true".to_owned()),
-        ("dev.zattera/role".to_owned(), "service".to_owned()),
-        ("dev.zattera/assignment-id".to_owned(), id.to_owned()),
-    ]);
-    containers::create(
-        ctd,
-        &NewContainer {
-            id: id.into(),
-            image: name.to_string(),
-            chain_id: image.chain_id,
-            labels,
-            spec: spec::build(&c).unwrap(),
-        },
-    )
-    .await
-    .unwrap();
+    let labels = [
+        ("dev.zattera/managed", "true"),
+        ("dev.zattera/role", "service"),
+        ("dev.zattera/assignment-id", id),
+    ];
     std::fs::create_dir_all(logs).unwrap();
-    let uri = zattera_agent::logs::shim::log_uri(
-        Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
-        &logs.join(format!("{id}.log")),
-        zattera_agent::logs::Retention::default(),
-    );
-    containers::start(ctd, id, &uri).await.unwrap();
+    let log = logs.join(format!("{id}.log"));
+    support::create_and_start(ctd, id, &name, image.chain_id, &labels, &c, &log).await;
 }
 
 /// A TCP relay to the S3 server that can be cut: `down` closes every
@@ -882,12 +824,11 @@ impl Relay {
 #[tokio::test]
 async fn s3_down_mid_snapshot_fails_cleanly_and_the_next_one_works() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("down").await else {
         return;
     };
     support::with_namespace(&rig, "snap-down", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "down").await;
         let root = node.volume_root("big");
         std::fs::create_dir_all(&root).unwrap();
         for i in 0..6 {
@@ -969,13 +910,12 @@ fn run_python(args: &[&str], endpoint: &str, bucket: &str) -> String {
 #[tokio::test]
 async fn snapshots_cross_between_this_agent_and_an_independent_writer() {
     let Some(rig) = support::rig() else { return };
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("compat").await else {
         return;
     };
     assert!(python().exists(), "the rig's S3 venv is missing");
     support::with_namespace(&rig, "snap-compat", |ctd, _rig| async move {
         let mut node = Node::start(&ctd).await;
-        let bucket = bucket(&endpoint, "compat").await;
         let s3 = target(&endpoint, &bucket, &KEY);
         // The independent FastCDC agrees with fastcdc-go's boundaries.
         let golden = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/fastcdc/golden.txt");
@@ -1082,10 +1022,9 @@ async fn the_cli_saves_and_brings_back_a_directory() {
 /// trusted. Any change, a same-size rewrite included, reads everything again.
 #[tokio::test]
 async fn an_unchanged_root_reuses_its_last_walk_and_a_change_does_not() {
-    let Some(endpoint) = s3_endpoint() else {
+    let Some((endpoint, bucket)) = s3_bucket("reuse").await else {
         return;
     };
-    let bucket = bucket(&endpoint, "reuse").await;
     let cache = tempfile::tempdir().unwrap();
     let engine = Engine::new(&config(&endpoint, &bucket), &KEY)
         .unwrap()
@@ -1124,16 +1063,7 @@ async fn an_unchanged_root_reuses_its_last_walk_and_a_change_does_not() {
 
     // A same-size rewrite keeping the mtime: only ctime tells.
     let file = root.join("a/b/c");
-    let mtime = std::fs::metadata(&file).unwrap().modified().unwrap();
-    let mut data = std::fs::read(&file).unwrap();
-    data[1000] ^= 0xff;
-    std::fs::write(&file, &data).unwrap();
-    std::fs::File::options()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .set_modified(mtime)
-        .unwrap();
+    let data = flip_byte_keeping_mtime(&file, 1000);
     let changed = snap("changed").await;
     assert!(!changed.reused && changed.new_chunks > 0, "{changed:?}");
     let out2 = dir.path().join("out2");

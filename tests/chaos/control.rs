@@ -17,12 +17,13 @@ use futures::FutureExt;
 use zattera_agent::proto::cluster::AssignmentSet;
 use zattera_agent::proto::cluster::agent_message::Body;
 use zattera_agent::proto::v1::InstanceState;
-use zattera_agent::runtime::{Containerd, import_archive};
+use zattera_agent::runtime::Containerd;
 use zattera_netns::NetNode;
 
 use crate::control_plane::{ControlPlane, ControlledAgent, Record, assignment, set_of};
-use crate::invariants::{self, Row, World};
+use crate::invariants::{self, Row, Watched, World};
 use crate::model::Rng;
+use crate::newest_first;
 use crate::support::private::PrivateContainerd;
 use crate::support::{self, Rig};
 
@@ -148,9 +149,7 @@ struct ControlLab {
     cp: ControlPlane,
     agent: ControlledAgent,
     net: NetNode,
-    table: String,
-    foreign: (String, u32),
-    counter: (String, u32),
+    watched: Watched,
     _scratch: tempfile::TempDir,
 }
 
@@ -168,14 +167,7 @@ impl ControlLab {
     }
 
     fn world(&self) -> World<'_> {
-        World {
-            ctd: &self.ctd,
-            net: &self.net,
-            table: self.table.clone(),
-            data_dir: self.agent.data_dir(),
-            foreign: (&self.foreign.0, self.foreign.1),
-            counter: (&self.counter.0, self.counter.1),
-        }
+        World::of(&self.ctd, &self.net, &self.watched, self.agent.data_dir())
     }
 
     async fn converge(&self, plan: &Plan, bound: Duration) -> Result<(), String> {
@@ -320,18 +312,12 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
     let mut plan = Plan::initial(20);
 
     let scratch = tempfile::tempdir().unwrap();
-    let containerd = PrivateContainerd::start();
+    let ns = format!("zt-test-chaosc-{}", std::process::id());
+    let (containerd, ctd) = PrivateContainerd::start().with_test_image(&rig, &ns).await;
     let rig = Rig {
         socket: containerd.socket.clone(),
         ..rig
     };
-    let ns = format!("zt-test-chaosc-{}", std::process::id());
-    let ctd = Containerd::connect(&rig.socket, ns.parse().unwrap())
-        .await
-        .unwrap();
-    import_archive(&ctd, &rig.oci_archive(), None)
-        .await
-        .unwrap();
     let foreign = crate::start_foreign(&ctd, scratch.path()).await;
     let cp = ControlPlane::start(&[SECRET]).await;
     cp.push_set(plan.set());
@@ -347,9 +333,11 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
         cp,
         agent,
         net: NetNode::new(cfg).unwrap(),
-        table,
-        foreign,
-        counter: (String::new(), 0),
+        watched: Watched {
+            table,
+            foreign,
+            counter: (String::new(), 0),
+        },
         _scratch: scratch,
     };
 
@@ -365,7 +353,7 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
             Ok(zattera_agent::runtime::containers::TaskState::Running { pid }) => pid,
             other => panic!("counter task: {other:?}"),
         };
-        lab.counter = (cid, pid);
+        lab.watched.counter = (cid, pid);
         let mut violations: Vec<String> = lab
             .settle(&plan)
             .await
@@ -477,12 +465,6 @@ async fn faults_under_a_control_plane_lose_no_status_report() {
         sizes.seed,
         violations.len(),
         violations.join("\n"),
-        lab.agent
-            .log()
-            .lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .join("\n")
+        newest_first(&lab.agent.log())
     );
 }

@@ -95,6 +95,36 @@ pub struct World<'a> {
     pub counter: (&'a str, u32),
 }
 
+/// What a lab watches on its node besides containerd and the network.
+#[derive(Debug)]
+pub struct Watched {
+    /// The agent's nft table.
+    pub table: String,
+    /// The foreign container and its task pid.
+    pub foreign: (String, u32),
+    /// The counter's container and task pid (empty until it first runs).
+    pub counter: (String, u32),
+}
+
+impl<'a> World<'a> {
+    /// The world of a lab's node, whose agent keeps its state in `data_dir`.
+    pub fn of(
+        ctd: &'a Containerd,
+        net: &'a NetNode,
+        watched: &'a Watched,
+        data_dir: PathBuf,
+    ) -> Self {
+        Self {
+            ctd,
+            net,
+            table: watched.table.clone(),
+            data_dir,
+            foreign: (&watched.foreign.0, watched.foreign.1),
+            counter: (&watched.counter.0, watched.counter.1),
+        }
+    }
+}
+
 /// Every invariant of the standalone node, once. An empty result means
 /// all hold.
 pub async fn check(world: &World<'_>, desired: &Desired, rows: &[Row]) -> Vec<String> {

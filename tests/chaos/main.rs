@@ -50,11 +50,16 @@ use support::{Rig, TEST_IMAGE, rig};
 use zattera_agent::logs::shim::log_uri;
 use zattera_agent::runtime::containers::{self, NewContainer};
 use zattera_agent::runtime::spec::{self, ContainerSpec};
-use zattera_agent::runtime::{Containerd, ImageRef, get_local, import_archive};
+use zattera_agent::runtime::{Containerd, ImageRef, get_local};
 use zattera_netns::NetNode;
 
-use invariants::World;
+use invariants::{Watched, World};
 use model::{COUNTER, Desired, Rng};
+
+/// The last 40 lines of an agent's `log`, newest first.
+fn newest_first(log: &str) -> String {
+    log.lines().rev().take(40).collect::<Vec<_>>().join("\n")
+}
 
 /// How long the agent may take to converge after a fault ends (every
 /// instance of the desired set RUNNING or HEALTHY, nothing else).
@@ -110,9 +115,7 @@ pub struct Lab {
     pub agent: AgentProc,
     pub net: NetNode,
     pub big_image: String,
-    table: String,
-    foreign: (String, u32),
-    counter: (String, u32),
+    watched: Watched,
     _registry: Registry,
     _scratch: tempfile::TempDir,
 }
@@ -171,13 +174,7 @@ async fn faults_in_any_order_break_no_promise() {
         sizes.seed,
         figures.violations.len(),
         figures.violations.join("\n"),
-        lab.agent
-            .log()
-            .lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .join("\n")
+        newest_first(&lab.agent.log())
     );
 }
 
@@ -347,30 +344,14 @@ fn summarize(fig: &Figures) -> serde_json::Value {
 impl Lab {
     async fn start(rig: &Rig, desired: &Desired) -> Self {
         let scratch = tempfile::tempdir().unwrap();
-        let big = scratch.path().join("big.tar");
         // Two incompressible 12 MiB layers for a 16 MiB content store.
-        let made = std::process::Command::new("python3")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/bench/runtime/mkbig.py"
-            ))
-            .arg(rig.oci_archive())
-            .arg(&big)
-            .args(["2", "12"])
-            .output()
-            .unwrap();
-        assert!(made.status.success(), "mkbig: {made:?}");
+        let big = rig.big_archive(scratch.path());
         let registry = Registry::start(None);
         let big_image = registry.push(&big, None, "zattera/big:1");
 
-        let containerd = PrivateContainerd::start_with_content_limit(16);
         let ns = format!("zt-test-chaos-{}", std::process::id());
-        let ctd = Containerd::connect(&containerd.socket, ns.parse().unwrap())
-            .await
-            .unwrap();
-        import_archive(&ctd, &rig.oci_archive(), None)
-            .await
-            .unwrap();
+        let containerd = PrivateContainerd::start_with_content_limit(16);
+        let (containerd, ctd) = containerd.with_test_image(rig, &ns).await;
         let foreign = start_foreign(&ctd, scratch.path()).await;
 
         let prefix = env_or("ZATTERA_CHAOS_PREFIX", PREFIX);
@@ -391,9 +372,11 @@ impl Lab {
             agent,
             net,
             big_image,
-            table,
-            foreign,
-            counter: (String::new(), 0),
+            watched: Watched {
+                table,
+                foreign,
+                counter: (String::new(), 0),
+            },
             _registry: registry,
             _scratch: scratch,
         };
@@ -410,19 +393,12 @@ impl Lab {
             .map(|r| r.container_id)
             .unwrap();
         let pid = lab.task_pids().await.get(&cid).copied().unwrap_or(0);
-        lab.counter = (cid, pid);
+        lab.watched.counter = (cid, pid);
         lab
     }
 
     fn world(&self) -> World<'_> {
-        World {
-            ctd: &self.ctd,
-            net: &self.net,
-            table: self.table.clone(),
-            data_dir: self.agent.data_dir(),
-            foreign: (&self.foreign.0, self.foreign.1),
-            counter: (&self.counter.0, self.counter.1),
-        }
+        World::of(&self.ctd, &self.net, &self.watched, self.agent.data_dir())
     }
 
     /// Waits until the status rows are the desired set, all up.
@@ -475,7 +451,7 @@ impl Lab {
             .unwrap_or(0);
         let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count);
         let nft = std::process::Command::new("nft")
-            .args(["-j", "list", "table", "inet", &self.table])
+            .args(["-j", "list", "table", "inet", &self.watched.table])
             .output()
             .map(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap_or_default())
             .unwrap_or_default();

@@ -178,6 +178,22 @@ impl TestCa {
             .unwrap();
         (cert.pem(), key.serialize_pem())
     }
+
+    /// A node's TLS material presenting `identity` (cert PEM, key PEM) and
+    /// trusting this CA.
+    pub fn node_tls(&self, (cert, key): (String, String)) -> tls::NodeTls {
+        tls::NodeTls {
+            key_pem: key.into_bytes(),
+            cert_pem: cert.into_bytes(),
+            ca_pem: self.pem.clone().into_bytes(),
+        }
+    }
+
+    /// A node-API client config presenting `identity` (cert PEM, key PEM)
+    /// and trusting this CA.
+    pub fn client_tls(&self, identity: (String, String)) -> rustls::ClientConfig {
+        tls::node_client(&self.node_tls(identity)).unwrap()
+    }
 }
 
 /// An accepted sync stream: the control host that took it and the node.
@@ -1144,6 +1160,85 @@ impl MeshService for Svc {
     }
 }
 
+/// A spawned task, aborted when this is dropped.
+pub struct AbortOnDrop(pub tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Node API proxy targets: loopback only, with an empty status.
+pub fn loopback_targets() -> zattera_agent::node_api::proxy::Targets {
+    zattera_agent::node_api::proxy::Targets {
+        host_ips: vec!["127.0.0.1".parse().unwrap()],
+        status: watch::channel(Arc::new(zattera_agent::status::StatusSnapshot::default())).1,
+    }
+}
+
+/// A node context for node `node_id` on `ctd` with its state in `data`:
+/// loopback targets, no stats, no upgrade source and no builder.
+pub fn node_context(
+    ctd: &zattera_agent::runtime::Containerd,
+    data: &std::path::Path,
+    node_id: &str,
+    desired: watch::Receiver<Option<AssignmentSet>>,
+) -> zattera_agent::node_api::NodeContext {
+    zattera_agent::node_api::NodeContext {
+        ctd: ctd.clone(),
+        desired,
+        targets: loopback_targets(),
+        data_dir: data.to_owned(),
+        run_dir: data.join("run"),
+        node_id: node_id.into(),
+        stats: None,
+        upgrade: zattera_agent::upgrade::UpgradeConfig {
+            base_url: None,
+            binary: data.join("bin/zattera-agent"),
+            args: Vec::new(),
+            busy: Arc::default(),
+            stats: None,
+        },
+        builder: Err("no builder in this test".into()),
+    }
+}
+
+/// Serves the node API as `node` (with `ctx`, if any) on a loopback port,
+/// trusting [`CONTROL_NODE_ID`] as control; returns its address and task.
+pub async fn serve_node_api(
+    node: &tls::NodeTls,
+    ctx: Option<zattera_agent::node_api::NodeContext>,
+) -> (String, AbortOnDrop) {
+    let api = zattera_agent::node_api::NodeApi::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        node,
+        ctx,
+        zattera_agent::node_api::control_ids([CONTROL_NODE_ID]),
+    )
+    .await
+    .unwrap();
+    let addr = api.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        let _ = api.serve().await;
+    });
+    (addr, AbortOnDrop(task))
+}
+
+/// A node API client for node `node_id` at `addr`, presenting `client`.
+pub async fn node_api_client(
+    addr: &str,
+    node_id: &str,
+    client: rustls::ClientConfig,
+) -> zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient<
+    tonic::transport::Channel,
+> {
+    let name = rustls::pki_types::ServerName::try_from(format!("node-{node_id}")).unwrap();
+    zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient::new(
+        tls::connect_as(addr, name, client).await.unwrap(),
+    )
+}
+
 /// A free loopback `host:port` (bound, then released).
 pub async fn free_loopback_addr() -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1224,6 +1319,25 @@ pub fn join_cli(data: &std::path::Path, control: &str, token: &str, extra: &[&st
         "join: {}",
         String::from_utf8_lossy(&join.stderr)
     );
+}
+
+/// A new control plane accepting `secret` and an agent joined to it, run
+/// in `ctd`'s namespace with bridge prefix `prefix` and extra `run` flags.
+pub async fn controlled_agent(
+    secret: &str,
+    rig: &crate::support::Rig,
+    ctd: &zattera_agent::runtime::Containerd,
+    prefix: &str,
+    run: &[&str],
+) -> (ControlPlane, ControlledAgent) {
+    let cp = ControlPlane::start(&[secret]).await;
+    let flags = AgentFlags {
+        run,
+        ..AgentFlags::default()
+    };
+    let ns = ctd.namespace().as_str();
+    let agent = ControlledAgent::start_with(&cp, secret, rig, ns, prefix, flags).await;
+    (cp, agent)
 }
 
 /// What [`ControlledAgent::start_with`] adds to a plain join and run.
@@ -1401,13 +1515,7 @@ impl ControlledAgent {
     ) -> zattera_agent::proto::cluster::agent_local_service_client::AgentLocalServiceClient<
         tonic::transport::Channel,
     > {
-        let (cert, key) = cp.ca.node_identity(caller, false);
-        let cfg = tls::node_client(&zattera_agent::link::tls::NodeTls {
-            key_pem: key.into_bytes(),
-            cert_pem: cert.into_bytes(),
-            ca_pem: cp.ca.pem.clone().into_bytes(),
-        })
-        .unwrap();
+        let cfg = cp.ca.client_tls(cp.ca.node_identity(caller, false));
         let name =
             rustls::pki_types::ServerName::try_from(format!("node-{}", self.node_id)).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);

@@ -42,6 +42,24 @@ impl Rig {
     pub fn docker_archive(&self) -> PathBuf {
         self.images.join("busybox-docker.tar")
     }
+
+    /// Writes `dir/big.tar`, an image of two incompressible 12 MiB layers
+    /// made from the test image (bench/runtime/mkbig.py), and returns it.
+    pub fn big_archive(&self, dir: &std::path::Path) -> PathBuf {
+        let big = dir.join("big.tar");
+        let made = std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/bench/runtime/mkbig.py"
+            ))
+            .arg(self.oci_archive())
+            .arg(&big)
+            .args(["2", "12"])
+            .output()
+            .unwrap();
+        assert!(made.status.success(), "mkbig: {made:?}");
+        big
+    }
 }
 
 fn in_ci() -> bool {
@@ -398,7 +416,71 @@ pub async fn image_exists(ctd: &Containerd, name: &str) -> bool {
         .is_ok()
 }
 
-/// How many leases the namespace holds (every operation must release its own).
+/// A standalone executor's config for node `node_id` in `ctd`'s namespace,
+/// with its state in `data_dir` and `run_dir` and test-sized defaults.
+pub fn executor_config(
+    ctd: &Containerd,
+    node_id: &str,
+    data_dir: &std::path::Path,
+    run_dir: PathBuf,
+) -> zattera_agent::executor::ExecutorConfig {
+    zattera_agent::executor::ExecutorConfig {
+        node_id: node_id.into(),
+        host_ip: std::net::Ipv4Addr::LOCALHOST,
+        data_dir: data_dir.to_owned(),
+        run_dir,
+        logger_binary: PathBuf::from(env!("CARGO_BIN_EXE_zattera-agent")),
+        cgroup_parent: format!("/zattera-test/{}", ctd.namespace()),
+        parallelism: 4,
+        host_port_range: zattera_netns::PortRange::DEFAULT,
+        pids_limit: zattera_agent::executor::DEFAULT_PIDS_LIMIT,
+        shim_group_size: zattera_agent::executor::DEFAULT_SHIM_GROUP_SIZE,
+        pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
+        standalone: true,
+        source: "test".into(),
+        cluster_registry: None,
+        default_subnet: None,
+        log_retention: zattera_agent::logs::Retention::default(),
+        metrics: std::sync::Arc::default(),
+    }
+}
+
+/// Creates container `id` of image `name` (unpacked at `chain_id`) with
+/// `spec` and `labels`, and starts it logging to `log`.
+pub async fn create_and_start(
+    ctd: &Containerd,
+    id: &str,
+    name: &zattera_agent::runtime::ImageRef,
+    chain_id: zattera_agent::runtime::Digest,
+    labels: &[(&str, &str)],
+    spec: &zattera_agent::runtime::spec::ContainerSpec,
+    log: &std::path::Path,
+) {
+    use zattera_agent::runtime::containers::{self, NewContainer};
+    let labels = labels
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    containers::create(
+        ctd,
+        &NewContainer {
+            id: id.into(),
+            image: name.to_string(),
+            chain_id,
+            labels,
+            spec: zattera_agent::runtime::spec::build(spec).unwrap(),
+        },
+    )
+    .await
+    .expect("create container");
+    let uri = zattera_agent::logs::shim::log_uri(
+        std::path::Path::new(env!("CARGO_BIN_EXE_zattera-agent")),
+        log,
+        zattera_agent::logs::Retention::default(),
+    );
+    containers::start(ctd, id, &uri).await.expect("start task");
+}
+
 /// `ctr task exec --detach` of `sleep 1000` as `exec_id` in `container`:
 /// an exec process the agent did not start (or one an earlier agent left).
 pub fn ctr_exec_sleep(rig: &Rig, ctd: &Containerd, container: &str, exec_id: &str) {
@@ -428,6 +510,7 @@ pub fn peak_rss() -> u64 {
     kib << 10
 }
 
+/// How many leases the namespace holds (every operation must release its own).
 pub async fn lease_count(ctd: &Containerd) -> usize {
     ctd.leases()
         .list(ctd.request(ListRequest { filters: vec![] }))

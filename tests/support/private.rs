@@ -30,6 +30,22 @@ impl PrivateContainerd {
         Self::start_inner(None)
     }
 
+    /// Connects to namespace `ns` here and imports the rig's test image
+    /// into it.
+    pub async fn with_test_image(
+        self,
+        rig: &super::Rig,
+        ns: &str,
+    ) -> (Self, zattera_agent::runtime::Containerd) {
+        let ctd = zattera_agent::runtime::Containerd::connect(&self.socket, ns.parse().unwrap())
+            .await
+            .unwrap();
+        zattera_agent::runtime::import_archive(&ctd, &rig.oci_archive(), None)
+            .await
+            .expect("import the test image");
+        (self, ctd)
+    }
+
     fn start_inner(content_mib: Option<u32>) -> Self {
         let root = tempfile::tempdir().unwrap();
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
