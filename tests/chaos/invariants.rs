@@ -292,16 +292,26 @@ async fn processes(world: &World<'_>, v: &mut Vec<String>) {
     }
     let ns = ctd.namespace().to_string();
     let logs = world.data_dir.join("logs");
-    let (shims, log_shims) = shim_processes(&ns, &logs);
+    let (shims, log_shims, parents) = shim_processes(&ns, &logs);
+    // A shim may serve a group of tasks (its -id is the first of them, which
+    // may be gone): it must be the parent of a running task of ours, or
+    // still have the task it was started for.
+    let served: BTreeSet<u32> = tasks
+        .iter()
+        .filter(|t| t.status == 2)
+        .filter_map(|t| parents.get(&t.pid).copied())
+        .collect();
     for (id, pid) in &shims {
-        if !all.contains(id) {
-            v.push(format!("runc shim pid {pid} of {id}: its task is gone"));
+        if !all.contains(id) && !served.contains(pid) {
+            v.push(format!("runc shim pid {pid} of {id}: serves no task"));
         }
     }
-    for id in &running {
-        if !shims.contains_key(id) && id != world.foreign.0 {
+    let shim_pids: BTreeSet<u32> = shims.values().copied().collect();
+    for t in tasks.iter().filter(|t| t.status == 2) {
+        if t.id != world.foreign.0 && !parents.get(&t.pid).is_some_and(|p| shim_pids.contains(p)) {
             v.push(format!(
-                "task {id}: running without a shim of this namespace"
+                "task {}: running without a shim of this namespace",
+                t.id
             ));
         }
     }
@@ -320,12 +330,22 @@ async fn processes(world: &World<'_>, v: &mut Vec<String>) {
 }
 
 /// container id → pid of every `containerd-shim-runc-v2 -namespace <ns> -id
-/// <id>`, and of every log shim writing under `logs`.
-fn shim_processes(ns: &str, logs: &Path) -> (BTreeMap<String, u32>, BTreeMap<String, u32>) {
+/// <id>`, of every log shim writing under `logs`, and every process's
+/// parent (pid → ppid).
+fn shim_processes(
+    ns: &str,
+    logs: &Path,
+) -> (
+    BTreeMap<String, u32>,
+    BTreeMap<String, u32>,
+    BTreeMap<u32, u32>,
+) {
     let mut shims = BTreeMap::new();
     let mut log_shims = BTreeMap::new();
+    let mut parents = BTreeMap::new();
     for p in crate::support::processes() {
         let pid = u32::try_from(p.pid).unwrap_or(0);
+        parents.insert(pid, u32::try_from(p.ppid).unwrap_or(0));
         if p.is_runc_shim() && p.flag("-namespace") == Some(ns) {
             if let Some(id) = p.flag("-id") {
                 shims.insert(id.to_owned(), pid);
@@ -341,7 +361,7 @@ fn shim_processes(ns: &str, logs: &Path) -> (BTreeMap<String, u32>, BTreeMap<Str
             log_shims.insert(id, pid);
         }
     }
-    (shims, log_shims)
+    (shims, log_shims, parents)
 }
 
 /// Namespace files, veths and bridges against the rows: `zattera-netns gc`'s
