@@ -235,7 +235,10 @@ async fn run(ctd: zattera_agent::runtime::Containerd, rig: support::Rig) {
     let cp = ControlPlane::start(&[SECRET]).await;
     let data = dir.path().join("data");
     let run_dir = dir.path().join("run");
-    let agent = env!("CARGO_BIN_EXE_zattera-agent");
+    // AGENT measures another build (the code before a change) in the same run.
+    let agent =
+        std::env::var("AGENT").unwrap_or_else(|_| env!("CARGO_BIN_EXE_zattera-agent").into());
+    let agent = agent.as_str();
     control_plane::join_cli(&data, &cp.address(), &cp.ca.token(SECRET), &[]);
     let net_cfg =
         zattera_netns::NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();

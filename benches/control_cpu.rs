@@ -152,7 +152,10 @@ async fn run(ctd: zattera_agent::runtime::Containerd, rig: support::Rig, idle: u
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let run_dir = dir.path().join("run");
-    let agent = env!("CARGO_BIN_EXE_zattera-agent");
+    // AGENT measures another build (the code before a change) in the same run.
+    let agent =
+        std::env::var("AGENT").unwrap_or_else(|_| env!("CARGO_BIN_EXE_zattera-agent").into());
+    let agent = agent.as_str();
     let joined = std::process::Command::new(agent)
         .args(["--config", "/dev/null", "--data-dir"])
         .arg(&data)

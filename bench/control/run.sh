@@ -12,6 +12,9 @@
 #     under the test control plane, which re-pushes the set every 2 s;
 #     containerd's CPU in the same window is the peer.
 #
+# AGENT=PATH runs 2 and 3 against another agent binary (the code before a
+# change), to compare in the same session.
+#
 # Traffic stays on loopback and on the benches' own bridges (ztbq,
 # 10.201.141.0/24; ztbv, 10.201.142-145.0/24). Everything it makes is removed at the end.
 set -euo pipefail

@@ -155,17 +155,19 @@ stop_grace = "1s"
 EOF
 }
 
-agent_round() { # n
-  local n=$1 dir="$work/agent-$1" deadline base
+agent_round() { # n peer [run flags...]
+  local n=$1 peer=$2 dir="$work/$2-$1" deadline base t0
+  shift 2
   mkdir -p "$dir/manifests" "$dir/run" "$dir/data"
   base=$(memory_of "$CONTAINERD_PID")
   "$AGENT" --containerd-address "$SOCK" --namespace "$NS_AGENT" --run-dir "$dir/run" --data-dir "$dir/data" \
-    run --manifests "$dir/manifests" --bridge-prefix "$PREFIX" --subnet-pool 120-139 >"$dir/agent.log" 2>&1 &
+    run --manifests "$dir/manifests" --bridge-prefix "$PREFIX" --subnet-pool 120-139 "$@" >"$dir/agent.log" 2>&1 &
   agent_pid=$!
   # The agent with nothing to run: its growth is measured against this.
   sleep 3
-  echo "agent $n agent-idle $(memory_of "$agent_pid") 0 1" >>"$work/rows"
+  echo "$peer $n agent-idle $(memory_of "$agent_pid") 0 1" >>"$work/rows"
   manifest "$n" >"$dir/manifests/dense.toml"
+  t0=$(now_ms)
   deadline=$(($(now_ms) + 600000))
   until [ "$(up_count "$dir/run")" -eq "$n" ]; do
     if [ "$(now_ms)" -gt "$deadline" ] || ! kill -0 "$agent_pid" 2>/dev/null; then
@@ -175,7 +177,9 @@ agent_round() { # n
     fi
     sleep 0.5
   done
-  measure agent "$n" "$NS_AGENT" $base
+  # Polled every 0.5 s: a coarse converge time (bench/executor times it).
+  echo "$peer $n up_ms $(($(now_ms) - t0))" >>"$work/up"
+  measure "$peer" "$n" "$NS_AGENT" $base
   rm -f "$dir/manifests/dense.toml"
   for _ in $(seq 1200); do
     [ -z "$(ctr_ -n "$NS_AGENT" containers ls -q)" ] && break
@@ -223,9 +227,11 @@ ctr_round() { # n
 }
 
 : >"$work/rows"
+: >"$work/up"
 for n in $COUNTS; do
   echo "== $n instances" >&2
-  agent_round "$n"
+  agent_round "$n" agent
+  agent_round "$n" agent-1 --shim-group-size 1
   ctr_round "$n"
 done
 
@@ -233,17 +239,22 @@ echo "node memory and steady CPU per group (PSS and RSS in MiB; CPU in ms per se
 printf '%-6s %5s %-11s %6s %9s %9s %9s\n' peer n group procs "PSS MiB" "RSS MiB" "CPU ms/s"
 awk '{printf "%-6s %5d %-11s %6d %9.1f %9.1f %9.2f\n", $1, $2, $3, $7, $4 / 1024, $5 / 1024, $6}' "$work/rows"
 echo
-echo "per instance (shims, log shims, and the agent's and containerd's growth, summed and divided by n; PSS, MiB):"
-printf '%5s %12s %12s %8s %s\n' n agent ctr ratio goal
+echo "time from the manifest to all RUNNING (polled every 0.5 s), ms:"
+sort -k2,2n -k1,1 "$work/up"
+echo
+echo "per instance (shims, log shims, and the agent's and containerd's growth, summed and divided by n; PSS, MiB);"
+echo "agent: shims shared per environment (the default group size); agent-1: --shim-group-size 1:"
+printf '%5s %12s %12s %12s %8s %s\n' n agent agent-1 ctr ratio goal
 awk '
   $3 == "agent-idle" {pss[$1" "$2] -= $4; next}
   {pss[$1" "$2] += $4; cpu[$1" "$2] += $6; ns[$2] = 1}
   END {
     for (n in ns) {
-      a = pss["agent " n] / 1024 / n; c = pss["ctr " n] / 1024 / n
+      a = pss["agent " n] / 1024 / n; a1 = pss["agent-1 " n] / 1024 / n; c = pss["ctr " n] / 1024 / n
       goal = (n == 200) ? ((a <= 4) ? "met (<= 4 MiB)" : "MISSED (<= 4 MiB)") : "-"
-      printf "%5d %12.2f %12.2f %8.2f %s\n", n, a, c, c ? a / c : 0, goal
+      printf "%5d %12.2f %12.2f %12.2f %8.2f %s\n", n, a, a1, c, c ? a / c : 0, goal
       printf "CURVE node_pss_mib_per_instance %d %.2f MiB\n", n, a > "/dev/stderr"
+      printf "CURVE node_pss_mib_per_instance_shim_each %d %.2f MiB\n", n, a1 > "/dev/stderr"
       printf "CURVE node_pss_mib_per_instance_ctr %d %.2f MiB\n", n, c > "/dev/stderr"
       printf "CURVE node_cpu_ms_per_s %d %.2f ms\n", n, cpu["agent " n] > "/dev/stderr"
       if (n == 200) printf "ROW density | node memory per instance at 200 (PSS), MiB | %.2f | ctr run -d --cni | %.2f | %.2f | <= 4 MiB | %s\n", a, c, c ? a / c : 0, (a <= 4) ? "met" : "MISSED" > "/dev/stderr"

@@ -65,7 +65,9 @@ command -v cargo >/dev/null || export PATH="$HOME/.cargo/bin:$PATH"
 bash scripts/rig.sh >/dev/null # idempotent: containerd on $SOCK, test images
 
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
-# AGENT=PATH measures another build (an older commit's, to compare).
+# AGENT=PATH measures another build (an older commit's, to compare);
+# AGENT_ARGS adds `run` flags (e.g. --shim-group-size 1).
+read -r -a AGENT_ARGS <<<"${AGENT_ARGS:-}"
 if [ -z "${AGENT:-}" ]; then
   cargo build --release -q -p zattera-agent --bin zattera-agent
   AGENT=$CARGO_TARGET_DIR/release/zattera-agent
@@ -193,7 +195,7 @@ agent_round() { # replicas round measure_idle
   t0=$(now_ms)
   RUST_LOG=info,zattera::pass=debug,zattera::bringup=debug \
   "$AGENT" --containerd-address "$SOCK" --namespace "$NS_AGENT" --run-dir "$dir/run" --data-dir "$dir/data" \
-    run --manifests "$dir/manifests" --bridge-prefix "$PREFIX" --subnet-pool 120-139 >"$dir/agent.log" 2>&1 &
+    run --manifests "$dir/manifests" --bridge-prefix "$PREFIX" --subnet-pool 120-139 "${AGENT_ARGS[@]}" >"$dir/agent.log" 2>&1 &
   agent_pid=$!
   local deadline=$((t0 + 180000))
   while :; do
