@@ -1,4 +1,4 @@
-//! Issue 47.3: containers of one environment share a runc shim, a bounded
+//! Issue 47.3: containers of one environment share runc shims, a bounded
 //! number per shim (`--shim-group-size`), and what that costs in failure
 //! isolation: a SIGKILLed shim takes down its group only, which is found
 //! dead, reported and brought back; an agent restart adopts grouped
@@ -18,8 +18,9 @@ use zattera_agent::runtime::containers::{self, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::{Containerd, import_archive};
 
-/// Three instances in `prod` (two groups of at most two) and one in
-/// `stage` (a group of its own: environments never share a shim).
+/// Five instances in `prod` (the executor fills four groups side by side,
+/// so the fifth shares one) and one in `stage` (a group of its own:
+/// environments never share a shim).
 fn manifest() -> String {
     let env = |name: &str, replicas: u32| {
         format!(
@@ -29,7 +30,7 @@ fn manifest() -> String {
     };
     format!(
         "[app]\nname = \"web\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n{}{}",
-        env("prod", 3),
+        env("prod", 5),
         env("stage", 1)
     )
 }
@@ -84,14 +85,14 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
         agent.run_args = vec!["--shim-group-size".into(), "2".into()];
         agent.write_manifest("web.toml", &manifest());
         agent.start();
-        let first = agent.wait_all(4, "HEALTHY");
+        let first = agent.wait_all(6, "HEALTHY");
         let ids: Vec<String> = first.values().cloned().collect();
 
-        // Four containers, three shims: prod's two groups and stage's one.
+        // Six containers, five shims: prod's four groups and stage's one.
         let groups = group_labels(&ctd, &ids).await;
         let distinct: BTreeSet<&String> = groups.values().collect();
-        assert_eq!(distinct.len(), 3, "{groups:?}");
-        assert_eq!(shims_of(&ns), 3, "{groups:?}");
+        assert_eq!(distinct.len(), 5, "{groups:?}");
+        assert_eq!(shims_of(&ns), 5, "{groups:?}");
         let (pids, shims) = tasks(&ctd, &ids).await;
         for (a, b) in ids.iter().zip(ids.iter().skip(1)) {
             assert_eq!(
@@ -141,7 +142,7 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
         .unwrap();
         let s = agent.wait_for("the group restarted and all HEALTHY", |s| {
             let rows = s["assignments"].as_array().cloned().unwrap_or_default();
-            rows.len() == 4
+            rows.len() == 6
                 && rows.iter().all(|r| r["state"] == "HEALTHY")
                 && rows
                     .iter()
@@ -159,12 +160,12 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
                 "{id}: only the dead shim's group restarts ({pids:?} -> {after:?})"
             );
         }
-        assert_eq!(shims_of(&ns), 3, "the group has a shim again");
+        assert_eq!(shims_of(&ns), 5, "the group has a shim again");
 
         // An agent restart adopts them all, grouped, and restarts none.
         assert!(agent.term().is_some_and(|s| s.success()));
         agent.start();
-        agent.wait_all(4, "HEALTHY");
+        agent.wait_all(6, "HEALTHY");
         let (adopted, _) = tasks(&ctd, &ids).await;
         assert_eq!(adopted, after, "no task restarted by the adoption");
 

@@ -6,12 +6,20 @@
 //! shares a bridge and DNS), and at most `size` of them, so that a shim
 //! that dies takes down a bounded group, which the workers bring back.
 //!
+//! A shim creates and starts its tasks one at a time, so a scope fills
+//! [`OPEN`] groups side by side rather than one after the other: the
+//! bring-ups that run at once (the executor's parallelism) land in
+//! different shims.
+//!
 //! The group is recorded on the container ([`crate::labels::SHIM_GROUP`]) and
 //! read back at boot ([`ShimGroups::adopt`]): nothing is persisted here.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::labels::OwnedContainer;
+
+/// Groups of one scope filled side by side: the executor's bring-ups at once.
+const OPEN: usize = crate::config::PARALLELISM;
 
 #[derive(Debug, Default)]
 pub struct ShimGroups {
@@ -29,8 +37,9 @@ impl ShimGroups {
         }
     }
 
-    /// The group for a new container of `scope`: the first of the scope's
-    /// groups with room. `None` when containers do not share shims.
+    /// The group for a new container of `scope`: a new group while fewer
+    /// than [`OPEN`] of the scope's have room, else the emptiest of those.
+    /// `None` when containers do not share shims.
     pub fn assign(&mut self, scope: &str, container_id: &str) -> Option<String> {
         if self.size <= 1 {
             return None;
@@ -38,10 +47,27 @@ impl ShimGroups {
         if let Some(g) = self.group_of.get(container_id) {
             return Some(g.clone());
         }
-        // Of n containers' groups one has room among the first n + 1.
-        let group = (0..=self.group_of.len())
-            .map(|k| format!("{scope}.{k}"))
-            .find(|g| self.members.get(g).is_none_or(|m| m.len() < self.size))?;
+        // Of n containers' groups, the first n + 1 hold one that is free.
+        let names = (0..=self.group_of.len()).map(|k| format!("{scope}.{k}"));
+        let mut open = Vec::new();
+        let mut free = None;
+        for g in names {
+            match self.members.get(&g).map(BTreeSet::len) {
+                Some(n) if n < self.size => open.push((n, g)),
+                Some(_) => {}
+                None if free.is_none() => free = Some(g),
+                None => {}
+            }
+        }
+        let group = match (open.len() < OPEN, free) {
+            (true, Some(free)) => free,
+            // The emptiest open group, the first of equals.
+            (_, free) => open
+                .into_iter()
+                .min_by_key(|(n, _)| *n)
+                .map(|(_, g)| g)
+                .or(free)?,
+        };
         self.join(&group, container_id);
         Some(group)
     }
@@ -83,18 +109,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_scope_fills_its_groups_in_order_and_reuses_a_freed_place() {
+    fn a_scope_fills_its_groups_side_by_side_and_reuses_a_freed_place() {
         let mut g = ShimGroups::new(2);
-        assert_eq!(g.assign("zt-a", "c1").as_deref(), Some("zt-a.0"));
-        assert_eq!(g.assign("zt-a", "c2").as_deref(), Some("zt-a.0"));
-        assert_eq!(g.assign("zt-a", "c3").as_deref(), Some("zt-a.1"));
-        // Another scope never shares a shim with this one.
-        assert_eq!(g.assign("zt-b", "c4").as_deref(), Some("zt-b.0"));
+        let mut got = |id: &str| g.assign("zt-a", id).unwrap_or_default();
+        let all: Vec<String> = (0..40).map(|i| got(&format!("c{i}"))).collect();
+        // The bring-ups that run at once go to as many shims.
+        let first: BTreeSet<&String> = all[..OPEN].iter().collect();
+        assert_eq!(first.len(), OPEN, "{all:?}");
         // Asked again (a retried plan): the same group, not a new place.
-        assert_eq!(g.assign("zt-a", "c3").as_deref(), Some("zt-a.1"));
+        assert_eq!(got("c0"), all[0]);
+        // Never more than `size` a shim, and only OPEN - 1 shims short.
+        let groups: BTreeSet<&String> = all.iter().collect();
+        assert!(groups.len() <= 40 / 2 + OPEN - 1, "{all:?}");
+        assert!(g.members.values().all(|m| m.len() <= 2));
+        // Another scope never shares a shim with this one.
+        assert_eq!(g.assign("zt-b", "x").as_deref(), Some("zt-b.0"));
+        // A freed place is taken again before a new shim starts.
         g.release("c1");
-        assert_eq!(g.assign("zt-a", "c5").as_deref(), Some("zt-a.0"));
-        assert_eq!(g.assign("zt-a", "c6").as_deref(), Some("zt-a.1"));
+        assert_eq!(g.assign("zt-a", "e0"), Some(all[1].clone()));
     }
 
     #[test]
@@ -106,7 +138,13 @@ mod tests {
         };
         let mut g = ShimGroups::new(2);
         g.adopt(&[found("c1", "zt-a.0"), found("c2", "zt-a.0")]);
-        assert_eq!(g.assign("zt-a", "c3").as_deref(), Some("zt-a.1"));
+        // zt-a.0 is full: never a third member.
+        for i in 3..10 {
+            assert_ne!(
+                g.assign("zt-a", &format!("c{i}")).as_deref(),
+                Some("zt-a.0")
+            );
+        }
 
         let mut single = ShimGroups::new(1);
         assert_eq!(single.assign("zt-a", "c1"), None);
