@@ -154,6 +154,11 @@ impl Alloc {
         self.shims.assign(scope, container_id)
     }
 
+    /// The container's task runs: its shim is free for the next bring-up.
+    pub fn brought_up(&mut self, container_id: &str) {
+        self.shims.brought_up(container_id);
+    }
+
     /// Gives back what a bring-up or a container had.
     pub fn release(&mut self, container_id: &str, ip: Option<Ipv4Addr>, ports: &[NamedPort]) {
         self.shims.release(container_id);

@@ -653,6 +653,7 @@ impl Executor {
                     w.phase = Phase::Up;
                 }
                 self.board.succeeded(&owned.assignment_id);
+                self.alloc.brought_up(&owned.container_id);
                 self.owned.insert(owned.assignment_id.clone(), owned);
                 self.apply_firewall();
                 self.sync_networks();

@@ -6,15 +6,16 @@
 //! shares a bridge and DNS), and at most `size` of them, so that a shim
 //! that dies takes down a bounded group, which the workers bring back.
 //!
-//! A shim creates and starts its tasks one at a time, so a scope fills
-//! [`OPEN`] groups side by side rather than one after the other: the
-//! bring-ups that run at once (the executor's parallelism) land in
-//! different shims.
+//! A shim creates and starts its tasks one at a time. So a new container
+//! joins a group none of whose containers is still coming up; when every
+//! group with room has one coming up, a new group opens, up to [`OPEN`]
+//! with room: the bring-ups that run at once (the executor's parallelism)
+//! land in different shims, and one that comes alone starts none.
 //!
 //! The group is recorded on the container ([`crate::labels::SHIM_GROUP`]) and
 //! read back at boot ([`ShimGroups::adopt`]): nothing is persisted here.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::labels::OwnedContainer;
 
@@ -27,6 +28,8 @@ pub struct ShimGroups {
     size: usize,
     members: BTreeMap<String, BTreeSet<String>>,
     group_of: HashMap<String, String>,
+    /// Containers given a group whose task is not up yet.
+    starting: HashSet<String>,
 }
 
 impl ShimGroups {
@@ -37,9 +40,10 @@ impl ShimGroups {
         }
     }
 
-    /// The group for a new container of `scope`: a new group while fewer
-    /// than [`OPEN`] of the scope's have room, else the emptiest of those.
-    /// `None` when containers do not share shims.
+    /// The group for a new container of `scope`: the first with room and
+    /// no bring-up in flight; else a new one while fewer than [`OPEN`] have
+    /// room; else the emptiest with room. `None` when containers do not
+    /// share shims.
     pub fn assign(&mut self, scope: &str, container_id: &str) -> Option<String> {
         if self.size <= 1 {
             return None;
@@ -50,25 +54,32 @@ impl ShimGroups {
         // Of n containers' groups, the first n + 1 hold one that is free.
         let names = (0..=self.group_of.len()).map(|k| format!("{scope}.{k}"));
         let mut open = Vec::new();
+        let mut idle = None;
         let mut free = None;
         for g in names {
-            match self.members.get(&g).map(BTreeSet::len) {
-                Some(n) if n < self.size => open.push((n, g)),
-                Some(_) => {}
+            match self.members.get(&g) {
+                Some(m) if m.len() < self.size => {
+                    if idle.is_none() && m.iter().all(|c| !self.starting.contains(c)) {
+                        idle = Some(g.clone());
+                    }
+                    open.push((m.len(), g));
+                }
                 None if free.is_none() => free = Some(g),
-                None => {}
+                _ => {}
             }
         }
-        let group = match (open.len() < OPEN, free) {
-            (true, Some(free)) => free,
+        let group = match (idle, open.len() < OPEN, free) {
+            (Some(idle), _, _) => idle,
+            (None, true, Some(free)) => free,
             // The emptiest open group, the first of equals.
-            (_, free) => open
+            (None, _, free) => open
                 .into_iter()
                 .min_by_key(|(n, _)| *n)
                 .map(|(_, g)| g)
                 .or(free)?,
         };
         self.join(&group, container_id);
+        self.starting.insert(container_id.to_owned());
         Some(group)
     }
 
@@ -82,8 +93,14 @@ impl ShimGroups {
         }
     }
 
+    /// The container's task is up: its shim may take the next bring-up.
+    pub fn brought_up(&mut self, container_id: &str) {
+        self.starting.remove(container_id);
+    }
+
     /// The container is gone: its place in the group is free.
     pub fn release(&mut self, container_id: &str) {
+        self.starting.remove(container_id);
         if let Some(g) = self.group_of.remove(container_id)
             && let Some(m) = self.members.get_mut(&g)
         {
@@ -120,13 +137,30 @@ mod tests {
         assert_eq!(got("c0"), all[0]);
         // Never more than `size` a shim, and only OPEN - 1 shims short.
         let groups: BTreeSet<&String> = all.iter().collect();
-        assert!(groups.len() <= 40 / 2 + OPEN - 1, "{all:?}");
+        assert!(groups.len() < 40 / 2 + OPEN, "{all:?}");
         assert!(g.members.values().all(|m| m.len() <= 2));
         // Another scope never shares a shim with this one.
         assert_eq!(g.assign("zt-b", "x").as_deref(), Some("zt-b.0"));
         // A freed place is taken again before a new shim starts.
         g.release("c1");
         assert_eq!(g.assign("zt-a", "e0"), Some(all[1].clone()));
+    }
+
+    #[test]
+    fn a_bring_up_that_comes_alone_joins_a_shim_that_runs() {
+        let mut g = ShimGroups::new(8);
+        assert_eq!(g.assign("zt-a", "c0").as_deref(), Some("zt-a.0"));
+        // c0 still coming up: c1 goes to a shim of its own, to run beside it.
+        assert_eq!(g.assign("zt-a", "c1").as_deref(), Some("zt-a.1"));
+        g.brought_up("c0");
+        g.brought_up("c1");
+        // Later ones, one at a time, start no shim.
+        for i in 2..10 {
+            let id = format!("c{i}");
+            let want = if i <= 8 { "zt-a.0" } else { "zt-a.1" };
+            assert_eq!(g.assign("zt-a", &id).as_deref(), Some(want), "{id}");
+            g.brought_up(&id);
+        }
     }
 
     #[test]
