@@ -59,12 +59,11 @@ pub struct Alloc {
 }
 
 impl Alloc {
-    /// `shim_group_size`: containers per runc shim (see [`ShimGroups`]).
-    pub fn new(range: PortRange, shim_group_size: usize) -> Self {
+    pub fn new(range: PortRange, shims: ShimGroups) -> Self {
         Self {
             ipam: Ipam::default(),
             ports: HostPorts::new(range),
-            shims: ShimGroups::new(shim_group_size),
+            shims,
         }
     }
 
@@ -238,7 +237,7 @@ mod tests {
     #[test]
     fn a_failed_port_gives_back_the_address_and_the_ports_before_it() {
         let (range, lo) = free_range(0);
-        let mut alloc = Alloc::new(range, 1);
+        let mut alloc = Alloc::new(range, ShimGroups::default());
         let subnet = Subnet::from_slot(77);
         // Someone else holds the fixed port the second one asks for.
         let taken = TcpListener::bind((Ipv4Addr::LOCALHOST, lo + 5)).unwrap();
@@ -278,7 +277,7 @@ mod tests {
     #[test]
     fn released_ports_stay_bound_until_the_rules_let_go() {
         let (range, lo) = free_range(1);
-        let mut alloc = Alloc::new(range, 1);
+        let mut alloc = Alloc::new(range, ShimGroups::default());
         let subnet = Subnet::from_slot(78);
         let got = alloc
             .allocate(
@@ -328,7 +327,7 @@ mod tests {
         };
         let a = found("a", subnet.host(2), &[lo]);
         let b = found("b", subnet.host(3), &[lo + 1, lo + 2]);
-        let mut alloc = Alloc::new(range, 1);
+        let mut alloc = Alloc::new(range, ShimGroups::default());
         alloc.adopt([&a, &b]);
         alloc.hold(&a).unwrap();
         // b's second port was taken while the agent was down.
@@ -349,7 +348,7 @@ mod tests {
     #[test]
     fn an_instance_without_a_network_takes_nothing() {
         let (range, _) = free_range(3);
-        let mut alloc = Alloc::new(range, 1);
+        let mut alloc = Alloc::new(range, ShimGroups::default());
         let got = alloc
             .allocate("c1", None, Ipv4Addr::LOCALHOST, &[wanted("http", None)])
             .unwrap();

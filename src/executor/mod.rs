@@ -60,6 +60,7 @@ use self::instance::Handles;
 use self::leases::NetworkLeases;
 use self::listing::{Listing, Refreshed, list_owned};
 use self::pass::{Run, Supervise};
+use self::shim_groups::ShimGroups;
 use self::worker::{Cmd, Ctx, Event, Phase, Report, Start, Worker};
 use crate::labels::OwnedContainer;
 use crate::proto::cluster::AssignmentSet;
@@ -234,7 +235,10 @@ impl Executor {
         if let Some(cluster) = &cfg.cluster_registry {
             puller = puller.with_cluster_registry(cluster.clone());
         }
-        let alloc = Alloc::new(cfg.host_port_range, cfg.shim_group_size);
+        let alloc = Alloc::new(
+            cfg.host_port_range,
+            ShimGroups::new(cfg.shim_group_size, cfg.parallelism),
+        );
         let leases = NetworkLeases::default();
         let (host_task, host) = Host::new(
             net.clone(),

@@ -105,6 +105,7 @@ impl PlanError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::executor::shim_groups::ShimGroups;
     use crate::proto::v1::{Meta, PortSpec, ServiceSpec};
 
     fn assignment(bindings: &[(&str, u32)]) -> Assignment {
@@ -164,7 +165,7 @@ mod tests {
                 lo: 64_400,
                 hi: 64_409,
             },
-            1,
+            ShimGroups::default(),
         );
         let e = plan(
             &mut alloc,
@@ -189,11 +190,23 @@ mod tests {
             lo: 64_500,
             hi: 64_509,
         };
-        let p = plan(&mut Alloc::new(range, 1), placement(true, true), &a, &rt).unwrap();
+        let p = plan(
+            &mut Alloc::new(range, ShimGroups::default()),
+            placement(true, true),
+            &a,
+            &rt,
+        )
+        .unwrap();
         assert_eq!(p.container_id, labels::container_id("a1", "h1"));
         assert_eq!(p.ports[0].port.host_port, fixed);
         assert_eq!(p.ip, Some(Subnet::from_slot(64).host(2)));
-        let p = plan(&mut Alloc::new(range, 1), placement(false, true), &a, &rt).unwrap();
+        let p = plan(
+            &mut Alloc::new(range, ShimGroups::default()),
+            placement(false, true),
+            &a,
+            &rt,
+        )
+        .unwrap();
         assert!(range.contains(p.ports[0].port.host_port), "from the range");
     }
 
@@ -205,7 +218,7 @@ mod tests {
                     lo: 64_600,
                     hi: 64_609,
                 },
-                1,
+                ShimGroups::default(),
             ),
             placement(false, false),
             &assignment(&[]),

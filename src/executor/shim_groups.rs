@@ -8,8 +8,8 @@
 //!
 //! A shim creates and starts its tasks one at a time. So a new container
 //! joins a group none of whose containers is still coming up; when every
-//! group with room has one coming up, a new group opens, up to [`OPEN`]
-//! with room: the bring-ups that run at once (the executor's parallelism)
+//! group with room has one coming up, a new group opens, up to as many
+//! with room as bring-ups run at once: the bring-ups that run at once (the executor's parallelism)
 //! land in different shims, and one that comes alone starts none.
 //!
 //! The group is recorded on the container ([`crate::labels::SHIM_GROUP`]) and
@@ -19,13 +19,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::labels::OwnedContainer;
 
-/// Groups of one scope filled side by side: the executor's bring-ups at once.
-const OPEN: usize = crate::config::PARALLELISM;
-
 #[derive(Debug, Default)]
 pub struct ShimGroups {
     /// Containers per shim; 0 or 1: a shim each (no annotation).
     size: usize,
+    /// Groups of one scope filled side by side: the executor's bring-ups
+    /// that run at once.
+    open: usize,
     members: BTreeMap<String, BTreeSet<String>>,
     group_of: HashMap<String, String>,
     /// Containers given a group whose task is not up yet.
@@ -33,15 +33,16 @@ pub struct ShimGroups {
 }
 
 impl ShimGroups {
-    pub fn new(size: usize) -> Self {
+    pub fn new(size: usize, open: usize) -> Self {
         Self {
             size,
+            open: open.max(1),
             ..Self::default()
         }
     }
 
     /// The group for a new container of `scope`: the first with room and
-    /// no bring-up in flight; else a new one while fewer than [`OPEN`] have
+    /// no bring-up in flight; else a new one while fewer than `open` have
     /// room; else the emptiest with room. `None` when containers do not
     /// share shims.
     pub fn assign(&mut self, scope: &str, container_id: &str) -> Option<String> {
@@ -68,7 +69,7 @@ impl ShimGroups {
                 _ => {}
             }
         }
-        let group = match (idle, open.len() < OPEN, free) {
+        let group = match (idle, open.len() < self.open, free) {
             (Some(idle), _, _) => idle,
             (None, true, Some(free)) => free,
             // The emptiest open group, the first of equals.
@@ -125,9 +126,11 @@ impl ShimGroups {
 mod tests {
     use super::*;
 
+    const OPEN: usize = 4;
+
     #[test]
     fn a_scope_fills_its_groups_side_by_side_and_reuses_a_freed_place() {
-        let mut g = ShimGroups::new(2);
+        let mut g = ShimGroups::new(2, OPEN);
         let mut got = |id: &str| g.assign("zt-a", id).unwrap_or_default();
         let all: Vec<String> = (0..40).map(|i| got(&format!("c{i}"))).collect();
         // The bring-ups that run at once go to as many shims.
@@ -148,7 +151,7 @@ mod tests {
 
     #[test]
     fn a_bring_up_that_comes_alone_joins_a_shim_that_runs() {
-        let mut g = ShimGroups::new(8);
+        let mut g = ShimGroups::new(8, OPEN);
         assert_eq!(g.assign("zt-a", "c0").as_deref(), Some("zt-a.0"));
         // c0 still coming up: c1 goes to a shim of its own, to run beside it.
         assert_eq!(g.assign("zt-a", "c1").as_deref(), Some("zt-a.1"));
@@ -170,7 +173,7 @@ mod tests {
             shim_group: Some(group.into()),
             ..OwnedContainer::default()
         };
-        let mut g = ShimGroups::new(2);
+        let mut g = ShimGroups::new(2, OPEN);
         g.adopt(&[found("c1", "zt-a.0"), found("c2", "zt-a.0")]);
         // zt-a.0 is full: never a third member.
         for i in 3..10 {
@@ -180,8 +183,8 @@ mod tests {
             );
         }
 
-        let mut single = ShimGroups::new(1);
+        let mut single = ShimGroups::new(1, OPEN);
         assert_eq!(single.assign("zt-a", "c1"), None);
-        assert_eq!(ShimGroups::new(0).assign("zt-a", "c1"), None);
+        assert_eq!(ShimGroups::new(0, OPEN).assign("zt-a", "c1"), None);
     }
 }
