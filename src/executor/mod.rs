@@ -3,22 +3,20 @@
 //!
 //! A thin loop under per-container workers ([`worker`]), shaped like
 //! kubelet's sync loop and pod workers. The loop owns what is shared: the
-//! desired set, the containers it keeps, addresses and host ports
-//! ([`alloc`]) and the status board ([`board`], [`report`]). The host's
-//! firewall, networks and DNS listeners are a task of their own ([`host`]),
-//! told the latest want and never waited for; the networks the workers are
-//! on are leased ([`leases`]), so that task removes none of them. Internal
-//! names are not the executor's: they are fed from its status (standalone)
-//! or from route snapshots. It routes: a pass (on every new
-//! set and every 5 s) reads the listing ([`listing`]), classifies
-//! ([`diff`]) and decides ([`pass`], pure), tells leaving workers to stop
-//! and spawns workers for what is missing, each with its [`plan`];
-//! containerd's exit events go to the worker of their container; workers
-//! report back (RUNNING, HEALTHY, up, down, failed) and the loop updates
-//! the board and tells the host task. No arm of the loop waits on a container: a
-//! stalled pull or a slow stop holds only its own worker. Workers drive
-//! containers through [`instances`] (containerd's, or a fake in their unit
-//! tests), and [`instance`] holds the steps of a bring-up.
+//! desired set, the containers it keeps, addresses, host ports and shim
+//! groups ([`alloc`]) and the status board ([`board`], [`report`]). The
+//! host's firewall, bridges and DNS listeners are a task of its own
+//! ([`host`]), told the latest want and never waited for; workers lease
+//! their networks ([`leases`]) so it removes none in use. Internal names
+//! come from the status or route snapshots, not from here. A pass (on every
+//! new set and every 5 s) reads the listing ([`listing`]), classifies
+//! ([`diff`]), decides ([`pass`], pure), stops leaving workers and spawns
+//! workers for what is missing, each with its [`plan`]; exit events go to
+//! their container's worker; workers report back (RUNNING, HEALTHY, up,
+//! down, failed). No arm of the loop waits on a container: a stalled pull or
+//! a slow stop holds only its own worker. Workers drive containers through
+//! [`instances`] (containerd's, or a fake in their unit tests), and
+//! [`instance`] holds the steps of a bring-up.
 //!
 //! STOP before RUN (E-6) holds per scope (a project's environment): a new
 //! instance of a scope is planned only once every removal in that scope is
