@@ -109,7 +109,11 @@ impl SendBatch {
         }
     }
 
-    /// [`send_batch`] with these headers.
+    /// Sends `replies` in order, as few calls as the kernel allows; returns
+    /// how many went out. With `wait` a full socket buffer is waited out (a
+    /// blocking socket); without, the count stops where the buffer was
+    /// full. A reply the kernel refuses for itself (an unreachable peer) is
+    /// skipped, as a lost datagram.
     pub(crate) fn send(
         &mut self,
         fd: RawFd,
@@ -118,21 +122,6 @@ impl SendBatch {
     ) -> io::Result<usize> {
         send_with(&mut self.headers, fd, replies, wait)
     }
-}
-
-/// Sends `replies` in order, as few calls as the kernel allows; returns how
-/// many went out. With `wait` a full socket buffer is waited out (a blocking
-/// socket); without, the count stops where the buffer was full. A reply the
-/// kernel refuses for itself (an unreachable peer) is skipped, as a lost
-/// datagram.
-#[cfg(test)]
-pub(crate) fn send_batch(
-    fd: RawFd,
-    replies: &[(Vec<u8>, SocketAddr)],
-    wait: bool,
-) -> io::Result<usize> {
-    let mut headers = MultiHeaders::preallocate(BATCH.min(replies.len()), None);
-    send_with(&mut headers, fd, replies, wait)
 }
 
 fn send_with(
@@ -210,7 +199,12 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
 
         let replies: Vec<_> = (0..40u8).map(|i| (vec![i], got[0].1.peer)).collect();
-        assert_eq!(send_batch(server.as_raw_fd(), &replies, false).unwrap(), 40);
+        assert_eq!(
+            SendBatch::new()
+                .send(server.as_raw_fd(), &replies, false)
+                .unwrap(),
+            40
+        );
         let mut buf = [0u8; 8];
         for i in 0..40u8 {
             let n = client.recv(&mut buf).unwrap();

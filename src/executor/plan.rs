@@ -108,6 +108,11 @@ mod tests {
     use crate::executor::shim_groups::ShimGroups;
     use crate::proto::v1::{Meta, PortSpec, ServiceSpec};
 
+    /// Addresses and ports from `range`; no shared shims.
+    fn alloc(range: zattera_netns::PortRange) -> Alloc {
+        Alloc::new(range, ShimGroups::default())
+    }
+
     fn assignment(bindings: &[(&str, u32)]) -> Assignment {
         Assignment {
             meta: Some(Meta {
@@ -160,13 +165,10 @@ mod tests {
 
     #[test]
     fn a_port_that_is_no_port_fails_the_plan_before_anything_is_taken() {
-        let mut alloc = Alloc::new(
-            zattera_netns::PortRange {
-                lo: 64_400,
-                hi: 64_409,
-            },
-            ShimGroups::default(),
-        );
+        let mut alloc = alloc(zattera_netns::PortRange {
+            lo: 64_400,
+            hi: 64_409,
+        });
         let e = plan(
             &mut alloc,
             placement(false, true),
@@ -190,36 +192,21 @@ mod tests {
             lo: 64_500,
             hi: 64_509,
         };
-        let p = plan(
-            &mut Alloc::new(range, ShimGroups::default()),
-            placement(true, true),
-            &a,
-            &rt,
-        )
-        .unwrap();
+        let p = plan(&mut alloc(range), placement(true, true), &a, &rt).unwrap();
         assert_eq!(p.container_id, labels::container_id("a1", "h1"));
         assert_eq!(p.ports[0].port.host_port, fixed);
         assert_eq!(p.ip, Some(Subnet::from_slot(64).host(2)));
-        let p = plan(
-            &mut Alloc::new(range, ShimGroups::default()),
-            placement(false, true),
-            &a,
-            &rt,
-        )
-        .unwrap();
+        let p = plan(&mut alloc(range), placement(false, true), &a, &rt).unwrap();
         assert!(range.contains(p.ports[0].port.host_port), "from the range");
     }
 
     #[test]
     fn without_the_hosts_network_an_instance_gets_no_address_or_port() {
         let p = plan(
-            &mut Alloc::new(
-                zattera_netns::PortRange {
-                    lo: 64_600,
-                    hi: 64_609,
-                },
-                ShimGroups::default(),
-            ),
+            &mut alloc(zattera_netns::PortRange {
+                lo: 64_600,
+                hi: 64_609,
+            }),
             placement(false, false),
             &assignment(&[]),
             &runtime(&[("http", 80)]),

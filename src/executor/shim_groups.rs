@@ -8,14 +8,14 @@
 //!
 //! A shim creates and starts its tasks one at a time. So a new container
 //! joins a group none of whose containers is still coming up; when every
-//! group with room has one coming up, a new group opens, up to as many
-//! with room as bring-ups run at once: the bring-ups that run at once (the executor's parallelism)
-//! land in different shims, and one that comes alone starts none.
+//! group with room has one coming up, a new group opens, up to `open`
+//! groups with room (the executor's parallelism): bring-ups that run
+//! together land in different shims, and one that comes alone starts none.
 //!
 //! The group is recorded on the container ([`crate::labels::SHIM_GROUP`]) and
 //! read back at boot ([`ShimGroups::adopt`]): nothing is persisted here.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::labels::OwnedContainer;
 
@@ -26,10 +26,17 @@ pub struct ShimGroups {
     /// Groups of one scope filled side by side: the executor's bring-ups
     /// that run at once.
     open: usize,
-    members: BTreeMap<String, BTreeSet<String>>,
-    group_of: HashMap<String, String>,
+    /// Per scope, the members of its group `k` at index `k` (empty: free).
+    scopes: HashMap<String, Vec<BTreeSet<String>>>,
+    /// Container id -> (scope, group index).
+    group_of: HashMap<String, (String, usize)>,
     /// Containers given a group whose task is not up yet.
     starting: HashSet<String>,
+}
+
+/// The group's name, as the annotation and the label carry it.
+fn name(scope: &str, k: usize) -> String {
+    format!("{scope}.{k}")
 }
 
 impl ShimGroups {
@@ -49,47 +56,35 @@ impl ShimGroups {
         if self.size <= 1 {
             return None;
         }
-        if let Some(g) = self.group_of.get(container_id) {
-            return Some(g.clone());
+        if let Some((scope, k)) = self.group_of.get(container_id) {
+            return Some(name(scope, *k));
         }
-        // Of n containers' groups, the first n + 1 hold one that is free.
-        let names = (0..=self.group_of.len()).map(|k| format!("{scope}.{k}"));
-        let mut open = Vec::new();
-        let mut idle = None;
-        let mut free = None;
-        for g in names {
-            match self.members.get(&g) {
-                Some(m) if m.len() < self.size => {
-                    if idle.is_none() && m.iter().all(|c| !self.starting.contains(c)) {
-                        idle = Some(g.clone());
-                    }
-                    open.push((m.len(), g));
-                }
-                None if free.is_none() => free = Some(g),
-                _ => {}
-            }
-        }
-        let group = match (idle, open.len() < self.open, free) {
-            (Some(idle), _, _) => idle,
-            (None, true, Some(free)) => free,
-            // The emptiest open group, the first of equals.
-            (None, _, free) => open
-                .into_iter()
-                .min_by_key(|(n, _)| *n)
-                .map(|(_, g)| g)
-                .or(free)?,
+        let groups = self.scopes.get(scope).map_or(&[][..], Vec::as_slice);
+        let with_room = || (0..groups.len()).filter(|k| (1..self.size).contains(&groups[*k].len()));
+        let idle = with_room().find(|k| groups[*k].iter().all(|c| !self.starting.contains(c)));
+        let free = (0..groups.len())
+            .find(|k| groups[*k].is_empty())
+            .unwrap_or(groups.len());
+        let k = match idle {
+            Some(k) => k,
+            None if with_room().count() < self.open => free,
+            // The emptiest with room, the first of equals.
+            None => with_room().min_by_key(|k| groups[*k].len()).unwrap_or(free),
         };
-        self.join(&group, container_id);
+        self.join(scope, k, container_id);
         self.starting.insert(container_id.to_owned());
-        Some(group)
+        Some(name(scope, k))
     }
 
     /// Counts the groups of the containers found at boot, so new ones fill
     /// them up rather than start shims beside them.
     pub fn adopt<'a>(&mut self, owned: impl IntoIterator<Item = &'a OwnedContainer>) {
         for o in owned {
-            if let Some(g) = &o.shim_group {
-                self.join(g, &o.container_id);
+            let found = o.shim_group.as_deref().and_then(|g| g.rsplit_once('.'));
+            if let Some((scope, k)) = found
+                && let Ok(k) = k.parse()
+            {
+                self.join(scope, k, &o.container_id);
             }
         }
     }
@@ -102,23 +97,21 @@ impl ShimGroups {
     /// The container is gone: its place in the group is free.
     pub fn release(&mut self, container_id: &str) {
         self.starting.remove(container_id);
-        if let Some(g) = self.group_of.remove(container_id)
-            && let Some(m) = self.members.get_mut(&g)
+        if let Some((scope, k)) = self.group_of.remove(container_id)
+            && let Some(m) = self.scopes.get_mut(&scope).and_then(|g| g.get_mut(k))
         {
             m.remove(container_id);
-            if m.is_empty() {
-                self.members.remove(&g);
-            }
         }
     }
 
-    fn join(&mut self, group: &str, container_id: &str) {
-        self.members
-            .entry(group.to_owned())
-            .or_default()
-            .insert(container_id.to_owned());
+    fn join(&mut self, scope: &str, k: usize, container_id: &str) {
+        let groups = self.scopes.entry(scope.to_owned()).or_default();
+        if groups.len() <= k {
+            groups.resize_with(k + 1, BTreeSet::new);
+        }
+        groups[k].insert(container_id.to_owned());
         self.group_of
-            .insert(container_id.to_owned(), group.to_owned());
+            .insert(container_id.to_owned(), (scope.to_owned(), k));
     }
 }
 
@@ -141,7 +134,7 @@ mod tests {
         // Never more than `size` a shim, and only OPEN - 1 shims short.
         let groups: BTreeSet<&String> = all.iter().collect();
         assert!(groups.len() < 40 / 2 + OPEN, "{all:?}");
-        assert!(g.members.values().all(|m| m.len() <= 2));
+        assert!(g.scopes.values().flatten().all(|m| m.len() <= 2));
         // Another scope never shares a shim with this one.
         assert_eq!(g.assign("zt-b", "x").as_deref(), Some("zt-b.0"));
         // A freed place is taken again before a new shim starts.
