@@ -9,8 +9,13 @@
 #   links        the tests' bridges, veths and VIP interfaces: a test bridge
 #                prefix (zt + letters, never the agent's default ztbr) then
 #                a slot, d, vip or a veth's octets
-#   netns        zt-fresh-* (fresh-check) and ztvm-* with their guests (the
-#                VM lane)
+#   netns        zt-fresh-* (fresh-check), zt-<tag>-<pid> (the tests'
+#                TestNetns: a four-letter tag) and ztvm-* with their guests
+#                (the VM lane)
+#   mounts       everything mounted under a test's temp dir (/tmp/.tmpXXXXXX)
+#                that holds an agent run dir: the netns pins (nsfs) of an agent
+#                that was killed with its test, which also keep those network
+#                namespaces alive and lengthen every runc's mountinfo reads
 # Run by .ci/run before anything else; never while tests run.
 set -uo pipefail
 say() { printf '\033[1m[clean-stale]\033[0m %s\n' "$*" >&2; }
@@ -37,12 +42,17 @@ done
 if [ -d scripts/vm ]; then
   python3 scripts/vm/lane.py clean
 fi
+awk '{print $2}' /proc/self/mounts | grep -E '^/tmp/[.]tmp[A-Za-z0-9]{6}/run/netns/' | cut -d/ -f1-3 | sort -u |
+  while read -r dir; do
+    say "mounts under $dir"
+    awk -v d="$dir/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done
+    rm -rf "$dir"
+  done
 for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
-  case "$ns" in
-  zt-fresh-*)
+  if [[ "$ns" == zt-fresh-* || "$ns" =~ ^zt-[a-z]{4}-[0-9]+$ ]]; then
     say "netns $ns"
     for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-    ip netns del "$ns" ;;
-  esac
+    ip netns del "$ns"
+  fi
 done
 exit 0

@@ -1292,6 +1292,8 @@ async fn an_assignment_without_a_subnet_gets_the_default_network() {
 /// One agent of the mesh test, running inside its host's namespace.
 struct MeshNode {
     ns: String,
+    /// Before `dir`: its netns pins are unmounted before the dir goes.
+    _net: support::NetCleanup,
     dir: tempfile::TempDir,
     child: Option<std::process::Child>,
     args: Vec<String>,
@@ -1337,8 +1339,17 @@ impl MeshNode {
         .map(|s| (*s).to_owned())
         .collect();
         args.extend(extra.iter().cloned());
+        let run_dir = dir.path().join("run");
+        let _net = support::NetCleanup {
+            prefix: prefix.into(),
+            table: zattera_netns::NetConfig::for_namespace(namespace, &run_dir)
+                .unwrap()
+                .nft_table,
+            run_dir,
+        };
         let mut m = MeshNode {
             ns,
+            _net,
             dir,
             child: None,
             args,

@@ -1359,11 +1359,12 @@ pub type Prepare<'a> = Box<dyn FnOnce(&std::path::Path, &str) + 'a>;
 /// removed, when dropped.
 pub struct ControlledAgent {
     pub child: std::process::Child,
+    /// Before `dir`: its netns pins are unmounted before the dir goes.
+    net: crate::support::NetCleanup,
     pub dir: tempfile::TempDir,
     pub node_id: String,
     pub api_addr: String,
     pub namespace: String,
-    net: crate::support::NetCleanup,
 }
 
 impl ControlledAgent {
