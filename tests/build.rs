@@ -281,6 +281,32 @@ async fn a_local_build_lands_in_containerd_runs_and_beats_while_silent() {
     .await;
 }
 
+/// A second build of the same steps runs from buildah's layer cache: the
+/// first one's image stays as cache after its export, where removing its
+/// only name used to delete its intermediate images with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_of_the_same_steps_uses_the_layer_cache() {
+    on_rig("build-cache", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgq").await;
+        let url = c.blobs.put(app_context(&c.base, ""));
+        for (id, cached) in [("bld-c1", false), ("bld-c2", true)] {
+            let (lines, end) = run_build(&c.agent, &c.cp, build_request(id, &url, "")).await;
+            assert_eq!(
+                end.status,
+                BuildStatus::Succeeded as i32,
+                "{end:?}\n{lines:#?}"
+            );
+            let hits = lines
+                .iter()
+                .filter(|l| l.starts_with("--> Using cache"))
+                .count();
+            // COPY and RUN: FROM is no step of its own.
+            assert_eq!(hits, if cached { 2 } else { 0 }, "{id}: {lines:#?}");
+        }
+    })
+    .await;
+}
+
 /// CancelBuild during a `RUN` step: CANCELED, and buildah and its
 /// container are gone; an unknown id is `canceled: false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -906,42 +932,6 @@ fn buildkitd() -> Option<String> {
     path
 }
 
-/// Stops the agent's buildkitd (it outlives the agent by design; SIGTERM
-/// first, so that it gives its CNI namespaces back) and removes the
-/// worker's namespace and the `_history` one BuildKit keeps beside it.
-struct BuildkitdCleanup {
-    pid_file: std::path::PathBuf,
-    socket: std::path::PathBuf,
-    namespaces: Vec<String>,
-}
-
-impl BuildkitdCleanup {
-    async fn run(self) {
-        if let Some(pid) = std::fs::read_to_string(&self.pid_file)
-            .ok()
-            .and_then(|t| t.trim().parse::<i32>().ok())
-        {
-            let pid = nix::unistd::Pid::from_raw(pid);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            for _ in 0..100 {
-                if nix::sys::signal::kill(pid, None).is_err() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        for ns in &self.namespaces {
-            if let Ok(ns) = ns.parse()
-                && let Ok(ctd) = zattera_agent::runtime::Containerd::connect(&self.socket, ns).await
-            {
-                support::purge_namespace(&ctd).await;
-            }
-        }
-    }
-}
-
 /// [`cluster`] in `ctd`'s namespace, whose agent builds with buildah.
 async fn buildah_cluster(
     rig: &support::Rig,
@@ -959,24 +949,11 @@ async fn buildkit_cluster(
     ctd: &zattera_agent::runtime::Containerd,
     prefix: &str,
     bin: &str,
-) -> (Cluster, BuildkitdCleanup) {
+) -> (Cluster, control_plane::BuildkitdCleanup) {
     let backend = ["--build-backend", "buildkit", "--buildkitd-binary", bin];
     let c = cluster(rig, ctd.namespace().as_str(), prefix, &backend).await;
-    let cleanup = buildkit_cleanup(&c, rig);
+    let cleanup = c.agent.buildkitd_cleanup(&rig.socket);
     (c, cleanup)
-}
-
-fn buildkit_cleanup(c: &Cluster, rig: &support::Rig) -> BuildkitdCleanup {
-    let worker = zattera_agent::build::buildkit::worker_namespace(&c.agent.namespace);
-    BuildkitdCleanup {
-        pid_file: c.agent.dir.path().join("run/buildkit/buildkitd.pid"),
-        socket: rig.socket.clone(),
-        namespaces: vec![
-            format!("{worker}_history"),
-            worker,
-            format!("{}_history", c.agent.namespace),
-        ],
-    }
 }
 
 /// The same flow through a real buildkitd the agent starts itself

@@ -159,6 +159,30 @@ impl Buildah {
         *active = active.saturating_add_signed(delta);
     }
 
+    /// Keeps a built image as layer cache for the next builds: named in
+    /// [`CACHE_REPO`], its build tag removed (only a name goes, since it
+    /// has another), and the oldest beyond [`CACHED_BUILDS`] removed with
+    /// the intermediate images no other cached build shares. `rmi` of a
+    /// build's only name would delete its intermediate images, and every
+    /// later build of the same steps would run them all again.
+    async fn keep_as_cache(&self, tag: &str, build_id: &str) {
+        let cached = format!("{CACHE_REPO}:{}", cache_name(build_id));
+        let mut cmd = self.command();
+        cmd.args(["tag", tag, &cached]);
+        if !cmd.output().await.is_ok_and(|o| o.status.success()) {
+            self.remove_local(tag, false).await;
+            return;
+        }
+        self.remove_local(tag, false).await;
+        let mut list = self.command();
+        list.args(["images", "--json", "--filter"])
+            .arg(format!("reference={CACHE_REPO}"));
+        let Ok(out) = list.output().await else { return };
+        for old in beyond_cache(&out.stdout, CACHED_BUILDS) {
+            self.remove_local(&old, false).await;
+        }
+    }
+
     async fn remove_local(&self, tag: &str, manifest: bool) {
         let mut cmd = self.command();
         if manifest {
@@ -173,6 +197,49 @@ impl Buildah {
 enum StepError {
     Failed(String),
     Canceled,
+}
+
+/// Where built images stay as layer cache ([`Buildah::keep_as_cache`]).
+const CACHE_REPO: &str = "localhost/zattera-build-cache/image";
+/// Built images kept as cache: what a node's recent builds reuse.
+const CACHED_BUILDS: usize = 16;
+
+/// A tag for build `id` (tags allow `[A-Za-z0-9_.-]`, up to 128).
+fn cache_name(id: &str) -> String {
+    let clean: String = id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(120)
+        .collect();
+    format!("b{clean}")
+}
+
+/// The names of the cached images beyond the newest `keep`, from
+/// `buildah images --json` (each entry: `names`, `created` in unix seconds).
+fn beyond_cache(json: &[u8], keep: usize) -> Vec<String> {
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        #[serde(default)]
+        names: Option<Vec<String>>,
+        #[serde(default)]
+        created: i64,
+    }
+    let Ok(mut entries) = serde_json::from_slice::<Vec<Entry>>(json) else {
+        return Vec::new();
+    };
+    entries.sort_by_key(|e| std::cmp::Reverse(e.created));
+    entries
+        .into_iter()
+        .skip(keep)
+        .flat_map(|e| e.names.unwrap_or_default())
+        .filter(|n| n.starts_with(CACHE_REPO))
+        .collect()
 }
 
 /// A name in buildah's storage for build `id`.
@@ -255,7 +322,11 @@ impl Buildah {
         let outcome = self
             .export(spec, &tag, several, &files, events, cancel)
             .await;
-        self.remove_local(&tag, several).await;
+        if outcome.is_ok() && !several {
+            self.keep_as_cache(&tag, &spec.id).await;
+        } else {
+            self.remove_local(&tag, several).await;
+        }
         outcome
     }
 }
@@ -340,6 +411,30 @@ impl Buildah {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn the_oldest_cached_builds_beyond_the_budget_are_named_for_removal() {
+        let json = format!(
+            r#"[{{"id": "a", "names": ["{CACHE_REPO}:b1"], "created": 100}},
+                {{"id": "b", "names": ["{CACHE_REPO}:b3", "{CACHE_REPO}:b3x"], "created": 300}},
+                {{"id": "c", "names": null, "created": 50}},
+                {{"id": "d", "names": ["{CACHE_REPO}:b2", "docker.io/other:1"], "created": 200}}]"#
+        );
+        assert!(beyond_cache(json.as_bytes(), 4).is_empty());
+        assert_eq!(
+            beyond_cache(json.as_bytes(), 1),
+            vec![format!("{CACHE_REPO}:b2"), format!("{CACHE_REPO}:b1")],
+            "newest first kept; names outside the cache repository are never removed"
+        );
+        assert!(beyond_cache(b"not json", 0).is_empty());
+    }
+
+    #[test]
+    fn a_cache_tag_is_a_valid_tag_for_any_build_id() {
+        assert_eq!(cache_name("bld-01"), "bbld-01");
+        assert_eq!(cache_name("a/b:c@d"), "ba_b_c_d");
+        assert_eq!(cache_name(&"x".repeat(300)).len(), 121);
+    }
 
     #[test]
     fn local_tags_are_valid_lowercase_names() {

@@ -1454,6 +1454,20 @@ impl ControlledAgent {
         std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
     }
 
+    /// What stops this agent's buildkitd and removes its namespaces.
+    pub fn buildkitd_cleanup(&self, socket: &std::path::Path) -> BuildkitdCleanup {
+        let worker = zattera_agent::build::buildkit::worker_namespace(&self.namespace);
+        BuildkitdCleanup {
+            pid_file: self.dir.path().join("run/buildkit/buildkitd.pid"),
+            socket: socket.to_owned(),
+            namespaces: vec![
+                format!("{worker}_history"),
+                worker,
+                format!("{}_history", self.namespace),
+            ],
+        }
+    }
+
     /// SIGKILLs the agent and starts it again on the same dirs and address.
     pub fn kill9_and_restart(&mut self, cp: &ControlPlane, rig: &crate::support::Rig) {
         let _ = self.child.kill();
@@ -1534,6 +1548,42 @@ impl ControlledAgent {
                     self.api_addr,
                     self.log()
                 ),
+            }
+        }
+    }
+}
+
+/// Stops the agent's buildkitd (it outlives the agent by design; SIGTERM
+/// first, so that it gives its CNI namespaces back) and removes the
+/// worker's namespace and the `_history` one BuildKit keeps beside it.
+pub struct BuildkitdCleanup {
+    pid_file: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    namespaces: Vec<String>,
+}
+
+impl BuildkitdCleanup {
+    pub async fn run(self) {
+        if let Some(pid) = std::fs::read_to_string(&self.pid_file)
+            .ok()
+            .and_then(|t| t.trim().parse::<i32>().ok())
+        {
+            let pid = nix::unistd::Pid::from_raw(pid);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            for _ in 0..100 {
+                if nix::sys::signal::kill(pid, None).is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        for ns in &self.namespaces {
+            if let Ok(ns) = ns.parse()
+                && let Ok(ctd) = zattera_agent::runtime::Containerd::connect(&self.socket, ns).await
+            {
+                crate::support::purge_namespace(&ctd).await;
             }
         }
     }
