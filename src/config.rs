@@ -548,10 +548,12 @@ pub struct Config {
     pub build: BuildSettings,
 }
 
-/// Bring-ups and removals that run at once. Enough to overlap one pull
-/// with another instance's runc work; the converge bench measured 4, 8 and
-/// 16 alike on two cores (runc and the shims are the bound).
-pub const PARALLELISM: usize = 4;
+/// Bring-ups and removals that run at once, and so the shim groups that
+/// fill side by side. A bring-up mostly waits on containerd, its shim and
+/// runc, and a shared shim serves its tasks one at a time: on two cores
+/// the converge of 50 took 1,176 ms at 4 (the cores 73 % busy), 990 ms at
+/// 8 (92 %) and 1,097 ms at 12 (bench/results/2026-12-06-final.md).
+pub const PARALLELISM: usize = 8;
 
 /// Where the node is reached, once its mesh address (if any) is known.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,9 +18,9 @@ use zattera_agent::runtime::containers::{self, TaskState};
 use zattera_agent::runtime::exec::{ExecRequest, exec};
 use zattera_agent::runtime::{Containerd, import_archive};
 
-/// Five instances in `prod` (the executor fills four groups side by side,
-/// so the fifth shares one) and one in `stage` (a group of its own:
-/// environments never share a shim).
+/// Nine instances in `prod` (the executor fills eight groups side by side,
+/// its parallelism, so the ninth shares one) and one in `stage` (a group of
+/// its own: environments never share a shim).
 fn manifest() -> String {
     let env = |name: &str, replicas: u32| {
         format!(
@@ -30,7 +30,7 @@ fn manifest() -> String {
     };
     format!(
         "[app]\nname = \"web\"\nproject = \"p\"\n[build]\ntype = \"image\"\nimage = \"{TEST_IMAGE}\"\n{}{}",
-        env("prod", 5),
+        env("prod", 9),
         env("stage", 1)
     )
 }
@@ -85,14 +85,14 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
         agent.run_args = vec!["--shim-group-size".into(), "2".into()];
         agent.write_manifest("web.toml", &manifest());
         agent.start();
-        let first = agent.wait_all(6, "HEALTHY");
+        let first = agent.wait_all(10, "HEALTHY");
         let ids: Vec<String> = first.values().cloned().collect();
 
-        // Six containers, five shims: prod's four groups and stage's one.
+        // Ten containers, nine shims: prod's eight groups and stage's one.
         let groups = group_labels(&ctd, &ids).await;
         let distinct: BTreeSet<&String> = groups.values().collect();
-        assert_eq!(distinct.len(), 5, "{groups:?}");
-        assert_eq!(shims_of(&ns), 5, "{groups:?}");
+        assert_eq!(distinct.len(), 9, "{groups:?}");
+        assert_eq!(shims_of(&ns), 9, "{groups:?}");
         let (pids, shims) = tasks(&ctd, &ids).await;
         for (a, b) in ids.iter().zip(ids.iter().skip(1)) {
             assert_eq!(
@@ -142,7 +142,7 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
         .unwrap();
         let s = agent.wait_for("the group restarted and all HEALTHY", |s| {
             let rows = s["assignments"].as_array().cloned().unwrap_or_default();
-            rows.len() == 6
+            rows.len() == 10
                 && rows.iter().all(|r| r["state"] == "HEALTHY")
                 && rows
                     .iter()
@@ -160,12 +160,12 @@ async fn an_environment_shares_bounded_shims_and_a_dead_one_takes_only_its_group
                 "{id}: only the dead shim's group restarts ({pids:?} -> {after:?})"
             );
         }
-        assert_eq!(shims_of(&ns), 5, "the group has a shim again");
+        assert_eq!(shims_of(&ns), 9, "the group has a shim again");
 
         // An agent restart adopts them all, grouped, and restarts none.
         assert!(agent.term().is_some_and(|s| s.success()));
         agent.start();
-        agent.wait_all(6, "HEALTHY");
+        agent.wait_all(10, "HEALTHY");
         let (adopted, _) = tasks(&ctd, &ids).await;
         assert_eq!(adopted, after, "no task restarted by the adoption");
 
