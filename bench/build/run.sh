@@ -7,7 +7,9 @@
 # Ratio = agent / buildah (goal <= 1.05). With BUILDKITD=/path/to/buildkitd
 # (buildctl beside it) the same for BuildKit: the agent's native client
 # against `buildctl build` on the same daemon, the agent's own, `FROM` a
-# loopback registry. Results: bench/build/results/.
+# loopback registry. Then builds as control runs them (benches/build_api.rs):
+# RunBuild through the node API of a running agent against the same CLIs.
+# Results: bench/build/results/.
 #
 # As root, with the rig up (scripts/rig.sh) and buildah installed.
 set -euo pipefail
@@ -106,3 +108,9 @@ for agent, peer, key in [("agent-cold", "buildah-cold", "buildah_cold"), ("agent
 json.dump(doc, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(doc, indent=2))
 PY
+
+# Builds as control runs them: RunBuild through a running agent's node API.
+echo "== RunBuild through the node API (benches/build_api.rs)" >&2
+api_out=bench/build/results/$(date -u +%Y-%m-%dT%H%M)-api.txt
+ZATTERA_TEST_AGENT_BIN=$agent BUILDKITD=${BUILDKITD:-} RUNS=$RUNS \
+  cargo bench -q --locked -p zattera-agent --bench build_api 2>/dev/null | tee "$api_out"

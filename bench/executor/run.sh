@@ -85,30 +85,11 @@ ctr_ -n "$NS_CTR" images import "$RIG_DIR/images/busybox-oci.tar" >/dev/null
 
 now_ms() { echo $(($(date +%s%N) / 1000000)); }
 
-# PROFILE=DIR: the first round of each count above 1 also runs under
-# `perf record -a -e cpu-clock` (every process and the kernel, sampled
-# at 997 Hz: no hardware counters needed), and DIR gets the data and a
-# summary by command and by binary. Those rounds' times include perf's cost.
+# PROFILE=DIR: the first round of each count above 1 also runs under perf
+# (bench/lib/profile.sh); those rounds' times include perf's cost.
 PROFILE=${PROFILE:-}
-perf_pid=
-profile_start() { # name n round
-  [ -n "$PROFILE" ] && [ "$2" -gt 1 ] && [ "$3" -eq 1 ] || return 0
-  mkdir -p "$PROFILE"
-  perf record -q -a -g -e cpu-clock -F 997 -o "$PROFILE/$1-$2.data" >/dev/null 2>&1 &
-  perf_pid=$!
-  sleep 0.5 # perf is sampling before the clock starts
-}
-profile_stop() { # name n
-  [ -n "$perf_pid" ] || return 0
-  kill -INT "$perf_pid"; wait "$perf_pid" 2>/dev/null || true
-  perf_pid=
-  local d="$PROFILE/$1-$2.data"
-  { echo "== $1, $2 instances: samples by command"
-    perf report -i "$d" --no-children --sort comm --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' | head -25
-    echo "== by command and binary"
-    perf report -i "$d" --no-children --sort comm,dso --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' | head -40
-  } >"$PROFILE/$1-$2.txt"
-}
+# shellcheck source=bench/lib/profile.sh
+. bench/lib/profile.sh
 # Host CPU ticks: "busy idle", from /proc/stat.
 host_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6}' /proc/stat; }
 # Host CPU between two host_ticks samples: "<% of all cores> <busy ms>".
@@ -215,7 +196,7 @@ agent_round() { # replicas round measure_idle
   [ "$n" -eq 1 ] && poll=0.02
   mkdir -p "$dir/manifests" "$dir/run" "$dir/data"
   manifest "$n" >"$dir/manifests/bench.toml"
-  profile_start agent "$n" "$2"
+  [ "$n" -gt 1 ] && [ "$2" -eq 1 ] && profile_start "agent-$n"
   d0=$(proc_ticks "$CONTAINERD_PID")
   h0=$(host_ticks)
   t0=$(now_ms)
@@ -237,7 +218,7 @@ agent_round() { # replicas round measure_idle
   t1=$(now_ms)
   h1=$(host_ticks)
   d1=$(proc_ticks "$CONTAINERD_PID")
-  profile_stop agent "$n"
+  profile_stop
   echo $((t1 - t0)) >"$dir/converge_ms"
   diag agent "$n" "$2" "$h0" "$h1" $(((d1 - d0) * 1000 / HZ)) "$(shim_ms "$NS_AGENT")" $(($(proc_ticks "$agent_pid") * 1000 / HZ))
   [ "$2" -eq 1 ] && growth_sample "$n" "$dir"
@@ -302,14 +283,14 @@ INNER
 ctr_round() { # replicas round
   local n=$1 ms ips h0 h1 d0 d1
   rm -rf "$work/ipam"
-  profile_start ctr "$n" "$2"
+  [ "$n" -gt 1 ] && [ "$2" -eq 1 ] && profile_start "ctr-$n"
   d0=$(proc_ticks "$CONTAINERD_PID")
   h0=$(host_ticks)
   ms=$(RIG_DIR=$RIG_DIR CNI_BIN=$CNI_BIN CTR_BRIDGE=$CTR_BRIDGE CTR_SUBNET=$CTR_SUBNET SOCK=$SOCK NS_CTR=$NS_CTR IMAGE=$IMAGE \
     unshare -m --propagation private bash "$work/ctr-inner.sh" "$work" "$n" "$2")
   h1=$(host_ticks)
   d1=$(proc_ticks "$CONTAINERD_PID")
-  profile_stop ctr "$n"
+  profile_stop
   diag ctr "$n" "$2" "$h0" "$h1" $(((d1 - d0) * 1000 / HZ)) "$(shim_ms "$NS_CTR")" -
   # Every container got an address from the CNI bridge network.
   ips=$(find "$work/ipam/zt-bench" -name '10.201.*' | wc -l)

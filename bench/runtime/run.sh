@@ -62,13 +62,22 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# PROFILE=DIR: the first pull of each tool runs under perf
+# (bench/lib/profile.sh), and DIR gets the agent's pull timeline.
+# shellcheck source=bench/lib/profile.sh
+. bench/lib/profile.sh
+
 median() { sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
 p90() { sort -n | awk '{v[NR]=$1} END {i=int(NR*0.9+0.999); if (i<1) i=1; print v[i]}'; }
 
 # ---- 1. create-to-running -----------------------------------------------------
-echo "== 1. create-to-running (cargo bench --bench runtime, ROUNDS=$ROUNDS)"
-ROUNDS=$ROUNDS ZATTERA_TEST_CONTAINERD=$SOCK ZATTERA_TEST_IMAGES=$RIG_DIR/images timeout 600 \
-  cargo bench -q -p zattera-agent --bench runtime 2>&1 | tee "$work/create.out" | grep -v '^RESULT'
+# ROUNDS=0 skips it (the pull alone).
+: >"$work/create.out"
+if [ "$ROUNDS" -gt 0 ]; then
+  echo "== 1. create-to-running (cargo bench --bench runtime, ROUNDS=$ROUNDS)"
+  ROUNDS=$ROUNDS ZATTERA_TEST_CONTAINERD=$SOCK ZATTERA_TEST_IMAGES=$RIG_DIR/images timeout 600 \
+    cargo bench -q -p zattera-agent --bench runtime 2>&1 | tee "$work/create.out" | grep -v '^RESULT'
+fi
 create_r50=$(sed -n 's/^RESULT create_p50_ratio=\([0-9.]*\).*/\1/p' "$work/create.out")
 create_r90=$(sed -n 's/.*create_p90_ratio=\([0-9.]*\).*/\1/p' "$work/create.out")
 
@@ -116,13 +125,16 @@ purge() { # namespace
 pull_once() { # tool round -> prints ms
   local ns="zt-bench-pull-$1-$TAG-$2" t0 t1 snaps
   assert_cold "$ns"
+  [ "$2" -eq 1 ] && profile_start "pull-$1"
   t0=$(date +%s%N)
   if [ "$1" = agent ]; then
-    "$AGENT" --containerd-address "$SOCK" --namespace "$ns" image pull "$REF" >"$work/pull.log" 2>&1
+    RUST_LOG=warn,zattera::pull=debug "$AGENT" --containerd-address "$SOCK" --namespace "$ns" image pull "$REF" >"$work/pull.log" 2>&1
   else
     ctr_ -n "$ns" images pull --plain-http "$REF" >"$work/pull.log" 2>&1
   fi || { echo "bench/runtime: $1 pull failed: $(tail -3 "$work/pull.log")" >&2; exit 1; }
   t1=$(date +%s%N)
+  profile_stop
+  [ -n "${PROFILE:-}" ] && [ "$2" -eq 1 ] && [ "$1" = agent ] && sed 's/\x1b\[[0-9;]*m//g' "$work/pull.log" >"$PROFILE/pull-agent-timeline.txt"
   snaps=$(ctr_ -n "$ns" snapshots ls | tail -n +2 | grep -c Committed || true)
   [ "$snaps" -eq 6 ] || { echo "bench/runtime: $1 left $snaps committed snapshots, want 6 (unpacked)" >&2; exit 1; }
   purge "$ns"
