@@ -307,6 +307,55 @@ async fn a_rebuild_of_the_same_steps_uses_the_layer_cache() {
     .await;
 }
 
+/// Attack: a tenant's Dockerfile names an image on the node itself
+/// (`FROM oci-archive:<a path on the node>`, here the rig's busybox
+/// archive), which buildah would read as root. The build fails before
+/// buildah runs, saying why; a registry base still builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dockerfile_may_not_read_images_from_the_node() {
+    on_rig("build-local-img", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgr").await;
+        let node_file = format!("oci-archive:{}", rig.oci_archive().display());
+        for (id, dockerfile) in [
+            ("bld-l1", format!("FROM {node_file}\nRUN true\n")),
+            (
+                "bld-l2",
+                format!(
+                    "ARG B={node_file}\nFROM {}\nCOPY --from=$B /bin/sh /sh\n",
+                    c.base
+                ),
+            ),
+        ] {
+            let url = c
+                .blobs
+                .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+            let (lines, end) = run_build(&c.agent, &c.cp, build_request(id, &url, "")).await;
+            assert_eq!(
+                end.status,
+                BuildStatus::Failed as i32,
+                "{id}: {end:?}\n{lines:#?}"
+            );
+            assert!(
+                end.error
+                    .contains("reads the node's own files (oci-archive:)"),
+                "{id}: {end:?}"
+            );
+            assert!(
+                !lines.iter().any(|l| l.starts_with("STEP ")),
+                "buildah never ran: {lines:?}"
+            );
+        }
+        let url = c.blobs.put(app_context(&c.base, ""));
+        let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-l3", &url, "")).await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Succeeded as i32,
+            "{end:?}\n{lines:#?}"
+        );
+    })
+    .await;
+}
+
 /// CancelBuild during a `RUN` step: CANCELED, and buildah and its
 /// container are gone; an unknown id is `canceled: false`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

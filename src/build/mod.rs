@@ -10,6 +10,7 @@
 //! lines and adds the heartbeat. [`builds`] tracks the builds in flight for
 //! cancellation.
 
+pub mod bases;
 pub mod buildah;
 pub mod buildkit;
 pub mod builds;
@@ -143,6 +144,14 @@ pub enum BuildError {
     Provision(String),
     #[error("builder: solve: {0}")]
     Solve(String),
+    /// A tenant's Dockerfile names an image on the node itself.
+    #[error(
+        "builder: image {image:?} reads the node's own files ({transport}:); builds take their images from registries"
+    )]
+    LocalImage {
+        image: String,
+        transport: &'static str,
+    },
     #[error("builder: push: {0}")]
     Push(String),
     #[error("builder: load image: {0}")]

@@ -228,6 +228,17 @@ impl Pipeline {
                 .plan(&context, &req.build_env, events, cancel)
                 .await?;
         }
+        // A local directory is the operator's own; any other source is a
+        // tenant's, whose images must come from registries.
+        if !matches!(req.source, Source::Dir(_)) {
+            let dockerfile = std::fs::read_to_string(context.join(strategy.dockerfile()))
+                .map_err(|e| BuildError::Source(format!("reading the Dockerfile: {e}")))?;
+            if let Some((image, transport)) =
+                super::bases::local_image(&dockerfile, &req.build_args)
+            {
+                return Err(BuildError::LocalImage { image, transport });
+            }
+        }
         let mut bridge = None;
         let lease = match (self.config.network, &self.config.sandbox) {
             (super::buildah::BuildNetwork::Private, Some(sandbox))
