@@ -170,12 +170,14 @@ growth_sample() { # n dir
 # app's instance is up and stays up) to $work/start-one.
 start_one() { # dir
   local deadline line task
+  [ ! -e "${PROFILE:-/nonexistent}/assign.txt" ] && trace_start assign
   manifest 1 | sed 's/^name = "bench"/name = "benchx"/' >"$1/manifests/extra.toml"
   deadline=$(($(now_ms) + 30000))
   until [ "$(up_count "$1/run")" -eq 2 ]; do
     [ "$(now_ms)" -gt "$deadline" ] && { echo "bench/executor: the extra instance did not start" >&2; tail -n 20 "$1/agent.log" >&2; exit 1; }
     sleep 0.05
   done
+  trace_stop
   line=$(sed 's/\x1b\[[0-9;]*m//g' "$1/agent.log" | grep 'brought up' | tail -1)
   task=$(sed 's/\x1b\[[0-9;]*m//g' "$1/agent.log" | grep 'task started' | tail -1)
   field() { sed -n "s/.*[ ,]$1=\([0-9]*\).*/\1/p" <<<"$2"; }

@@ -44,3 +44,43 @@ profile_stop() {
     perf report -i "$d" --no-children -g none -n --sort comm,dso --stdio 2>/dev/null | grep -v '^#' | grep -v '^$' | head -40
   } >"$PROFILE/$perf_name.txt"
 }
+
+# `trace_start NAME` / `trace_stop`: with PROFILE=DIR, every exec and exit
+# on the machine (sched tracepoints: next to no cost) until the stop, and
+# DIR/NAME.txt: each program started, when (ms after the first), and how
+# long it lived (to its exit, or "-" while it runs on).
+trace_start() { # name
+  [ -n "${PROFILE:-}" ] || return 0
+  mkdir -p "$PROFILE"
+  perf_name=$1
+  perf record -q -a -e sched:sched_process_exec,sched:sched_process_exit -o "$PROFILE/$1.data" >/dev/null 2>&1 &
+  perf_pid=$!
+  sleep 0.3
+}
+
+trace_stop() {
+  [ -n "$perf_pid" ] || return 0
+  kill -INT "$perf_pid"
+  wait "$perf_pid" 2>/dev/null || true
+  perf_pid=
+  {
+    echo "== $perf_name: programs started (ms after the first), and how long each lived"
+    perf script -i "$PROFILE/$perf_name.data" 2>/dev/null | awk '
+      {
+        t = $4; sub(":", "", t); t *= 1000
+        if ($5 == "sched:sched_process_exec:") {
+          f = $6; sub("filename=", "", f); p = $7; sub("pid=", "", p)
+          if (f ~ /(bash|sleep|grep|sed|awk|cat|date|tail|perf|zattera-agent)$/) next
+          if (t0 == "") t0 = t
+          n++; at[n] = t; file[n] = f; pid[n] = p; open[p] = n
+        } else if ($5 == "sched:sched_process_exit:") {
+          p = $7; sub("pid=", "", p)
+          if (p in open) { end[open[p]] = t; delete open[p] }
+        }
+      }
+      END {
+        for (i = 1; i <= n; i++)
+          printf "   %8.1f  %8s  %s\n", at[i] - t0, (i in end) ? sprintf("%.1f", end[i] - at[i]) : "-", file[i]
+      }'
+  } >"$PROFILE/$perf_name.txt"
+}
