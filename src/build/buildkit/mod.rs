@@ -466,20 +466,15 @@ fn solve_request(spec: &BuildSpec, reference: &str, session: &str) -> SolveReque
     for (k, v) in &spec.build_args {
         frontend_attrs.insert(format!("build-arg:{k}"), v.clone());
     }
-    let attrs = match &spec.output {
-        // A pushed image is pulled by digest into the agent's namespace:
-        // unpacking it in the worker's would be wasted.
-        Output::Push { reference } => [
-            ("name", reference.as_str()),
-            ("push", "true"),
-            ("unpack", "false"),
-        ],
-        Output::Load { name } => [
-            ("name", name.as_str()),
-            ("push", "false"),
-            ("unpack", "true"),
-        ],
+    // Either way the image runs from the agent's namespace: pushed, it is
+    // pulled there by digest; loaded, it is copied there and unpacked
+    // ([`crate::runtime::transfer::copy_image`]). Unpacking it in the
+    // worker's as well would apply every layer twice.
+    let (name, push) = match &spec.output {
+        Output::Push { reference } => (reference.as_str(), "true"),
+        Output::Load { name } => (name.as_str(), "false"),
     };
+    let attrs = [("name", name), ("push", push), ("unpack", "false")];
     SolveRequest {
         r#ref: reference.to_owned(),
         session: session.to_owned(),
