@@ -42,22 +42,13 @@ const SECRET: &str = "bench-build-secret";
 const FILES: usize = 50;
 
 fn runs() -> usize {
-    std::env::var("RUNS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5)
+    support::env_or("RUNS", 5)
 }
 
 fn main() {
-    let Some(rig) = support::rig() else {
-        println!("build_api bench: skipped (no rig)");
+    let Some((rig, rt)) = support::bench_rig("build_api") else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let work = tempfile::tempdir().unwrap();
     let ctx = work.path().join("ctx");
     write_files(&ctx);
@@ -257,6 +248,49 @@ async fn compare(
     );
 }
 
+/// A backend's two series against its peer: cold, each build after
+/// `empty`; then, after one more of each, cached.
+struct Series {
+    tag: &'static str,
+    name: &'static str,
+    cold: &'static str,
+    peer: &'static str,
+}
+
+impl Series {
+    async fn run(
+        &self,
+        agent: &ControlledAgent,
+        cp: &ControlPlane,
+        url: &str,
+        empty: impl FnMut(),
+        by_hand: impl FnMut(usize) -> Duration + Copy,
+    ) {
+        let tag = self.tag;
+        let cold = format!("{} cold ({})", self.name, self.cold);
+        compare(
+            &cold,
+            self.peer,
+            empty,
+            async |r| run_build(agent, cp, &format!("{tag}-cold-{r}"), url).await,
+            by_hand,
+        )
+        .await;
+        run_build(agent, cp, &format!("{tag}-warm"), url).await;
+        let mut warm = by_hand;
+        warm(99);
+        let cached = format!("{} cached", self.name);
+        compare(
+            &cached,
+            self.peer,
+            || {},
+            async |r| run_build(agent, cp, &format!("{tag}-cached-{r}"), url).await,
+            by_hand,
+        )
+        .await;
+    }
+}
+
 async fn buildkit(
     ctd: &zattera_agent::runtime::Containerd,
     rig: &support::Rig,
@@ -280,7 +314,7 @@ async fn buildkit(
     let (agent, _blobs, url) = agent(&cp, rig, &ns, "ztbq", &backend, tarball).await;
     let cleanup = agent.buildkitd_cleanup(&rig.socket);
     // The first build starts the agent's buildkitd; it is not timed.
-    run_build(&agent, &cp, "bk-warm", &url).await;
+    run_build(&agent, &cp, "bk-start", &url).await;
     let buildctl = Path::new(bin).with_file_name("buildctl");
     let addr = format!(
         "unix://{}",
@@ -313,25 +347,13 @@ async fn buildkit(
     };
     println!("BuildKit, the agent's buildkitd ({bin}):");
     let prune = || run_quiet("buildctl prune", &mut ctl(&["prune", "--all"]));
-    compare(
-        "BuildKit cold (cache pruned)",
-        "buildctl build, same daemon",
-        prune,
-        async |r| run_build(&agent, &cp, &format!("bk-cold-{r}"), &url).await,
-        by_hand,
-    )
-    .await;
-    // Cached: one more of each first, so both find every step cached.
-    run_build(&agent, &cp, "bk-warm-2", &url).await;
-    by_hand(99);
-    compare(
-        "BuildKit cached",
-        "buildctl build, same daemon",
-        || {},
-        async |r| run_build(&agent, &cp, &format!("bk-cached-{r}"), &url).await,
-        by_hand,
-    )
-    .await;
+    let series = Series {
+        tag: "bk",
+        name: "BuildKit",
+        cold: "cache pruned",
+        peer: "buildctl build, same daemon",
+    };
+    series.run(&agent, &cp, &url, prune, by_hand).await;
     drop(agent);
     cleanup.run().await;
 }
@@ -427,24 +449,13 @@ async fn buildah(
         let _ = std::fs::remove_dir_all(&agent_storage);
     };
     println!("buildah, bud and the load into containerd:");
-    compare(
-        "buildah cold (storage emptied)",
-        "buildah bud + push + ctr import",
-        empty,
-        async |r| run_build(&agent, &cp, &format!("ba-cold-{r}"), &url).await,
-        by_hand,
-    )
-    .await;
-    run_build(&agent, &cp, "ba-warm", &url).await;
-    by_hand(99);
-    compare(
-        "buildah cached",
-        "buildah bud + push + ctr import",
-        || {},
-        async |r| run_build(&agent, &cp, &format!("ba-cached-{r}"), &url).await,
-        by_hand,
-    )
-    .await;
+    let series = Series {
+        tag: "ba",
+        name: "buildah",
+        cold: "storage emptied",
+        peer: "buildah bud + push + ctr import",
+    };
+    series.run(&agent, &cp, &url, empty, by_hand).await;
     drop(agent);
     empty();
 }

@@ -43,23 +43,10 @@ const PER_SUBNET: usize = 250;
 
 type Counts = Arc<Mutex<BTreeMap<String, u64>>>;
 
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn main() {
-    let Some(rig) = support::rig() else {
-        println!("control_converge bench: skipped (no rig)");
+    let Some((rig, rt)) = support::bench_rig("control_converge") else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     rt.block_on(support::with_namespace(
         &rig,
         "bench-cv",
@@ -217,10 +204,10 @@ fn p50(mut v: Vec<u64>) -> u64 {
 
 #[allow(clippy::too_many_lines, clippy::cast_precision_loss)]
 async fn run(ctd: zattera_agent::runtime::Containerd, rig: support::Rig) {
-    let n = env_or("ASSIGNMENTS", 1000).min(PER_SUBNET * 4);
-    let changed = env_or("CHANGED", 10).min(n);
-    let window = Duration::from_secs(env_or("WINDOW_SECS", 30) as u64);
-    let converge_limit = Duration::from_secs(env_or("CONVERGE_SECS", 1800) as u64);
+    let n: usize = support::env_or("ASSIGNMENTS", 1000).min(PER_SUBNET * 4);
+    let changed: usize = support::env_or("CHANGED", 10).min(n);
+    let window = Duration::from_secs(support::env_or("WINDOW_SECS", 30));
+    let converge_limit = Duration::from_secs(support::env_or("CONVERGE_SECS", 1800));
     import_archive(&ctd, &rig.oci_archive(), None)
         .await
         .expect("import the test image");

@@ -40,19 +40,10 @@ const SECRET: &str = "bench-secret";
 const INSTANCES: usize = 50;
 
 fn main() {
-    let Some(rig) = support::rig() else {
-        println!("control_cpu bench: skipped (no rig)");
+    let Some((rig, rt)) = support::bench_rig("control_cpu") else {
         return;
     };
-    let idle: u64 = std::env::var("IDLE_SECS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let idle: u64 = support::env_or("IDLE_SECS", 60);
     rt.block_on(support::with_namespace(
         &rig,
         "bench-cp",

@@ -42,19 +42,10 @@ use zattera_agent::runtime::{Containerd, ImageRef, Namespace, get_local, import_
 const IMAGE: &str = support::TEST_IMAGE;
 
 fn main() {
-    let Some(rig) = support::rig() else {
-        println!("runtime bench: skipped");
+    let Some((rig, rt)) = support::bench_rig("runtime") else {
         return;
     };
-    let rounds: usize = std::env::var("ROUNDS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(20);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rounds: usize = support::env_or("ROUNDS", 20);
     rt.block_on(run(&rig.socket, &rig.images, rounds));
 }
 

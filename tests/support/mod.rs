@@ -597,3 +597,26 @@ pub fn processes() -> Vec<Process> {
         })
         .collect()
 }
+
+/// A benchmark's start: the rig and a two-thread runtime, or `None`
+/// (said on stdout) when there is no rig.
+pub fn bench_rig(bench: &str) -> Option<(Rig, tokio::runtime::Runtime)> {
+    let Some(rig) = rig() else {
+        println!("{bench} bench: skipped (no rig)");
+        return None;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    Some((rig, rt))
+}
+
+/// The number in environment variable `name`, else `default`.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
