@@ -64,7 +64,8 @@ def run(name, env, limit, out_dir):
     cmd = ["bash", os.path.join(HERE, name, "run.sh")]
     if name == "netns":
         cmd = ["cargo", "bench", "-q", "-p", "zattera-netns", "--bench", "netns"]
-    full_env = dict(os.environ, **env)
+    # A setting in the caller's environment overrides the bounded default.
+    full_env = {**env, **os.environ}
     before = load()
     started = time.monotonic()
     print(f"== {name} (limit {limit} s, load {before})", flush=True)
@@ -253,7 +254,8 @@ def main():
     unknown = [b for b in wanted if b not in BENCHES]
     if unknown:
         sys.exit(f"bench/report: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHES)}")
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    # REPORT_NAME names the report and its raw directory (default: the date).
+    date = os.environ.get("REPORT_NAME") or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
     results = os.path.join(HERE, "results")
     raw = os.path.join(results, date)
@@ -269,7 +271,7 @@ def main():
         rows += got
         for k, v in curves_from(output).items():
             curves.setdefault(k, []).extend(v)
-        runs.append((name, code, secs, before, after, {k: v for k, v in env.items()}))
+        runs.append((name, code, secs, before, after, {k: os.environ.get(k, v) for k, v in env.items()}))
 
     plots = []
     for file, title, unit, names in PLOTS:
