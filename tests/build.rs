@@ -1039,6 +1039,51 @@ async fn buildkit_builds_pushes_and_the_image_deploys_healthy() {
     .await;
 }
 
+/// BuildKit keeps the node's build contexts under one key and syncs the
+/// next build's into that copy: a later build, say another tenant's, sees
+/// exactly its own context and nothing a former one sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buildkit_a_build_sees_only_its_own_context() {
+    let Some(bin) = buildkitd() else { return };
+    on_rig("build-bkx", |ctd, rig| async move {
+        let (c, cleanup) = buildkit_cluster(&rig, &ctd, "ztgs", &bin).await;
+        let first = format!("FROM {}\nCOPY . /ctx\n", c.base);
+        let second = format!(
+            "FROM {}\nCOPY . /ctx\nRUN test -e /ctx/a.txt && test ! -e /ctx/secret.txt\n",
+            c.base
+        );
+        let contexts = [
+            context(&[
+                ("Dockerfile", first.as_bytes()),
+                ("a.txt", b"a\n"),
+                ("secret.txt", b"tenant one\n"),
+            ]),
+            context(&[("Dockerfile", second.as_bytes()), ("a.txt", b"a\n")]),
+        ];
+        let mut ends = Vec::new();
+        for (i, ctx) in contexts.into_iter().enumerate() {
+            let url = c.blobs.put(ctx);
+            ends.push(
+                run_build(
+                    &c.agent,
+                    &c.cp,
+                    build_request(&format!("bk-x{i}"), &url, ""),
+                )
+                .await,
+            );
+        }
+        cleanup.run().await;
+        for (lines, end) in ends {
+            assert_eq!(
+                end.status,
+                BuildStatus::Succeeded as i32,
+                "{end:?}\n{lines:#?}"
+            );
+        }
+    })
+    .await;
+}
+
 /// CancelBuild through BuildKit: killing buildctl cancels the solve; the
 /// `RUN` process is gone and the terminal event is CANCELED.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,11 @@
 //! entry can point outside. Entries and decompressed bytes are capped too,
 //! which bounds a gzip bomb made of headers.
 //!
+//! Files and directories keep their modification times (the reference sets
+//! none): BuildKit sends only the files whose size, mode or time changed
+//! since the last build it cached under the same key, so a rebuild of the
+//! same source moves only what changed.
+//!
 //! GNU long names and PAX headers are read here, not by the tar crate, which
 //! reads their bodies whole (up to the decompressed cap, 1 GiB) and copies
 //! them into every later message: a body over [`MAX_EXTENSION`] or a name
@@ -20,6 +25,7 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Read};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 /// The longest entry name (Linux's PATH_MAX).
 pub const MAX_NAME: u64 = 4096;
@@ -148,6 +154,8 @@ pub fn unpack(tgz: impl Read, dest: &Path, limits: Limits) -> Result<Unpacked, U
     let mut declared_total = 0u64;
     // The name a GNU `L` or PAX `path` record gives the next entry.
     let mut long_name: Option<Vec<u8>> = None;
+    // Set last: every file written into a directory moves its time.
+    let mut dir_times = Vec::new();
     let fault = |e: io::Error| stream_error(e, limits);
     for entry in archive.entries().map_err(fault)?.raw(true) {
         let mut entry = entry.map_err(fault)?;
@@ -191,8 +199,14 @@ pub fn unpack(tgz: impl Read, dest: &Path, limits: Limits) -> Result<Unpacked, U
         let rel = contained(&String::from_utf8_lossy(&name_bytes))
             .ok_or_else(|| UnpackError::UnsafePath(name.clone()))?;
         let target = dest.join(&rel);
+        let mtime = entry
+            .header()
+            .mtime()
+            .ok()
+            .and_then(|secs| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs)));
         if kind.is_dir() {
             mkdirs(&target)?;
+            dir_times.extend(mtime.map(|t| (target.clone(), t)));
         } else if kind.is_file() || kind == tar::EntryType::Continuous {
             let declared = entry.header().size().map_err(UnpackError::Tar)?;
             declared_total = declared_total.saturating_add(declared);
@@ -228,12 +242,19 @@ pub fn unpack(tgz: impl Read, dest: &Path, limits: Limits) -> Result<Unpacked, U
                     declared,
                 });
             }
+            // A time that cannot be set costs a cache hit, not the build.
+            if let Some(t) = mtime {
+                let _ = file.set_modified(t);
+            }
             done.files += 1;
             done.bytes += got;
         } else {
             // Symlinks, hard links, devices, FIFOs: skipped (BLD-3).
             done.skipped += 1;
         }
+    }
+    for (dir, t) in dir_times {
+        let _ = fs::File::open(&dir).and_then(|d| d.set_modified(t));
     }
     Ok(done)
 }
@@ -318,6 +339,7 @@ mod tests {
             h.set_entry_type(*kind);
             h.set_mode(*mode);
             h.set_size(*size);
+            h.set_mtime(MTIME);
             if *kind == tar::EntryType::Symlink {
                 h.set_link_name("/etc/shadow").unwrap();
             }
@@ -334,6 +356,8 @@ mod tests {
     }
 
     const F: tar::EntryType = tar::EntryType::Regular;
+    /// Every test entry's modification time.
+    const MTIME: u64 = 1_700_000_000;
 
     fn run(data: &[u8]) -> (tempfile::TempDir, Result<Unpacked, UnpackError>) {
         let dir = tempfile::tempdir().unwrap();
@@ -341,6 +365,23 @@ mod tests {
         fs::create_dir(&dest).unwrap();
         let r = unpack(data, &dest, Limits::default());
         (dir, r)
+    }
+
+    #[test]
+    fn files_and_directories_keep_their_times() {
+        let data = tgz(&[
+            ("app/", tar::EntryType::Directory, 0o755, 0, b""),
+            ("app/main.go", F, 0o644, 13, b"package main\n"),
+            ("app/lib/x.go", F, 0o644, 10, b"package x\n"),
+        ]);
+        let (dir, r) = run(&data);
+        r.unwrap();
+        let want = SystemTime::UNIX_EPOCH + Duration::from_secs(MTIME);
+        let ctx = dir.path().join("ctx");
+        for path in ["app", "app/main.go", "app/lib/x.go"] {
+            let got = fs::metadata(ctx.join(path)).unwrap().modified().unwrap();
+            assert_eq!(got, want, "{path}");
+        }
     }
 
     #[test]

@@ -59,6 +59,9 @@ impl Drop for Session {
     }
 }
 
+/// The key the daemon caches this node's build contexts under.
+const SHARED_KEY: &str = "zattera-build-context";
+
 /// Opens a session serving `dirs` (local name → directory) and `auth`.
 pub fn open(
     control: &ControlClient<Channel>,
@@ -76,7 +79,12 @@ pub fn open(
     };
     md.insert("x-docker-expose-session-uuid", value(&id)?);
     md.insert("x-docker-expose-session-name", value("zattera-build")?);
-    md.insert("x-docker-expose-session-sharedkey", value(&id)?);
+    // The daemon keeps a build's local sources under (name, this key) and
+    // syncs the next session's into that copy, sending only the files whose
+    // size, mode or time changed (the unpack keeps times). A key per session
+    // would send every file of every build. The sync leaves exactly the new
+    // context, and a copy in use by one build is never handed to another.
+    md.insert("x-docker-expose-session-sharedkey", value(SHARED_KEY)?);
     for m in METHODS {
         md.append("x-docker-expose-session-grpc-method", value(m)?);
     }
