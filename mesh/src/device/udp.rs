@@ -2,17 +2,30 @@
 //! comes in with one `recvmmsg`, a batch of sealed packets goes out with
 //! one `sendmmsg` (before: one `recvfrom` and one `sendto` per packet).
 //! Buffers and message headers are made once per thread and reused.
+//!
+//! Out, the segments of one TSO super-packet are sealed to the same size
+//! for the same peer: such a run leaves as one UDP GSO send (`UDP_SEGMENT`),
+//! which crosses the IP stack, the veth and the bridge as one buffer and is
+//! cut into datagrams at the receiving socket, where the per-datagram
+//! work of `sendmmsg` cost the sender more than sealing (bench/mesh).
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::RawFd;
 
-use nix::sys::socket::{MsgFlags, MultiHeaders, SockaddrStorage, recvmmsg, sendmmsg};
+use nix::sys::socket::{
+    ControlMessage, MsgFlags, MultiHeaders, SockaddrStorage, recvmmsg, sendmmsg, sendmsg,
+};
 
 /// Datagrams per system call: a TSO super-packet from the tun splits into
 /// up to about 45 segments at the mesh MTU, and wireguard-go's batch is
 /// 128 too.
 pub(crate) const BATCH: usize = 128;
+
+/// The most datagrams one GSO send carries (the kernel's UDP_MAX_SEGMENTS
+/// is 64 on older kernels) and their most bytes (one IP datagram).
+const GSO_SEGMENTS: usize = 64;
+const GSO_BYTES: usize = 65_000;
 
 /// The datagram buffer size: the largest packet the device carries
 /// ([`super::MAX_PACKET`]) sealed (32 bytes of header and tag, padding).
@@ -83,6 +96,10 @@ pub(crate) struct SendBatch {
     buffers: Vec<Vec<u8>>,
     queued: Vec<(usize, SockaddrStorage)>,
     headers: MultiHeaders<SockaddrStorage>,
+    /// Runs of the last send (start, count), reused.
+    runs: Vec<(usize, usize)>,
+    /// Whether the kernel takes GSO sends; off after the first refusal.
+    gso: bool,
 }
 
 impl SendBatch {
@@ -91,6 +108,8 @@ impl SendBatch {
             buffers: (0..BATCH).map(|_| vec![0u8; DATAGRAM]).collect(),
             queued: Vec::with_capacity(BATCH),
             headers: MultiHeaders::preallocate(BATCH, None),
+            runs: Vec::with_capacity(BATCH),
+            gso: true,
         }
     }
 
@@ -119,7 +138,51 @@ impl SendBatch {
     /// back-pressure TCP over the mesh needs. A datagram the kernel refuses
     /// on its own (an unreachable endpoint) is dropped, as a lost packet.
     pub(crate) fn send(&mut self, fd: RawFd) -> usize {
+        let sent = if self.gso {
+            self.send_runs(fd)
+        } else {
+            self.send_each(fd, 0)
+        };
+        self.queued.clear();
+        sent
+    }
+
+    /// One send per run ([`runs`]); a run of one is a plain datagram.
+    fn send_runs(&mut self, fd: RawFd) -> usize {
+        runs(&self.queued, &mut self.runs);
+        let lens = &self.queued;
         let mut sent = 0;
+        for i in 0..self.runs.len() {
+            let (start, count) = self.runs[i];
+            let (size, to) = lens[start];
+            let iov: Vec<IoSlice<'_>> = self.buffers[start..start + count]
+                .iter()
+                .zip(&lens[start..start + count])
+                .map(|(b, (len, _))| IoSlice::new(&b[..*len]))
+                .collect();
+            let segment = u16::try_from(size).unwrap_or(u16::MAX);
+            let gso = [ControlMessage::UdpGsoSegments(&segment)];
+            let cmsgs: &[ControlMessage<'_>] = if count > 1 { &gso } else { &[] };
+            match retrying(|| sendmsg(fd, &iov, cmsgs, MsgFlags::empty(), Some(&to))) {
+                Ok(_) => sent += count,
+                // No UDP GSO here (an old kernel, or an egress device that
+                // cannot checksum): datagram by datagram from now on.
+                Err(nix::errno::Errno::EIO | nix::errno::Errno::EINVAL | nix::errno::Errno::ENOPROTOOPT)
+                    if count > 1 =>
+                {
+                    tracing::info!("no UDP GSO on this socket: sending datagram by datagram");
+                    self.gso = false;
+                    return sent + self.send_each(fd, start);
+                }
+                Err(e) => tracing::debug!(error = %e, "mesh datagrams dropped"),
+            }
+        }
+        sent
+    }
+
+    /// `sendmmsg` from the `from`th queued datagram on.
+    fn send_each(&mut self, fd: RawFd, from: usize) -> usize {
+        let mut sent = from;
         while sent < self.queued.len() {
             let chunk = &self.queued[sent..];
             let slices: Vec<[IoSlice<'_>; 1]> = self.buffers[sent..]
@@ -144,8 +207,43 @@ impl SendBatch {
                 }
             }
         }
-        self.queued.clear();
-        sent
+        sent - from
+    }
+}
+
+fn retrying<T>(mut f: impl FnMut() -> nix::Result<T>) -> nix::Result<T> {
+    loop {
+        match f() {
+            Err(nix::errno::Errno::EINTR) => {}
+            r => return r,
+        }
+    }
+}
+
+/// Splits a batch of (length, destination) into runs one GSO send can
+/// carry: the same destination, every datagram as long as the first but
+/// the last, which may be shorter (and then ends the run), at most
+/// [`GSO_SEGMENTS`] datagrams and [`GSO_BYTES`] bytes. Runs are
+/// `(start, count)` into the batch, in order.
+fn runs<A: PartialEq>(batch: &[(usize, A)], out: &mut Vec<(usize, usize)>) {
+    out.clear();
+    let mut i = 0;
+    while i < batch.len() {
+        let (size, to) = &batch[i];
+        let mut count = 1;
+        let mut bytes = *size;
+        while let Some((len, next)) = batch.get(i + count) {
+            if next != to || len > size || count == GSO_SEGMENTS || bytes + len > GSO_BYTES {
+                break;
+            }
+            count += 1;
+            bytes += len;
+            if len < size {
+                break;
+            }
+        }
+        out.push((i, count));
+        i += count;
     }
 }
 
@@ -188,6 +286,45 @@ mod tests {
         for (i, (bytes, from)) in (0u8..).zip(&got) {
             assert_eq!(bytes, &vec![i; 3]);
             assert_eq!(*from, a.local_addr().unwrap());
+        }
+    }
+
+    #[test]
+    fn runs_are_equal_datagrams_to_one_peer_with_a_shorter_last() {
+        let mut out = Vec::new();
+        let (a, b) = ('a', 'b');
+        // A super-packet's segments, its shorter tail, another peer's
+        // packet, then a longer one after a shorter.
+        let batch = [(100, a), (100, a), (100, a), (40, a), (100, a), (60, b), (60, b), (90, b)];
+        runs(&batch, &mut out);
+        assert_eq!(out, vec![(0, 4), (4, 1), (5, 2), (7, 1)]);
+        // Capped by segments and bytes.
+        let many = vec![(1000, a); 70];
+        runs(&many, &mut out);
+        assert_eq!(out, vec![(0, 64), (64, 6)]);
+        let big = vec![(9000, a); 10];
+        runs(&big, &mut out);
+        assert_eq!(out, vec![(0, 7), (7, 3)]);
+        runs::<char>(&[], &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_run_goes_out_as_one_gso_send_and_arrives_as_datagrams() {
+        let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let to = b.local_addr().unwrap();
+        let mut out = SendBatch::new();
+        for (i, len) in [(1u8, 500), (2, 500), (3, 200)] {
+            out.slot().unwrap()[..len].fill(i);
+            out.push(len, to);
+        }
+        assert_eq!(out.send(a.as_raw_fd()), 3);
+        b.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 1000];
+        for (i, len) in [(1u8, 500), (2, 500), (3, 200)] {
+            let n = b.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..n], &vec![i; len][..]);
         }
     }
 
