@@ -3,10 +3,12 @@
 //!
 //! - out: one read from the tun gives a whole TSO super-packet (up to
 //!   64 KiB, split here into MTU-sized segments by `tun-rs`), each segment is
-//!   sealed for its peer, and the batch leaves with one `sendmmsg`;
-//! - in: one `recvmmsg` takes every datagram waiting, each is opened, and
-//!   the plaintexts are coalesced back into super-packets (GRO) and written
-//!   to the tun in as few writes as that allows.
+//!   sealed for its peer, and the batch leaves as one UDP GSO send per run
+//!   of equal datagrams to one peer ([`super::udp`]);
+//! - in: one `recvmmsg` takes every datagram waiting (with UDP GRO, runs
+//!   of them from one sender as one buffer each), each is opened, and the
+//!   plaintexts are coalesced back into super-packets (GRO) and written to
+//!   the tun in as few writes as that allows.
 //!
 //! Before (boringtun's device): a read and a `sendto` per packet out, a
 //! `recvfrom` and a write per packet in, all on one thread.

@@ -123,6 +123,7 @@ fn bind(port: u16) -> std::io::Result<UdpSocket> {
     let _ = s.set_send_buffer_size(4 << 20);
     s.bind(&SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).into())?;
     s.set_read_timeout(Some(TICK))?;
+    udp::enable_gro(&s);
     Ok(s.into())
 }
 
