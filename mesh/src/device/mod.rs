@@ -44,11 +44,18 @@ pub(crate) struct Device {
 
 impl Device {
     fn socket(&self) -> Arc<UdpSocket> {
-        Arc::clone(&self.socket.read().unwrap_or_else(|e| e.into_inner()))
+        Arc::clone(
+            &self
+                .socket
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     fn peers(&self) -> RwLockReadGuard<'_, Peers> {
-        self.peers.read().unwrap_or_else(|e| e.into_inner())
+        self.peers
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -73,7 +80,7 @@ pub fn run(interface: &str) -> Result<()> {
         .map_err(|e| err(format!("creating the tun device: {e}")))?;
     tracing::info!(tcp_gso = tun.tcp_gso(), "tun device created");
     let socket = bind(0).map_err(|e| err(format!("binding the UDP socket: {e}")))?;
-    let port = socket.local_addr().map(|a| a.port()).unwrap_or(0);
+    let port = socket.local_addr().map_or(0, |a| a.port());
     let dev = Arc::new(Device {
         tun,
         socket: RwLock::new(Arc::new(socket)),
@@ -220,7 +227,10 @@ fn get(dev: &Device) -> String {
             }
         })
         .collect();
-    let port = *dev.port.read().unwrap_or_else(|e| e.into_inner());
+    let port = *dev
+        .port
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     config::format_get(own, port, &list)
 }
 
@@ -228,14 +238,22 @@ fn get(dev: &Device) -> String {
 /// order.
 fn set(dev: &Device, s: Set) -> std::result::Result<(), i32> {
     if let Some(port) = s.listen_port {
-        let mut have = dev.port.write().unwrap_or_else(|e| e.into_inner());
+        let mut have = dev
+            .port
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if *have != port {
             let socket = bind(port).map_err(|e| e.raw_os_error().unwrap_or(EINVAL))?;
-            *dev.socket.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(socket);
+            *dev.socket
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(socket);
             *have = port;
         }
     }
-    let mut peers = dev.peers.write().unwrap_or_else(|e| e.into_inner());
+    let mut peers = dev
+        .peers
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Some(k) = s.private_key {
         peers.set_key(k);
     }
@@ -243,7 +261,7 @@ fn set(dev: &Device, s: Set) -> std::result::Result<(), i32> {
         peers.list.clear();
     }
     for p in s.peers {
-        peers.apply(p).map_err(|()| EINVAL)?;
+        peers.apply(&p).map_err(|()| EINVAL)?;
     }
     Ok(())
 }

@@ -29,28 +29,36 @@ impl Peer {
     /// The tunnel, locked. A poisoned lock (a thread panicked holding it)
     /// still holds a usable tunnel: the noise state is updated in place.
     pub fn tunn(&self) -> MutexGuard<'_, Tunn> {
-        self.tunn.lock().unwrap_or_else(|e| e.into_inner())
+        self.tunn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn endpoint(&self) -> Option<SocketAddr> {
-        *self.endpoint.lock().unwrap_or_else(|e| e.into_inner())
+        *self
+            .endpoint
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Roaming: the peer's last authenticated source address is where its
     /// packets go.
     pub fn set_endpoint(&self, at: SocketAddr) {
-        let mut e = self.endpoint.lock().unwrap_or_else(|e| e.into_inner());
+        let mut e = self
+            .endpoint
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if *e != Some(at) {
             *e = Some(at);
         }
     }
 
     pub fn allows(&self, ip: IpAddr) -> bool {
-        matches!(ip, IpAddr::V4(v4) if self.allowed_ips.iter().any(|n| contains(n, v4)))
+        matches!(ip, IpAddr::V4(v4) if self.allowed_ips.iter().any(|n| contains(*n, v4)))
     }
 }
 
-fn contains(net: &Net, ip: Ipv4Addr) -> bool {
+fn contains(net: Net, ip: Ipv4Addr) -> bool {
     let mask = u32::MAX
         .checked_shl(32 - u32::from(net.prefix))
         .unwrap_or(0);
@@ -77,7 +85,7 @@ impl Peers {
                 let best = p
                     .allowed_ips
                     .iter()
-                    .filter(|n| contains(n, v4))
+                    .filter(|n| contains(**n, v4))
                     .map(|n| n.prefix)
                     .max()?;
                 Some((best, p))
@@ -128,7 +136,7 @@ impl Peers {
     /// keepalive or preshared key changes gets a new tunnel (boringtun
     /// cannot change those in place); endpoint and allowed IPs change in
     /// place. Without a device key no peer can be added: `Err`.
-    pub fn apply(&mut self, set: PeerSet) -> Result<(), ()> {
+    pub fn apply(&mut self, set: &PeerSet) -> Result<(), ()> {
         let at = self.list.iter().position(|p| p.key == set.key);
         if set.remove {
             if let Some(i) = at {
@@ -237,7 +245,10 @@ impl Peers {
 /// moved out from under the lock and the old peer keeps a dummy.
 fn take_tunn(p: Arc<Peer>) -> Tunn {
     match Arc::try_unwrap(p) {
-        Ok(p) => p.tunn.into_inner().unwrap_or_else(|e| e.into_inner()),
+        Ok(p) => p
+            .tunn
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
         Err(shared) => {
             let mut guard = shared.tunn();
             let dummy_key = x25519::StaticSecret::from([0u8; 32]);
@@ -274,12 +285,12 @@ mod tests {
     fn packets_go_to_the_longest_prefix_and_a_peer_changes_in_place() {
         let mut peers = Peers::default();
         assert!(
-            peers.apply(peer_set(1, &["10.90.0.0/16"])).is_err(),
+            peers.apply(&peer_set(1, &["10.90.0.0/16"])).is_err(),
             "no key yet"
         );
         peers.set_key([7; 32]);
-        peers.apply(peer_set(1, &["10.90.0.0/16"])).unwrap();
-        peers.apply(peer_set(2, &["10.90.1.2/32"])).unwrap();
+        peers.apply(&peer_set(1, &["10.90.0.0/16"])).unwrap();
+        peers.apply(&peer_set(2, &["10.90.1.2/32"])).unwrap();
         let to = |ip: [u8; 4]| peers.route(IpAddr::from(ip)).map(|p| p.key.0[0]);
         assert_eq!(to([10, 90, 1, 2]), Some(2));
         assert_eq!(to([10, 90, 7, 7]), Some(1));
@@ -288,7 +299,7 @@ mod tests {
         let index = peers.list[1].index;
         let mut more = peer_set(2, &["10.90.1.3/32"]);
         more.endpoint = Some("192.0.2.2:51820".parse().unwrap());
-        peers.apply(more).unwrap();
+        peers.apply(&more).unwrap();
         let two = peers.list.iter().find(|p| p.key.0[0] == 2).unwrap();
         assert_eq!(two.index, index, "same tunnel");
         assert_eq!(two.allowed_ips.len(), 2);
@@ -297,7 +308,7 @@ mod tests {
 
         let mut gone = peer_set(2, &[]);
         gone.remove = true;
-        peers.apply(gone).unwrap();
+        peers.apply(&gone).unwrap();
         assert_eq!(peers.list.len(), 1);
         assert_ne!(peers.list[0].index, index);
     }
@@ -311,10 +322,10 @@ mod tests {
         };
         let mut at_a = Peers::default();
         at_a.set_key(a);
-        at_a.apply(peer_set_key(public(b))).unwrap();
+        at_a.apply(&peer_set_key(public(b))).unwrap();
         let mut at_b = Peers::default();
         at_b.set_key(b);
-        at_b.apply(peer_set_key(public(a))).unwrap();
+        at_b.apply(&peer_set_key(public(a))).unwrap();
         let mut buf = vec![0u8; 2048];
         let init = match at_b.list[0]
             .tunn()

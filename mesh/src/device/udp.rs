@@ -168,7 +168,7 @@ impl SendBatch {
     pub(crate) fn slot(&mut self) -> Option<&mut [u8]> {
         self.buffers
             .get_mut(self.queued.len())
-            .map(|b| b.as_mut_slice())
+            .map(Vec::as_mut_slice)
     }
 
     /// Queues the first `len` bytes of the current slot for `to`.
