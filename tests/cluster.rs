@@ -1340,7 +1340,7 @@ impl MeshNode {
         .collect();
         args.extend(extra.iter().cloned());
         let run_dir = dir.path().join("run");
-        let _net = support::NetCleanup {
+        let net = support::NetCleanup {
             prefix: prefix.into(),
             table: zattera_netns::NetConfig::for_namespace(namespace, &run_dir)
                 .unwrap()
@@ -1349,7 +1349,7 @@ impl MeshNode {
         };
         let mut m = MeshNode {
             ns,
-            _net,
+            _net: net,
             dir,
             child: None,
             args,
