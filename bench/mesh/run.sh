@@ -132,7 +132,7 @@ read -r veth_p50 veth_p99 < <(rtt 10.203.88.2)
 read -r mesh_p50 mesh_p99 < <(rtt 10.90.250.2)
 hz=$(getconf CLK_TCK)
 mkdir -p bench/mesh/results
-out=bench/mesh/results/$(date -u +%Y-%m-%dT%H%M).json
+out=bench/mesh/results/$(date -u +%Y-%m-%dT%H%M%S).json
 AGENT_PATH=$AGENT python3 - "$veth_gbit" "$mesh_gbit" "$veth_p50" "$veth_p99" "$mesh_p50" "$mesh_p99" "$c0" "$c1" "$hz" "$SECS" "$out" <<'EOF'
 import json, os, sys
 vg, mg, vp50, vp99, mp50, mp99 = map(float, sys.argv[1:7])
