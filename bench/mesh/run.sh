@@ -9,7 +9,9 @@
 # (underlay 10.203.88.1-2/24, mesh 10.90.250.1-2); everything is ours and
 # removed on exit, also on failure. Root; no traffic leaves the host;
 # bounded: SECS (default 10) per iperf3 run, COUNT (default 200) pings.
-# Results: bench/mesh/results/<date>.json.
+# Results: bench/mesh/results/<date>.json. AGENT=PATH measures that binary
+# instead of building the release agent (a before and an after binary in
+# one session, under the same conditions).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -23,9 +25,12 @@ fi
 for tool in iperf3 busybox python3; do
   command -v "$tool" >/dev/null || { echo "bench/mesh: $tool missing (scripts/rig.sh installs it)" >&2; exit 2; }
 done
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
-cargo build --release -q --bin zattera-agent
-AGENT=$CARGO_TARGET_DIR/release/zattera-agent
+if [ -z "${AGENT:-}" ]; then
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/zattera-target}
+  cargo build --release -q --bin zattera-agent
+  AGENT=$CARGO_TARGET_DIR/release/zattera-agent
+fi
+[ -x "$AGENT" ] || { echo "bench/mesh: $AGENT is not an executable" >&2; exit 2; }
 
 cleanup() {
   for h in a b; do
@@ -127,8 +132,8 @@ read -r veth_p50 veth_p99 < <(rtt 10.203.88.2)
 read -r mesh_p50 mesh_p99 < <(rtt 10.90.250.2)
 hz=$(getconf CLK_TCK)
 mkdir -p bench/mesh/results
-out=bench/mesh/results/$(date -u +%Y-%m-%dT%H%M).json
-python3 - "$veth_gbit" "$mesh_gbit" "$veth_p50" "$veth_p99" "$mesh_p50" "$mesh_p99" "$c0" "$c1" "$hz" "$SECS" "$out" <<'EOF'
+out=bench/mesh/results/$(date -u +%Y-%m-%dT%H%M%S).json
+AGENT_PATH=$AGENT python3 - "$veth_gbit" "$mesh_gbit" "$veth_p50" "$veth_p99" "$mesh_p50" "$mesh_p99" "$c0" "$c1" "$hz" "$SECS" "$out" <<'EOF'
 import json, os, sys
 vg, mg, vp50, vp99, mp50, mp99 = map(float, sys.argv[1:7])
 c0, c1, hz, secs = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9]), int(sys.argv[10])
@@ -136,7 +141,8 @@ cpu_s = (c1 - c0) / hz
 r = {
     "date": os.popen("date -u +%FT%TZ").read().strip(),
     "load": open("/proc/loadavg").read().split()[:3],
-    "backend": "userspace (boringtun, release agent's mesh-device)",
+    "backend": "userspace (release agent's mesh-device)",
+    "agent": os.environ.get("AGENT_PATH", ""),
     "throughput_gbit": {"veth": vg, "mesh": mg, "ratio": mg / vg},
     "rtt_ms": {"veth": {"p50": vp50, "p99": vp99}, "mesh": {"p50": mp50, "p99": mp99},
                "ratio_p50": mp50 / vp50},

@@ -14,6 +14,8 @@
 //! `PeerSet` into a `MeshState` and hands it to [`Backend::apply`].
 
 pub mod backend;
+#[cfg(feature = "userspace")]
+mod device;
 mod error;
 pub mod kernel;
 pub mod key;

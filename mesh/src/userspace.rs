@@ -1,4 +1,5 @@
-//! WireGuard in userspace (boringtun) for kernels without the module.
+//! WireGuard in userspace (boringtun's noise protocol around our own
+//! batched device, [`crate::device`]) for kernels without the module.
 //!
 //! The device runs in its own process, `<agent> mesh-device IFNAME`, in its
 //! own process group: like a containerd shim it outlives the agent, so a
@@ -150,32 +151,11 @@ fn nix_pid(pid: i32) -> nix::unistd::Pid {
 }
 
 /// The body of `mesh-device IFNAME`: creates the tun and serves the UAPI
-/// socket until the process is stopped.
+/// socket until the process is stopped or the interface is deleted
+/// ([`crate::device`]).
 #[cfg(feature = "userspace")]
 pub fn run_device(interface: &str) -> Result<()> {
-    use boringtun::device::{DeviceConfig, DeviceHandle};
-    let err = |what: String| Error::Backend {
-        interface: interface.to_owned(),
-        backend: "userspace",
-        what,
-    };
-    if let Some(dir) = uapi::socket_path(interface).parent() {
-        std::fs::create_dir_all(dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
-    }
-    // Half the cores, at most 4: on two cores one thread carried 0.50
-    // Gbit/s against 0.31 with two (bench/mesh), both ends on one host.
-    let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 4));
-    let mut device = DeviceHandle::new(
-        interface,
-        DeviceConfig {
-            n_threads: threads,
-            ..DeviceConfig::default()
-        },
-    )
-    .map_err(|e| err(format!("creating the tun device: {e:?}")))?;
-    device.wait();
-    device.clean();
-    Ok(())
+    crate::device::run(interface)
 }
 
 /// Without the feature there is no userspace device to run.
