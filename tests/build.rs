@@ -454,18 +454,29 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
     on_rig("build-bad", |ctd, rig| async move {
         let c = buildah_cluster(&rig, &ctd, "ztgd").await;
         let wrong = format!("/internal/blobs/sha256:{}", "0".repeat(64));
+        // The context is unpacked into `<scratch root>/src-<id>/context`,
+        // and `src-<id>` goes after the build: these names would land where
+        // the check after the builds can still see them.
+        let scratch = scratch_root(&c.agent.data_dir());
+        let above = scratch.parent().unwrap().to_path_buf();
+        std::fs::create_dir_all(above.join("etc")).unwrap();
+        let landings = [
+            scratch.join("escape.txt"),
+            scratch.join("evil"),
+            above.join("etc/shadow"),
+        ];
         let cases: Vec<(String, &str)> = vec![
             (
-                c.blobs.put(raw_tgz("../escape.txt", 4, b"evil")),
-                "unpack source: unsafe path in context: \"../escape.txt\"",
+                c.blobs.put(raw_tgz("../../escape.txt", 4, b"evil")),
+                "unpack source: unsafe path in context: \"../../escape.txt\"",
             ),
             (
-                c.blobs.put(raw_tgz("dir/../../evil", 4, b"evil")),
-                "unpack source: unsafe path in context: \"dir/../../evil\"",
+                c.blobs.put(raw_tgz("dir/../../../evil", 4, b"evil")),
+                "unpack source: unsafe path in context: \"dir/../../../evil\"",
             ),
             (
-                c.blobs.put(raw_tgz("../../etc/shadow", 4, b"evil")),
-                "unpack source: unsafe path in context: \"../../etc/shadow\"",
+                c.blobs.put(raw_tgz("../../../etc/shadow", 4, b"evil")),
+                "unpack source: unsafe path in context: \"../../../etc/shadow\"",
             ),
             (
                 c.blobs.put(raw_tgz("big", (512 << 20) + 1, b"tiny")),
@@ -517,19 +528,8 @@ async fn bad_sources_fail_with_their_message_and_write_nothing_outside() {
             "{}",
             end.error
         );
-        assert!(
-            c.agent
-                .data_dir()
-                .parent()
-                .is_some_and(|d| !d.join("escape.txt").exists())
-        );
-        for dir in [
-            c.agent.data_dir(),
-            c.agent.data_dir().parent().unwrap().to_path_buf(),
-        ] {
-            for evil in ["escape.txt", "evil", "etc/shadow"] {
-                assert!(!dir.join(evil).exists(), "{}", dir.join(evil).display());
-            }
+        for landing in &landings {
+            assert!(!landing.exists(), "written outside: {}", landing.display());
         }
         let left: Vec<_> = std::fs::read_dir(scratch_root(&c.agent.data_dir()))
             .unwrap()
@@ -830,10 +830,7 @@ async fn steps_stay_in_their_network(
 async fn the_planner_runs_under_the_packaged_layout() {
     let Some(rig) = rig() else { return };
     let Ok(planner) = std::env::var("ZATTERA_TEST_NIXPACKS") else {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI sets ZATTERA_TEST_NIXPACKS"
-        );
+        zattera_testkit::missing("the nixpacks planner (ZATTERA_TEST_NIXPACKS)");
         return;
     };
     with_namespace(&rig, "build-plan", |ctd, rig| async move {
@@ -908,12 +905,13 @@ async fn the_planner_runs_under_the_packaged_layout() {
 async fn nixpacks_plans_a_node_app_without_a_dockerfile() {
     let binary = std::env::var("ZATTERA_TEST_NIXPACKS")
         .unwrap_or_else(|_| zattera_agent::build::plan::DEFAULT_NIXPACKS_BINARY.into());
-    if !std::path::Path::new(&binary).exists() {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI installs the planner at {binary}"
-        );
-        eprintln!("skipped: no nixpacks planner at {binary} (ZATTERA_TEST_NIXPACKS)");
+    if !zattera_testkit::require(&if std::path::Path::new(&binary).exists() {
+        vec![]
+    } else {
+        vec![format!(
+            "the nixpacks planner at {binary} (ZATTERA_TEST_NIXPACKS)"
+        )]
+    }) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -976,7 +974,9 @@ fn buildkitd() -> Option<String> {
         .ok()
         .filter(|p| !p.is_empty());
     if path.is_none() {
-        eprintln!("skipped: ZATTERA_TEST_BUILDKITD names no buildkitd (buildctl beside it)");
+        // No registry CI reaches offers a buildkitd (README, "What CI does
+        // not run"), so this skip is accepted there and listed at the end.
+        zattera_testkit::skip("ZATTERA_TEST_BUILDKITD names no buildkitd (buildctl beside it)");
     }
     path
 }

@@ -162,7 +162,7 @@ fn doctor_passes_against_the_rig() {
 }
 
 #[test]
-fn doctor_names_a_missing_socket_a_bad_config_and_a_full_disk() {
+fn doctor_names_a_missing_socket_and_a_bad_config() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("nope.sock");
     let (ok, report) = doctor(&[
@@ -189,11 +189,15 @@ fn doctor_names_a_missing_socket_a_bad_config_and_a_full_disk() {
         assert_eq!(c["verdict"], "fail", "{report:#}");
         assert!(c["detail"].as_str().unwrap().contains(&needle), "{c}");
     }
+}
 
-    // A full data dir: a small tmpfs filled up.
-    if !nix_is_root() {
-        return;
+/// A full data dir (a small tmpfs filled up) fails doctor's disk check.
+#[test]
+fn doctor_names_a_full_data_disk() {
+    if !zattera_testkit::require_root() {
+        return; // mounts a tmpfs
     }
+    let dir = tempfile::tempdir().unwrap();
     let mnt = dir.path().join("data");
     std::fs::create_dir(&mnt).unwrap();
     let mounted = Command::new("mount")
@@ -203,11 +207,13 @@ fn doctor_names_a_missing_socket_a_bad_config_and_a_full_disk() {
         .unwrap()
         .success();
     assert!(mounted);
-    let _ = Command::new("dd")
+    let fill = Command::new("dd")
         .arg("if=/dev/zero")
         .arg(format!("of={}/fill", mnt.display()))
         .args(["bs=1M", "count=8"])
-        .output();
+        .output()
+        .unwrap();
+    assert!(!fill.status.success(), "8 MiB into a 4 MiB tmpfs: {fill:?}");
     let (ok, report) = doctor(&[
         "--config".as_ref(),
         "/dev/null".as_ref(),
@@ -219,11 +225,4 @@ fn doctor_names_a_missing_socket_a_bad_config_and_a_full_disk() {
     let c = check(&report, "disk");
     assert_eq!(c["verdict"], "fail", "{report:#}");
     assert!(c["detail"].as_str().unwrap().starts_with("0 B free"), "{c}");
-}
-
-fn nix_is_root() -> bool {
-    std::fs::metadata("/proc/self").is_ok_and(|m| {
-        use std::os::unix::fs::MetadataExt;
-        m.uid() == 0
-    })
 }

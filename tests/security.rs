@@ -219,6 +219,39 @@ async fn containers_reach_neither_the_host_nor_another_environment() {
                 .unwrap(),
         );
         let events = host_events(&mut services);
+        // Positive controls first: the host's services hear the host itself,
+        // and db's listener hears a legitimate datagram and logs it. Only
+        // then does silence after the attacks mean something.
+        let host_send = |script: &str| {
+            let python = format!("import socket\n{script}");
+            netns.run(&["python3", "-c", &python]);
+        };
+        let control = "socket.create_connection(('127.0.0.1', 2222)).close()\n\
+                       socket.socket(2, 2).sendto(b'control', ('127.0.0.1', 5555))";
+        host_send(control);
+        let seen = wait_for_events(&events, &["tcp", "udp"]);
+        assert!(
+            seen.iter()
+                .all(|e| e.starts_with("tcp ('127.0.0.1'") || e.contains("b'control'")),
+            "{seen:?}"
+        );
+        let db_log = agent.data_dir().join("logs").join(format!("{db}.log"));
+        let db_heard = || -> Vec<String> {
+            std::fs::read_to_string(&db_log)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("got "))
+                .map(str::to_owned)
+                .collect()
+        };
+        wait_until("db listens", || {
+            std::fs::read_to_string(&db_log).is_ok_and(|t| t.contains("listening on 5353"))
+        });
+        host_send(&format!(
+            "socket.socket(2, 2).sendto(b'legit', ('{db_ip}', 5353))"
+        ));
+        wait_until("db hears a legitimate datagram", || db_heard().len() == 1);
+
         // Runs a script in the attacker's container; (exit code, output).
         let attack = |script: String| {
             let (ctd, attacker) = (&ctd, &attacker);
@@ -242,31 +275,58 @@ async fn containers_reach_neither_the_host_nor_another_environment() {
         ))
         .await;
         assert!(spoof.contains("sent"), "{spoof}");
-        tokio::time::sleep(Duration::from_secs(2)).await;
 
-        let host_saw: Vec<String> = events.try_iter().collect();
+        // Markers sent after the attacks: once they arrive, anything the
+        // attacks caused has arrived before them (no fixed sleep).
+        host_send(&format!(
+            "socket.socket(2, 2).sendto(b'marker', ('127.0.0.1', 5555))\n\
+             socket.socket(2, 2).sendto(b'mark', ('{db_ip}', 5353))"
+        ));
+        let host_saw = wait_for_events(&events, &["b'marker'"]);
         drop(services);
-        let answers =
-            std::fs::read_to_string(agent.data_dir().join("logs").join(format!("{db}.log")))
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| l.contains("got "))
-                .count();
+        wait_until("db hears the marker", || db_heard().len() >= 2);
+        let heard = db_heard();
         assert!(own.contains(&attacker_ip), "the own gateway answers: {own}");
         assert!(
             !foreign.contains(&db_ip),
             "another environment's resolver answered: {foreign}"
         );
         assert!(
-            host_saw.is_empty(),
+            host_saw.len() == 1 && host_saw[0].contains("b'marker'"),
             "the host's services were reached from a container: {host_saw:?} (nc: {out})"
         );
-        assert_eq!(
-            answers, 0,
-            "a spoofed query's answer reached the other environment"
+        assert!(
+            heard.len() == 2 && !heard.iter().any(|l| l.contains(&format!("{prod_gw}:53"))),
+            "a spoofed query's answer reached the other environment: {heard:?}"
         );
     })
     .await;
+}
+
+/// The events up to and including the first that contains each of `wanted`,
+/// in order; fails after 20 s.
+fn wait_for_events(events: &std::sync::mpsc::Receiver<String>, wanted: &[&str]) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = Vec::new();
+    let mut left: Vec<&str> = wanted.to_vec();
+    while !left.is_empty() {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let event = events
+            .recv_timeout(wait)
+            .unwrap_or_else(|e| panic!("waiting for {left:?} ({e}); saw {seen:?}"));
+        left.retain(|w| !event.contains(w));
+        seen.push(event);
+    }
+    seen
+}
+
+/// Polls `done` every 100 ms; fails after 20 s.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[tokio::test]

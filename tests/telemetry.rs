@@ -93,7 +93,10 @@ fn free_port() -> u16 {
 async fn metrics_are_served_parsed_labelled_and_move() {
     let Some(rig) = rig() else { return };
     if !std::path::Path::new(&python()).exists() {
-        eprintln!("SKIPPED: no rig venv python: run `sudo scripts/rig.sh` first");
+        zattera_testkit::missing(&format!(
+            "the rig's venv python {} (run `sudo scripts/rig.sh` first)",
+            python()
+        ));
         return;
     }
     with_namespace(&rig, "telemetry", |ctd, rig| async move {

@@ -410,14 +410,44 @@ mod tests {
 
     #[test]
     fn escaping_names_fail_the_whole_context_and_write_nothing_outside() {
-        for name in ["../escape.txt", "dir/../../evil", "../../etc/shadow"] {
+        // The context sits three levels down, so every name lands inside
+        // the temporary directory if it escapes, in a directory that exists.
+        for (name, lands) in [
+            ("../escape.txt", "a/b/escape.txt"),
+            ("dir/../../evil", "a/b/evil"),
+            ("../../etc/shadow", "a/etc/shadow"),
+            ("../../../evil", "evil"),
+        ] {
             let data = tgz(&[("ok.txt", F, 0o644, 2, b"ok"), (name, F, 0o644, 4, b"evil")]);
-            let (dir, r) = run(&data);
-            let e = r.unwrap_err();
+            let dir = tempfile::tempdir().unwrap();
+            let dest = dir.path().join("a/b/ctx");
+            fs::create_dir_all(&dest).unwrap();
+            fs::create_dir_all(dir.path().join("a/etc")).unwrap();
+            let landing = dir.path().join(lands);
+            assert_eq!(
+                lexical(&dest.join(name)),
+                landing,
+                "where {name} would land"
+            );
+            let e = unpack(data.as_slice(), &dest, Limits::default()).unwrap_err();
             assert_eq!(e.to_string(), format!("unsafe path in context: {name:?}"));
-            assert!(!dir.path().join("escape.txt").exists());
-            assert!(!dir.path().join("evil").exists());
+            assert!(!landing.exists(), "{name} wrote {}", landing.display());
         }
+    }
+
+    /// `a/b/../c` -> `a/c`, without touching the filesystem.
+    fn lexical(path: &Path) -> PathBuf {
+        let mut out = PathBuf::new();
+        for c in path.components() {
+            match c {
+                Component::ParentDir => {
+                    out.pop();
+                }
+                Component::CurDir => {}
+                other => out.push(other),
+            }
+        }
+        out
     }
 
     #[test]

@@ -625,11 +625,49 @@ mod tests {
         assert!(err.to_string().contains("link"), "{err}");
         assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
         assert!(!vol2.exists(), "a failed restore leaves nothing");
-        let hard = tar_with(&[
-            ("link", tar::EntryType::Symlink, &escape, b""),
-            ("h", tar::EntryType::Link, "link/../../etc/passwd", b""),
-        ]);
-        assert!(restore(&hard, &d.path().join("vol3/_data")).is_err());
+    }
+
+    /// A hard link whose target leads out of the volume, through a symlink
+    /// or `..`, to a real file on the same filesystem: refused, and the
+    /// file outside gains no link (a link would let the container rewrite
+    /// it).
+    #[test]
+    fn hard_links_never_reach_a_file_outside_the_volume() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let outside = d.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let secret = outside.join("secret");
+        std::fs::write(&secret, b"host file").unwrap();
+        let escape = outside.display().to_string();
+        let through_symlink = [
+            ("link", tar::EntryType::Symlink, escape.as_str(), &b""[..]),
+            ("h", tar::EntryType::Link, "link/secret", b""),
+        ];
+        let dotdot = [(
+            "h",
+            tar::EntryType::Link,
+            "../../../outside/secret",
+            &b""[..],
+        )];
+        let absolute = format!("{escape}/secret");
+        let absolute = [("h", tar::EntryType::Link, absolute.as_str(), &b""[..])];
+        for (i, entries) in [&through_symlink[..], &dotdot, &absolute]
+            .iter()
+            .enumerate()
+        {
+            let vol = d.path().join(format!("vol{i}/_data"));
+            let restored = restore(&tar_with(entries), &vol);
+            assert_eq!(
+                std::fs::metadata(&secret).unwrap().nlink(),
+                1,
+                "case {i}: the file outside gained a link ({restored:?})"
+            );
+            assert!(restored.is_err(), "case {i}: {restored:?}");
+            assert!(!vol.exists(), "case {i}: a failed restore leaves nothing");
+        }
+        assert_eq!(std::fs::read(&secret).unwrap(), b"host file");
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
     }
 
     #[test]

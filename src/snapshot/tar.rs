@@ -933,9 +933,8 @@ mod tests {
     /// unchanged data dedups against reference-made snapshots.
     #[test]
     fn the_tar_is_what_the_reference_writes() {
-        if !rustix::process::geteuid().is_root() {
-            eprintln!("SKIPPED: needs root (owners, device nodes)");
-            return;
+        if !zattera_testkit::require_root() {
+            return; // owners and device nodes need root
         }
         let d = tempfile::tempdir().unwrap();
         let root = match std::env::var_os("ZT_KEEP_GO_TREE") {

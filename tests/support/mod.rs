@@ -2,8 +2,9 @@
 //! (scripts/rig.sh) and gives each test its own containerd namespace, purged
 //! afterwards even when the test fails.
 //!
-//! Without the rig a test skips with a message, except under `CI=true`,
-//! where a missing rig is a failure: CI must never pass by testing nothing.
+//! Without the rig a test skips (recorded, see `zattera_testkit`), except
+//! under CI, where a missing rig is a failure: CI must never pass by testing
+//! nothing.
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
@@ -62,10 +63,6 @@ impl Rig {
     }
 }
 
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
-}
-
 /// The rig, or `None` (with a message) when it is not set up outside CI.
 pub fn rig() -> Option<Rig> {
     let socket = PathBuf::from(
@@ -75,7 +72,7 @@ pub fn rig() -> Option<Rig> {
         std::env::var("ZATTERA_TEST_IMAGES").unwrap_or_else(|_| DEFAULT_IMAGES.into()),
     );
     let mut missing = Vec::new();
-    if !nix_is_root() {
+    if !zattera_testkit::is_root() {
         missing.push("root".to_owned());
     }
     if !socket.exists() {
@@ -84,23 +81,10 @@ pub fn rig() -> Option<Rig> {
     if !images.join("busybox-oci.tar").exists() {
         missing.push(format!("test images in {}", images.display()));
     }
-    if missing.is_empty() {
-        return Some(Rig { socket, images });
+    if !missing.is_empty() {
+        missing.push("(run `sudo scripts/rig.sh` first)".to_owned());
     }
-    let msg = format!(
-        "missing {}: run `sudo scripts/rig.sh` first",
-        missing.join(", ")
-    );
-    assert!(!in_ci(), "CI=true and the test rig is not ready: {msg}");
-    eprintln!("SKIPPED: {msg}");
-    None
-}
-
-fn nix_is_root() -> bool {
-    std::fs::metadata("/proc/self").is_ok_and(|m| {
-        use std::os::unix::fs::MetadataExt;
-        m.uid() == 0
-    })
+    zattera_testkit::require(&missing).then_some(Rig { socket, images })
 }
 
 /// A containerd namespace unique to this test process and call.

@@ -17,19 +17,6 @@ use zattera_dns::{Config, DnsServer, ListenerSpec, Scope, UpstreamSource};
 /// High port for loopback listeners: no root needed for the listener.
 pub const PORT: u16 = 10053;
 
-fn ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find(|l| l.starts_with("Uid:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            == Some("0")
-    })
-}
-
 fn have(tool: &str) -> bool {
     let path = Path::new(tool);
     if path.is_absolute() {
@@ -39,28 +26,19 @@ fn have(tool: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(tool).exists()))
 }
 
-/// Whether the test can run. Missing tools or root: a failure under
-/// `CI=true`, a printed skip otherwise.
+/// Whether the test can run. Missing tools or root: a failure under CI, a
+/// recorded skip otherwise (`zattera_testkit::require`).
 #[must_use]
-pub fn require(test: &str, root: bool, tools: &[&str]) -> bool {
+pub fn require(_test: &str, root: bool, tools: &[&str]) -> bool {
     let mut missing: Vec<String> = tools
         .iter()
         .filter(|t| !have(t))
         .map(|t| (*t).to_owned())
         .collect();
-    if root && !is_root() {
+    if root && !zattera_testkit::is_root() {
         missing.push("root".to_owned());
     }
-    if missing.is_empty() {
-        return true;
-    }
-    assert!(
-        !ci(),
-        "{test}: needs {} (CI=true: failing instead of skipping)",
-        missing.join(", ")
-    );
-    eprintln!("SKIP {test}: needs {}", missing.join(", "));
-    false
+    zattera_testkit::require(&missing)
 }
 
 pub const DNSMASQ: &str = "/usr/sbin/dnsmasq";
