@@ -329,21 +329,22 @@ fn remove_test_cgroups(namespace: &str) {
     }
 }
 
+/// The names of the namespace's overlayfs snapshots. An error of
+/// containerd's (the call or any batch of its stream) fails the test: an
+/// empty list must mean "none", never "no answer".
 pub async fn list_snapshots(ctd: &Containerd) -> Vec<String> {
-    let Ok(stream) = ctd
+    let stream = ctd
         .snapshots()
         .list(ctd.request(ListSnapshotsRequest {
             snapshotter: "overlayfs".into(),
             filters: vec![],
         }))
         .await
-    else {
-        return Vec::new();
-    };
+        .unwrap_or_else(|s| panic!("containerd did not list the snapshots: {s}"));
     let batches: Vec<_> = stream.into_inner().collect().await;
     batches
         .into_iter()
-        .flatten()
+        .map(|b| b.unwrap_or_else(|s| panic!("a batch of the snapshot list failed: {s}")))
         .flat_map(|r| r.info)
         .map(|i| i.name)
         .collect()
@@ -392,12 +393,18 @@ impl Drop for NetCleanup {
     }
 }
 
-/// Whether the namespace has an image record of this name.
+/// Whether the namespace has an image record of this name: NotFound is
+/// "no"; any other error of containerd's fails the test.
 pub async fn image_exists(ctd: &Containerd, name: &str) -> bool {
-    ctd.images()
+    match ctd
+        .images()
         .get(ctd.request(containerd_client::services::v1::GetImageRequest { name: name.into() }))
         .await
-        .is_ok()
+    {
+        Ok(_) => true,
+        Err(s) if s.code() == tonic::Code::NotFound => false,
+        Err(s) => panic!("containerd did not answer for image {name}: {s}"),
+    }
 }
 
 /// A standalone executor's config for node `node_id` in `ctd`'s namespace,
