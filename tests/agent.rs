@@ -48,12 +48,31 @@ async fn sigkill_mid_reconcile_leaves_nothing_duplicated_or_half_made() {
         let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztka", "150-151");
         agent.write_manifest("svc.toml", &sleeper("svc", 5));
         agent.start();
-        // Kill it while the five bring-ups are in flight.
+        // Kill it while the five bring-ups are in flight: as soon as the
+        // first container record exists.
         let deadline = Instant::now() + Duration::from_secs(30);
-        while owned_count(&ctd).await == 0 && Instant::now() < deadline {
+        while owned_count(&ctd).await == 0 {
+            assert!(Instant::now() < deadline, "no container made in 30 s");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         agent.kill9();
+        // "Mid" is what the kill left: something made, not all five running.
+        let made: Vec<String> = containers::list(&ctd, &[("dev.zattera/managed", "true")])
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        let running = task_pids(&ctd, made.iter()).await.len();
+        assert!(
+            !made.is_empty() && running < 5,
+            "the kill did not land mid-reconcile: {} containers, {running} running",
+            made.len()
+        );
+        eprintln!(
+            "killed with {} containers made, {running} running",
+            made.len()
+        );
 
         agent.start();
         let first = agent.wait_all(5, "HEALTHY");

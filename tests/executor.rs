@@ -375,11 +375,30 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
     on_rig("exec-park", |ctd, rig| async move {
         import(&ctd, &rig).await;
         let mut agent = Agent::start(&ctd, "ztxc");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        // A registry that has no such manifest, and counts the asks.
+        let registry = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = registry.local_addr().unwrap().port();
+        let asks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        std::thread::spawn({
+            let asks = Arc::clone(&asks);
+            move || {
+                use std::io::{BufRead, Write};
+                for conn in registry.incoming().map_while(Result::ok) {
+                    let mut reader = std::io::BufReader::new(&conn);
+                    let mut line = String::new();
+                    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                        if line.contains("/manifests/") {
+                            asks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        line.clear();
+                    }
+                    let _ = (&conn).write_all(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    );
+                }
+            }
+        });
+        let asked = || asks.load(std::sync::atomic::Ordering::SeqCst);
         let (a, mut rt) = assignment("bad-0", "bad", "prod", 223, "sleep 1000", "h1");
         rt.image_ref = format!("127.0.0.1:{port}/nope:1");
         agent.push(set(vec![(a, rt)]));
@@ -390,8 +409,21 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
             .await;
         let row = row(&snap, "bad-0");
         assert!(row.message.starts_with("pull 127.0.0.1:"), "{row:?}");
-        // Three ticks (5 s apart) exhaust the attempts; afterwards nothing changes.
-        tokio::time::sleep(Duration::from_secs(16)).await;
+        // Three ticks (5 s apart) make the three attempts, each one ask
+        // for the manifest.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while asked() < 3 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} attempts in 60 s",
+                asked()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Parked: two more ticks ask nothing. (A loaded machine can only
+        // make this wait see fewer ticks, never fail it falsely.)
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        assert_eq!(asked(), 3, "attempts after parking");
         // The edit fixes the image: the assignment unparks and runs.
         let (a, rt) = assignment("bad-0", "bad", "prod", 223, "sleep 1000", "h2");
         agent.push(set(vec![(a, rt)]));

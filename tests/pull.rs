@@ -62,11 +62,22 @@ async fn anonymous_pull_stores_unpacks_and_reports_progress() {
     .await;
 }
 
+/// Credentials are required and used, and neither password (nor its
+/// base64 in an Authorization header) shows in an error, its Debug form or
+/// anything the pull logs, down to TRACE.
 #[tokio::test]
 async fn basic_auth_is_required_and_used() {
     let Some(rig) = rig() else { return };
-    let registry = Registry::start(Some(("zuser", "zpass")));
+    let (user, right_pw, wrong_pw) = ("zuser", "zpass-9d1e", "wrong-pw-7f3a");
+    let registry = Registry::start(Some((user, right_pw)));
     let reference = push_test_image(&registry, &rig, "private/busybox:1");
+    let log = LogBuffer::default();
+    let _logging = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(log.clone())
+            .finish(),
+    );
     with_namespace(&rig, "pull-auth", |ctd, _rig| async move {
         let puller = Puller::new(ctd.clone(), vec![]);
         let anon = puller
@@ -79,28 +90,72 @@ async fn basic_auth_is_required_and_used() {
             "names the reference: {anon}"
         );
         let wrong = Credentials::Basic {
-            username: "zuser".into(),
-            password: "nope".into(),
+            username: user.into(),
+            password: wrong_pw.into(),
         };
-        let err = puller
-            .ensure(&reference, &wrong, None)
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains(&reference.to_string()), "{err}");
+        let err = puller.ensure(&reference, &wrong, None).await.unwrap_err();
+        let shown = format!("{err} | {err:?} | {err:#?} | {wrong:?}");
+        assert!(shown.contains(&reference.to_string()), "{shown}");
         assert!(!support::image_exists(&ctd, &reference.to_string()).await);
 
         let right = Credentials::Basic {
-            username: "zuser".into(),
-            password: "zpass".into(),
+            username: user.into(),
+            password: right_pw.into(),
         };
         let image = puller
             .ensure(&reference, &right, None)
             .await
             .expect("pull with credentials");
         assert!(image.unpacked);
+        let logged = log.text();
+        assert!(
+            logged.contains("registry client ready"),
+            "the log was captured: {logged}"
+        );
+        for pw in [wrong_pw, right_pw] {
+            let basic = base64_of(&format!("{user}:{pw}"));
+            for (what, text) in [("error", &shown), ("log", &logged)] {
+                assert!(!text.contains(pw), "the password in the {what}: {text}");
+                assert!(
+                    !text.contains(&basic),
+                    "the Authorization in the {what}: {text}"
+                );
+            }
+        }
     })
     .await;
+}
+
+/// What a test's tracing subscriber wrote.
+#[derive(Clone, Default)]
+struct LogBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl LogBuffer {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuffer {
+    type Writer = Self;
+    fn make_writer(&'a self) -> Self {
+        self.clone()
+    }
+}
+
+fn base64_of(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
 }
 
 #[tokio::test]

@@ -737,8 +737,25 @@ mod tests {
     fn credentials_never_print_the_password() {
         let c = Credentials::Basic {
             username: "u".into(),
-            password: "secret".into(),
+            password: "s3cr3t-pw".into(),
         };
-        assert!(!format!("{c:?}").contains("secret"));
+        let cluster = ClusterRegistry {
+            addr: "10.90.0.1:5000".into(),
+            ca_pem: Vec::new(),
+            credentials: c.clone(),
+        };
+        for shown in [
+            format!("{c:?}"),
+            format!("{c:#?}"),
+            format!("{cluster:?}"),
+            format!("{cluster:#?}"),
+        ] {
+            assert!(
+                shown.contains('u') && !shown.contains("s3cr3t-pw"),
+                "{shown}"
+            );
+        }
+        // A pull's errors and log are checked against a real registry in
+        // tests/pull.rs (basic_auth_is_required_and_used).
     }
 }
