@@ -144,6 +144,11 @@ pub struct StatusSnapshot {
     /// socket.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notices: Vec<String>,
+    /// Reconcile passes completed since the agent started: one every tick
+    /// (5 s) and one per change. Waiting for it to grow is waiting for the
+    /// agent to have looked again, which a fixed sleep cannot promise.
+    #[serde(default)]
+    pub passes: u64,
 }
 
 impl StatusSnapshot {
@@ -265,6 +270,7 @@ mod tests {
                 message: "unknown key".into(),
             }],
             notices: vec!["the node certificate expires in 9 days".into()],
+            passes: 0,
         };
         let t = snap.render_table();
         assert!(

@@ -508,7 +508,6 @@ async fn one_session(cp: &ControlPlane, node_id: &str, node: &NodeTls) -> Result
             node_id: node_id.into(),
             ..AgentHello::default()
         })),
-        ..AgentMessage::default()
     };
     let mut inbound = AgentSyncServiceClient::new(channel)
         .sync(tokio_stream::iter([hello]).chain(tokio_stream::pending()))

@@ -95,6 +95,15 @@ impl Agent {
         }
     }
 
+    /// Waits until the executor has completed `n` more reconcile passes.
+    async fn wait_passes(&mut self, n: u64) {
+        let from = self.handle.status.borrow().passes;
+        self.wait_for(&format!("{n} more passes after {from}"), |s| {
+            s.passes >= from + n
+        })
+        .await;
+    }
+
     /// Empties the set, waits for everything to go, then stops the task.
     async fn finish(mut self) {
         self.push(AssignmentSet::default());
@@ -420,9 +429,8 @@ async fn failing_pulls_park_after_three_attempts_and_unpark_on_edit() {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        // Parked: two more ticks ask nothing. (A loaded machine can only
-        // make this wait see fewer ticks, never fail it falsely.)
-        tokio::time::sleep(Duration::from_secs(11)).await;
+        // Parked: two more passes ask nothing.
+        agent.wait_passes(2).await;
         assert_eq!(asked(), 3, "attempts after parking");
         // The edit fixes the image: the assignment unparks and runs.
         let (a, rt) = assignment("bad-0", "bad", "prod", 223, "sleep 1000", "h2");
@@ -556,8 +564,8 @@ async fn jobs_run_once_and_report_their_exit() {
             .await;
         let bad_row = row(&snap, "job-bad");
         assert_eq!(bad_row.message, "exited with code 4");
-        // Ticks pass; a job is never run again.
-        tokio::time::sleep(Duration::from_secs(6)).await;
+        // Passes go by; a job is never run again.
+        agent.wait_passes(2).await;
         let snap = agent.handle.status.borrow().clone();
         for row in &snap.assignments {
             assert_eq!(row.restarts, 0, "{row:?}");
@@ -639,7 +647,7 @@ async fn a_stateful_service_without_its_lease_stays_pending() {
             })
             .await;
         assert_eq!(snap.assignments[0].state, State::Pending);
-        tokio::time::sleep(Duration::from_secs(6)).await; // a tick: still fenced
+        agent.wait_passes(2).await; // still fenced
         assert_eq!(
             state_of(&agent.handle.status.borrow().clone(), "db-0"),
             Some(State::Pending)

@@ -685,8 +685,12 @@ async fn only_control_may_drive_the_node_api_and_port_forwards_stay_on_instances
             .proxy_tcp(tokio_stream::wrappers::ReceiverStream::new(rx))
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(500)).await;
         let pid = agent.child.id();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while support::agent::tcp_sockets_to(pid, &idle_ip, 9000) == 0 {
+            assert!(Instant::now() < deadline, "the forward never opened");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         assert_eq!(
             support::agent::tcp_sockets_to(pid, &idle_ip, 9000),
             1,
@@ -758,7 +762,7 @@ async fn volume_files_never_leave_the_volume_and_a_mounted_volume_is_kept() {
         // What each round met at `f`. The race must reach the link to the
         // host file (refused as an escape) and plain reads, or it proved
         // nothing; at least 300 rounds, more until both were seen.
-        let mut met: std::collections::BTreeMap<String, u32> = Default::default();
+        let mut met = std::collections::BTreeMap::<String, u32>::new();
         let secret: &[u8] = b"host secret";
         for round in 0.. {
             let seen = |k: &str| met.get(k).copied().unwrap_or(0);

@@ -192,13 +192,27 @@ async fn tcp_connections_are_bounded_in_number_and_idle_time() {
     s.write_all(&reply).await.unwrap();
     assert!(closed_within(&mut s, Duration::from_millis(500)).await);
 
-    // Let the connections above be reaped, then fill every slot.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Fill every slot with connections the server has answered on (the
+    // slot of a connection above can take a moment to be reaped: a new
+    // connection closed unanswered is tried again).
     let mut idle = Vec::new();
-    for _ in 0..4 {
-        idle.push(TcpStream::connect(at).await.unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while idle.len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "only {} connections served",
+            idle.len()
+        );
+        let mut s = TcpStream::connect(at).await.unwrap();
+        s.write_all(&u16::try_from(real.len()).unwrap().to_be_bytes())
+            .await
+            .unwrap();
+        s.write_all(&real).await.unwrap();
+        match tokio::time::timeout(Duration::from_secs(1), read_framed(&mut s)).await {
+            Ok(Some(_)) => idle.push(s),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
     // The fifth is accepted by the kernel and closed by us at once.
     let mut fifth = TcpStream::connect(at).await.unwrap();
     assert!(closed_within(&mut fifth, Duration::from_millis(500)).await);

@@ -197,6 +197,8 @@ pub struct Executor {
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
     halt_rx: mpsc::Receiver<oneshot::Sender<usize>>,
+    /// Reconcile passes completed (shown in the status).
+    passes: u64,
 }
 
 impl std::fmt::Debug for Executor {
@@ -277,6 +279,7 @@ impl Executor {
             ctx,
             reports_rx,
             halt_rx,
+            passes: 0,
         };
         let handle = ExecutorHandle {
             desired: desired_tx,
@@ -528,6 +531,7 @@ impl Executor {
         self.board.emit(batch);
         self.apply_firewall();
         self.sync_networks_with(&desired);
+        self.passes += 1;
         self.publish_status();
         self.h.cfg.metrics.reconcile_passes.inc();
         self.h
@@ -777,6 +781,7 @@ impl Executor {
             ),
             errors: self.errors_rx.borrow().clone(),
             notices: Vec::new(),
+            passes: self.passes,
         };
         let _ = self.status_tx.send(Arc::new(snapshot));
     }

@@ -104,6 +104,7 @@ pub async fn offline_status(ctd: &Containerd, why: &str) -> Result<StatusSnapsho
         assignments: rows,
         errors: Vec::new(),
         notices: Vec::new(),
+        passes: 0,
     })
 }
 

@@ -557,7 +557,7 @@ fn the_counter_check_follows_rotations_and_sees_a_gap() {
     let write = |name: &str, from: u64, to: u64| {
         let mut text = String::new();
         for n in from..=to {
-            let _ = writeln!(text, "2026-12-01T00:00:00Z stdout F {n}");
+            writeln!(text, "2026-12-01T00:00:00Z stdout F {n}").unwrap();
         }
         let p = dir.path().join(name);
         std::fs::write(&p, text).unwrap();

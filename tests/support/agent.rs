@@ -260,6 +260,18 @@ impl AgentProc {
         );
     }
 
+    /// Waits until the agent has completed `n` more reconcile passes (a
+    /// tick is 5 s): whatever it would do about the state before the call,
+    /// it has had the chance to do by then.
+    pub fn wait_passes(&self, n: u64) {
+        let from = self
+            .status()
+            .map_or(0, |s| s["passes"].as_u64().unwrap_or(0));
+        self.wait_for(&format!("{n} more passes after {from}"), |s| {
+            s["passes"].as_u64().is_some_and(|p| p >= from + n)
+        });
+    }
+
     /// Waits until `n` assignments are all in `state`; returns id → container id.
     pub fn wait_all(&self, n: usize, state: &str) -> BTreeMap<String, String> {
         let s = self.wait_for(&format!("{n} × {state}"), |s| {

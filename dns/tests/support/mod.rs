@@ -128,6 +128,53 @@ impl Dig {
     }
 }
 
+/// One A query for `name` sent from this process (over TCP when `tcp`),
+/// timing only the exchange, never a client's start: the response code
+/// (`None` when none came within 8 s) and how long it took.
+pub async fn timed_query(
+    at: SocketAddr,
+    name: &str,
+    tcp: bool,
+) -> (Option<hickory_proto::op::ResponseCode>, Duration) {
+    use hickory_proto::op::{Message, MessageType, OpCode, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut m = Message::new(7, MessageType::Query, OpCode::Query);
+    m.add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    m.metadata.recursion_desired = true;
+    let query = m.to_vec().unwrap();
+    let started = Instant::now();
+    let exchange = async {
+        if tcp {
+            let mut s = tokio::net::TcpStream::connect(at).await.ok()?;
+            s.write_all(&u16::try_from(query.len()).unwrap().to_be_bytes())
+                .await
+                .ok()?;
+            s.write_all(&query).await.ok()?;
+            let mut len = [0u8; 2];
+            s.read_exact(&mut len).await.ok()?;
+            let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
+            s.read_exact(&mut reply).await.ok()?;
+            Some(reply)
+        } else {
+            let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.ok()?;
+            sock.send_to(&query, at).await.ok()?;
+            let mut buf = vec![0u8; 4096];
+            let n = sock.recv(&mut buf).await.ok()?;
+            buf.truncate(n);
+            Some(buf)
+        }
+    };
+    let reply = tokio::time::timeout(Duration::from_secs(8), exchange)
+        .await
+        .ok()
+        .flatten();
+    let code = reply
+        .and_then(|r| Message::from_vec(&r).ok())
+        .map(|m| m.metadata.response_code);
+    (code, started.elapsed())
+}
+
 /// Runs `dig @server -p port ARGS` (blocking) and parses the result.
 pub fn dig(server: SocketAddr, args: &[&str]) -> Dig {
     let out = Command::new("dig")
