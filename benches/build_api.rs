@@ -25,7 +25,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../tests/support/control.rs"]
+#[path = "../tests/support/control/mod.rs"]
 mod control_plane;
 #[path = "../tests/support/mod.rs"]
 mod support;

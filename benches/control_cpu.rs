@@ -2,7 +2,7 @@
 //! "Benchmarks"; goal ≤ 1 % of a core).
 //!
 //! The real `zattera-agent run --control` binary against the test control
-//! plane (tests/support/control.rs, on loopback), after `zattera-agent join`.
+//! plane (tests/support/control/, on loopback), after `zattera-agent join`.
 //! Control pushes 50 busybox instances (`sleep`, no health check), and once
 //! all are HEALTHY it behaves like the reference control plane does under a
 //! steady cluster: it re-pushes the whole set every 2 s (its status commits
@@ -18,7 +18,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../tests/support/control.rs"]
+#[path = "../tests/support/control/mod.rs"]
 mod control_plane;
 #[path = "../tests/support/mod.rs"]
 mod support;

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "support/control.rs"]
+#[path = "support/control/mod.rs"]
 mod control_plane;
 #[path = "support/mesh_cluster.rs"]
 mod mesh_cluster;

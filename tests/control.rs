@@ -1,11 +1,11 @@
-//! The agent against a test control plane (tests/support/control.rs): join,
+//! The agent against a test control plane (tests/support/control/): join,
 //! mTLS identity, and the AgentSync stream, first with a stand-in executor
 //! (no root needed), then end to end with the real executor, containerd and
 //! the busybox test image.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "support/control.rs"]
+#[path = "support/control/mod.rs"]
 mod control_plane;
 #[path = "support/garbage.rs"]
 mod garbage;

@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "support/control.rs"]
+#[path = "support/control/mod.rs"]
 mod control_plane;
 mod support;
 

@@ -26,7 +26,7 @@
     clippy::cast_sign_loss
 )]
 
-#[path = "../support/control.rs"]
+#[path = "../support/control/mod.rs"]
 mod control_plane;
 #[path = "../support/mod.rs"]
 mod support;

@@ -2,7 +2,7 @@
 //! by the test, joined by veths to a test bridge (the "underlay"); two of
 //! them are control hosts, each with a userspace WireGuard device of its
 //! own (the agent binary's `mesh-device`), serving the one test control
-//! plane (support/control.rs) on its mesh IP, of which one is the leader;
+//! plane (support/control/) on its mesh IP, of which one is the leader;
 //! the others run the real agent binary inside their namespace. This file
 //! owns that scaffolding: namespaces, veths, devices and processes.
 //!
