@@ -11,6 +11,7 @@ Writes, into OUT_DIR:
   symlink-oci.tar     busybox plus a layer whose /data and /srv are symlinks
                       onto host paths (/var/lib/zattera-rig/host-secret,
                       /var/lib/zattera-rig): a hostile image for copy-up
+  volume-oci.tar      busybox plus /data/seed.txt under an image VOLUME /data
 
 The output is byte-for-byte reproducible (fixed mtimes and ordering), so the
 image digest is stable across runs and machines with the same busybox build.
@@ -64,11 +65,13 @@ def tar_layer(entries):
     return buf.getvalue()
 
 
-def single_image(out_dir, file_name, ref, base_config, base_layers, extra_layer):
-    """An OCI archive of `ref`: the base layers plus one more."""
+def single_image(out_dir, file_name, ref, base_config, base_layers, extra_layer, config_extra=None):
+    """An OCI archive of `ref`: the base layers plus one more; `config_extra`
+    is merged into the image config's `config`."""
     layers = list(base_layers) + [extra_layer]
     gzs = [gzip.compress(l, compresslevel=6, mtime=MTIME) for l in layers]
     cfg = json.loads(base_config)
+    cfg["config"] = {**cfg.get("config", {}), **(config_extra or {})}
     cfg["rootfs"] = {"type": "layers", "diff_ids": [sha(l) for l in layers]}
     config = canonical(cfg)
     manifest = canonical({
@@ -227,6 +230,11 @@ def build(out_dir, ref):
     single_image(out_dir, "symlink-oci.tar", repo + ":symlink", config, [layer],
                  tar_layer([("link", "data", "/var/lib/zattera-rig/host-secret"),
                             ("link", "srv", "/var/lib/zattera-rig")]))
+    # An image VOLUME entry with content under it (Docker makes an
+    # anonymous volume of it, filled from the image).
+    single_image(out_dir, "volume-oci.tar", repo + ":volume", config, [layer],
+                 tar_layer([("dir", "data", None), ("file", "data/seed.txt", b"from the image\n")]),
+                 {"Volumes": {"/data": {}}})
     print(f"{oci_path}: {ref} manifest {sha(manifest)}")
     print(f"{user_path}: {user_ref}")
     print(f"{docker_path}: {ref}")

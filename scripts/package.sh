@@ -46,7 +46,10 @@ version=$(cargo metadata --format-version 1 --no-deps |
   python3 -c 'import json,sys; print(next(p["version"] for p in json.load(sys.stdin)["packages"] if p["name"] == "zattera-agent"))')
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 
-say "release build of $version"
+# The release tag the binary reports (hello, `version`): what a reference
+# control plane's rollout waits for (src/version.rs).
+export ZATTERA_VERSION=${ZATTERA_VERSION:-v$version}
+say "release build of $version (reports $ZATTERA_VERSION)"
 cargo build --release --locked --workspace --bins
 bin="$target_dir/release"
 
@@ -89,7 +92,7 @@ for f in ./usr/bin/zattera-agent ./usr/bin/zattera-netns ./etc/zattera/agent.tom
   grep -qF " $f" <<<"$files" || die "$deb lacks $f"
 done
 deps=$(dpkg-deb -f "$deb" Depends)
-for d in 'containerd (>= 1.6)' runc nftables; do
+for d in 'containerd (>= 1.6) | containerd.io' runc nftables ca-certificates; do
   grep -qF "$d" <<<"$deps" || die "$deb does not depend on $d: $deps"
 done
 # Into variables: `grep -q` would close the pipe early (SIGPIPE under pipefail).
@@ -103,7 +106,7 @@ for f in /usr/bin/zattera-agent /usr/bin/zattera-netns /etc/zattera/agent.toml \
   grep -qxF "$f" dist/rpm-files.txt || die "$rpm lacks $f"
 done
 rpm -qpR "$rpm" > dist/rpm-requires.txt
-for d in 'containerd >= 1.6' runc nftables; do
+for d in '(containerd >= 1.6 or containerd.io)' nftables ca-certificates; do
   grep -qF "$d" dist/rpm-requires.txt || die "$rpm does not require $d"
 done
 configs=$(rpm -qp --configfiles "$rpm")

@@ -93,6 +93,7 @@ fi
 mkdir -p /var/lib/zattera-rig/host-secret
 echo "host secret" > /var/lib/zattera-rig/host-secret/secret.txt
 if [ ! -s "$IMAGES/tools-oci.tar" ] || [ ! -s "$IMAGES/symlink-oci.tar" ] || [ ! -s "$IMAGES/busybox-user-oci.tar" ] \
+  || [ ! -s "$IMAGES/volume-oci.tar" ] \
   || [ /bin/busybox -nt "$IMAGES/busybox-oci.tar" ] || [ "$HERE/mkimage.py" -nt "$IMAGES/busybox-oci.tar" ] \
   || [ "$IMAGES/ztprobe" -nt "$IMAGES/tools-oci.tar" ]; then
   say "building test images in $IMAGES"

@@ -124,8 +124,9 @@ pub struct Settings {
     #[serde(alias = "mesh_listen_port")]
     pub mesh_listen_port: Option<u16>,
     /// `host:port` endpoints other nodes reach this one's WireGuard at, sent
-    /// in the join (default: the default route's address, at the port, when
-    /// it is globally routable; none behind NAT).
+    /// in the join. Default: none, as the reference advertises only what is
+    /// configured (peers then reach this node through the hub); `auto`: the
+    /// default route's address at the port, when it is globally routable.
     #[serde(alias = "mesh_endpoints")]
     pub mesh_endpoints: Option<Vec<String>>,
     /// `auto` (kernel WireGuard when the kernel has it, else userspace),
@@ -428,16 +429,22 @@ impl Settings {
                 ),
             });
         }
+        let autodetect = self
+            .mesh_endpoints
+            .iter()
+            .flatten()
+            .any(|e| e.trim() == "auto");
         let endpoints = self
             .mesh_endpoints
             .iter()
             .flatten()
+            .filter(|e| e.trim() != "auto")
             .map(|e| {
                 e.trim()
                     .parse::<SocketAddr>()
                     .map_err(|_| ConfigError::Invalid {
                         key: "mesh-endpoints",
-                        message: format!("{e:?} is not IP:PORT"),
+                        message: format!("{e:?} is not IP:PORT (or auto)"),
                     })
             })
             .collect::<Result<_, _>>()?;
@@ -456,6 +463,7 @@ impl Settings {
             interface,
             listen_port: self.mesh_listen_port.unwrap_or(defaults.listen_port),
             endpoints,
+            autodetect_endpoint: autodetect,
             backend,
         })
     }
@@ -601,8 +609,12 @@ impl Config {
 pub struct MeshSettings {
     pub interface: String,
     pub listen_port: u16,
-    /// Empty: the default route's address at join time, if globally routable.
+    /// What the join advertises; empty: nothing but what autodetection finds.
     pub endpoints: Vec<SocketAddr>,
+    /// `mesh-endpoints = ["auto"]`: also the default route's address at
+    /// join time, if globally routable (two such workers get direct /32
+    /// routes to each other, which a firewall dropping UDP 51820 cuts off).
+    pub autodetect_endpoint: bool,
     pub backend: zattera_mesh::BackendKind,
 }
 
@@ -612,6 +624,7 @@ impl Default for MeshSettings {
             interface: "zt0".into(),
             listen_port: zattera_mesh::DEFAULT_PORT,
             endpoints: Vec::new(),
+            autodetect_endpoint: false,
             backend: zattera_mesh::BackendKind::Auto,
         }
     }

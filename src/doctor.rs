@@ -143,6 +143,7 @@ pub async fn run(config: Result<Config, ConfigError>, config_origin: &str) -> Re
     checks.push(containerd(&config.containerd_address, &config.namespace).await);
     checks.extend(host(&config));
     checks.push(wireguard(config.mesh.backend));
+    checks.push(builder(&config.build));
     checks.push(build_platforms(Path::new("/proc/sys/fs/binfmt_misc")));
     checks.extend(node_api_callers(&config));
     Report::new(checks)
@@ -229,7 +230,30 @@ async fn containerd(address: &Path, namespace: &Namespace) -> Check {
     match ctd.version().await {
         Ok(version) => match parse_version(&version) {
             Some(v) if v >= MIN_CONTAINERD => {
-                Check::pass("containerd", format!("{version} at {}", address.display()))
+                let docker = ctd
+                    .namespaces()
+                    .list(tonic::Request::new(
+                        containerd_client::services::v1::ListNamespacesRequest {
+                            filter: String::new(),
+                        },
+                    ))
+                    .await
+                    .is_ok_and(|r| r.into_inner().namespaces.iter().any(|n| n.name == "moby"));
+                let shared = if docker {
+                    format!(
+                        "; Docker runs on it too (its namespace moby is never touched: this agent works in {namespace})"
+                    )
+                } else {
+                    String::new()
+                };
+                Check::pass(
+                    "containerd",
+                    format!(
+                        "{version} at {}, {}{shared}",
+                        address.display(),
+                        containerd_package()
+                    ),
+                )
             }
             _ => Check::fail(
                 "containerd",
@@ -241,6 +265,29 @@ async fn containerd(address: &Path, namespace: &Namespace) -> Check {
             ),
         },
         Err(e) => Check::fail("containerd", e.to_string(), fix),
+    }
+}
+
+/// Which package installed the containerd on PATH: Debian's `containerd`,
+/// Docker's `containerd.io`, or the RPM that owns it.
+fn containerd_package() -> String {
+    let Some(binary) = crate::programs::on_path("containerd") else {
+        return "containerd not on PATH".to_owned();
+    };
+    let owner = |program: &str, args: &[&str]| -> Option<String> {
+        let out = std::process::Command::new(program)
+            .args(args)
+            .arg(&binary)
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let name = text.lines().next()?.split(':').next()?.trim().to_owned();
+        (out.status.success() && !name.is_empty()).then_some(name)
+    };
+    match owner("dpkg-query", &["-S"]).or_else(|| owner("rpm", &["-qf", "--qf", "%{NAME}"])) {
+        Some(package) => format!("from package {package} ({})", binary.display()),
+        None => format!("{} (no package owns it)", binary.display()),
     }
 }
 
@@ -436,6 +483,29 @@ fn wireguard(pref: zattera_mesh::BackendKind) -> Check {
             "wireguard",
             "neither the wireguard module nor /dev/net/tun: a cluster with the mesh cannot be joined",
             "modprobe wireguard, or modprobe tun",
+        ),
+    }
+}
+
+/// Whether builds run here, and with what: a node with a builder joins
+/// with `builder=true`, which is what a reference control plane places
+/// builds by.
+fn builder(build: &crate::build::settings::BuildSettings) -> Check {
+    match crate::build::available_backend(build) {
+        Ok(crate::build::Available::BuildKit) => Check::pass(
+            "builder",
+            format!(
+                "BuildKit ({}); joins label this node builder=true",
+                build.buildkitd.display()
+            ),
+        ),
+        Ok(crate::build::Available::Buildah) => {
+            Check::pass("builder", "buildah; joins label this node builder=true")
+        }
+        Err(why) => Check::warn(
+            "builder",
+            format!("{why}: this node is not labelled builder=true and gets no builds"),
+            "install buildah or buildkitd (build-backend), or leave builds to other nodes",
         ),
     }
 }

@@ -30,4 +30,5 @@ pub mod source;
 pub mod status;
 pub mod telemetry;
 pub mod upgrade;
+pub mod version;
 pub mod volumes;

@@ -1,9 +1,18 @@
 //! `UpgradeBinary`: replace the agent binary and restart into it (UPG-1 to
 //! UPG-7).
 //!
-//! Only URLs under the configured `upgrade-base-url` are fetched (`*` = any
-//! URL): compared parsed and normalised (scheme, host, port, and the path
-//! under the base's, after `..` and `%2e%2e` resolve), never as strings.
+//! What is installed for version V is this agent's own build of V. A
+//! request whose URL lies under the configured `upgrade-base-url` is fetched
+//! as it is (with its SHA-256); any other URL (a reference control plane
+//! names its own `zattera-<os>-<arch>` asset, which is no agent for this
+//! node) is replaced by this agent's asset of V in its own release channel,
+//! laid out as the reference's: `<base>/download/<V>/zattera-agent-linux-
+//! <arch>`, its SHA-256 from `<base>/download/<V>/sha256sums.txt`. A
+//! channel without V is an error that says so; the node keeps running.
+//! `*` as the base fetches any URL (and has no channel). URLs are compared
+//! parsed and normalised (scheme, host, port, and the path under the base's,
+//! after `..` and `%2e%2e` resolve), never as strings: nothing outside the
+//! base is ever fetched.
 //! Redirects are followed wherever they lead (release assets redirect to a
 //! CDN; the SHA-256 protects the content), but never from https to http.
 //! The whole download is bounded (10 min, 512 MiB), hashed as it arrives,
@@ -39,9 +48,17 @@ pub enum UpgradeError {
     /// `upgrade-base-url` is not set.
     #[error("UpgradeBinary: this node has no upgrade-base-url configured")]
     NotConfigured,
-    /// The URL is not under the base.
-    #[error("UpgradeBinary: {url} is not under the configured base URL {base}")]
-    NotAllowed { url: String, base: String },
+    /// The release channel has no build of this version for this machine.
+    #[error(
+        "UpgradeBinary: this node's release channel {base} has no {asset} of version {version} ({why}); the running agent ({running}) stays: publish it there (upgrade-base-url)"
+    )]
+    NotInChannel {
+        base: String,
+        version: String,
+        asset: String,
+        why: String,
+        running: String,
+    },
     #[error("UpgradeBinary: another upgrade is in progress on this node")]
     Busy,
     /// The download failed (connection, status, redirect).
@@ -217,41 +234,119 @@ fn elf_mismatch(head: &[u8]) -> Option<String> {
     })
 }
 
+/// This agent's asset name in a release channel, for this machine.
+pub fn asset_name() -> String {
+    format!(
+        "zattera-agent-linux-{}",
+        crate::runtime::descriptor::host_architecture()
+    )
+}
+
+/// The SHA-256 of `asset` in a `sha256sums.txt` (`<hex>  <name>` lines, a
+/// leading `*` on the name for binary mode).
+fn digest_in(sums: &str, asset: &str) -> Option<String> {
+    sums.lines().find_map(|line| {
+        let (hex, name) = line.trim().split_once(char::is_whitespace)?;
+        let name = name.trim_start().trim_start_matches('*');
+        (name == asset && hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| hex.to_ascii_lowercase())
+    })
+}
+
+/// What to fetch for `req`: its own URL and digest when the URL lies under
+/// `base`, else this agent's asset of `req.version` from the channel.
+async fn source_of(
+    base: &str,
+    req: &AgentUpgradeRequest,
+) -> Result<(String, String), UpgradeError> {
+    if !req.url.is_empty() && allowed(base, &req.url) {
+        if req.sha256.is_empty() {
+            return Err(UpgradeError::Invalid("a sha256 is required".into()));
+        }
+        return Ok((req.url.clone(), req.sha256.to_ascii_lowercase()));
+    }
+    let version = req.version.trim();
+    if !crate::version::valid_tag(version) || version.contains('/') {
+        return Err(UpgradeError::Invalid(format!(
+            "version {:?} is not a release tag",
+            req.version
+        )));
+    }
+    let asset = asset_name();
+    let dir = format!("{}/download/{version}", base.trim_end_matches('/'));
+    let missing = |why: String| UpgradeError::NotInChannel {
+        base: base.to_owned(),
+        version: version.to_owned(),
+        asset: asset.clone(),
+        why,
+        running: crate::version::tag().to_owned(),
+    };
+    let sums_url = format!("{dir}/sha256sums.txt");
+    let sums = fetch_small(&sums_url)
+        .await
+        .map_err(|e| missing(format!("{}: {e}", crate::redact::url(&sums_url))))?;
+    let digest = digest_in(&sums, &asset)
+        .ok_or_else(|| missing(format!("sha256sums.txt names no {asset}")))?;
+    if !req.url.is_empty() {
+        tracing::info!(
+            control_named = %crate::redact::url(&req.url),
+            "control named another release's asset; this node installs its own build of {version}"
+        );
+    }
+    Ok((format!("{dir}/{asset}"), digest))
+}
+
+/// A checksums file: at most 1 MiB, within a minute.
+async fn fetch_small(url: &str) -> Result<String, String> {
+    const MAX: usize = 1 << 20;
+    let client = reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(Duration::from_secs(60))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| e.to_string())?;
+    let mut resp = client.get(url).send().await.map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("HTTP {}", resp.status().as_u16()));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        body.extend_from_slice(&chunk);
+        if body.len() > MAX {
+            return Err("larger than 1 MiB".into());
+        }
+    }
+    String::from_utf8(body).map_err(|_| "not text".to_owned())
+}
+
 pub async fn upgrade(
     cfg: &UpgradeConfig,
     req: AgentUpgradeRequest,
 ) -> Result<AgentUpgradeResponse, UpgradeError> {
-    if req.url.is_empty() || req.sha256.is_empty() {
+    if req.url.is_empty() && req.version.is_empty() {
         return Err(UpgradeError::Invalid(
-            "url and sha256 are both required".into(),
+            "a version (or a url under upgrade-base-url) is required".into(),
         ));
-    }
-    let want = req.sha256.to_ascii_lowercase();
-    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(UpgradeError::Invalid(format!(
-            "sha256 {:?} is not 64 hex digits",
-            req.sha256
-        )));
     }
     let Some(base) = cfg.base_url.as_deref() else {
         return Err(UpgradeError::NotConfigured);
     };
-    if !allowed(base, &req.url) {
-        return Err(UpgradeError::NotAllowed {
-            url: crate::redact::url(&req.url),
-            base: base.to_owned(),
-        });
+    let (url, want) = source_of(base, &req).await?;
+    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(UpgradeError::Invalid(format!(
+            "sha256 {want:?} is not 64 hex digits"
+        )));
     }
-    let running = env!("CARGO_PKG_VERSION");
+    let running = crate::version::tag();
     if is_downgrade(running, &req.version) {
         tracing::info!(from = running, to = %req.version, "a downgrade (control's rollback)");
     }
     let Ok(_one_at_a_time) = cfg.busy.try_lock() else {
         return Err(UpgradeError::Busy);
     };
-    tracing::info!(version = %req.version, url = %crate::redact::url(&req.url), "downloading an agent upgrade");
+    tracing::info!(version = %req.version, url = %crate::redact::url(&url), "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
-    let result = download(&req.url, &staged, &want).await;
+    let result = download(&url, &staged, &want).await;
     if let Err(e) = result {
         let _ = std::fs::remove_file(&staged);
         return Err(e);
@@ -259,7 +354,7 @@ pub async fn upgrade(
     if let Some(why) = not_an_agent(&staged).await {
         let _ = std::fs::remove_file(&staged);
         return Err(UpgradeError::NotAnAgent {
-            url: crate::redact::url(&req.url),
+            url: crate::redact::url(&url),
             why,
         });
     }
@@ -279,7 +374,7 @@ pub async fn upgrade(
         restart(&binary, &args);
     });
     Ok(AgentUpgradeResponse {
-        previous_version: env!("CARGO_PKG_VERSION").to_owned(),
+        previous_version: crate::version::tag().to_owned(),
         staged_version: req.version,
     })
 }
@@ -449,6 +544,25 @@ mod tests {
     async fn a_program_that_is_not_the_agent_is_refused() {
         let why = not_an_agent(Path::new("/bin/true")).await.unwrap();
         assert!(why.contains("version --json"), "{why}");
+    }
+
+    #[test]
+    fn a_channel_names_its_assets_digest_as_sha256sum_writes_it() {
+        let hex = "ab".repeat(32);
+        let sums = format!(
+            "{}  zattera-linux-amd64\n{hex} *zattera-agent-linux-amd64\nnot a line\n",
+            "cd".repeat(32)
+        );
+        assert_eq!(digest_in(&sums, "zattera-agent-linux-amd64"), Some(hex));
+        assert_eq!(digest_in(&sums, "zattera-agent-linux-arm64"), None);
+        assert_eq!(
+            digest_in(
+                "short  zattera-agent-linux-amd64",
+                "zattera-agent-linux-amd64"
+            ),
+            None
+        );
+        assert!(asset_name().starts_with("zattera-agent-linux-"));
     }
 
     #[test]

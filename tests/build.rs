@@ -1201,3 +1201,108 @@ async fn buildkit_builds_never_read_images_another_tenant_pulled() {
     })
     .await;
 }
+
+/// 57.5: the node joins with `builder=true` (buildah is installed) and its
+/// platform, so control's dispatcher, which places builds by that label
+/// only, picks it; cordoned, it is not picked. The build dispatched by
+/// label runs to SUCCEEDED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_is_dispatched_to_this_node_by_its_builder_label() {
+    on_rig("build-label", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgt").await;
+        let node = c.agent.node_id.clone();
+        c.cp.wait_for("the session", Duration::from_secs(60), |r| {
+            r.session_host_of(&node).map(|_| ())
+        })
+        .await;
+        let record = c.cp.node_record(&node).unwrap();
+        assert_eq!(
+            record.labels.get("builder").map(String::as_str),
+            Some("true"),
+            "{record:?}"
+        );
+        assert_eq!(
+            record.labels.get("zattera.dev/os-arch").map(String::as_str),
+            Some(
+                format!(
+                    "linux/{}",
+                    zattera_agent::runtime::descriptor::host_architecture()
+                )
+                .as_str()
+            )
+        );
+        let candidates = [node.clone()];
+        assert_eq!(
+            control_plane::operations::pick_builder(&c.cp, &candidates).as_deref(),
+            Some(node.as_str())
+        );
+        let mut api = c.agent.api_as(&c.cp, CONTROL).await;
+        let events = control_plane::operations::dispatch_build(
+            &mut api,
+            build_request("by-label", &c.blobs.put(app_context(&c.base, "")), ""),
+        )
+        .await
+        .unwrap();
+        let end = events.last().unwrap();
+        assert_eq!(end.status, BuildStatus::Succeeded as i32, "{end:?}");
+        c.cp.set_schedulable(&node, false);
+        assert_eq!(
+            control_plane::operations::pick_builder(&c.cp, &candidates),
+            None,
+            "a cordoned builder"
+        );
+    })
+    .await;
+}
+
+/// 57.8: past `max-builds` a build waits its turn with a "queued behind"
+/// line instead of failing (control never retries a refused build), and
+/// both succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builds_past_max_builds_wait_their_turn() {
+    on_rig("build-queue", |ctd, rig| async move {
+        let c = cluster(
+            &rig,
+            ctd.namespace().as_str(),
+            "ztgu",
+            &["--build-backend", "buildah", "--max-builds", "1"],
+        )
+        .await;
+        // A first build that takes a while, so the second meets it running.
+        let slow = c.blobs.put(app_context(&c.base, "RUN sleep 3\n"));
+        let quick = c.blobs.put(app_context(&c.base, ""));
+        let (first, second) = tokio::join!(
+            run_build(&c.agent, &c.cp, build_request("q-first", &slow, "")),
+            async {
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                run_build(&c.agent, &c.cp, build_request("q-second", &quick, "")).await
+            }
+        );
+        assert_eq!(
+            first.1.status,
+            BuildStatus::Succeeded as i32,
+            "{:?}",
+            first.1
+        );
+        assert_eq!(
+            second.1.status,
+            BuildStatus::Succeeded as i32,
+            "{:?}",
+            second.1
+        );
+        assert!(
+            second
+                .0
+                .first()
+                .is_some_and(|l| l.starts_with("queued behind 1 build(s)")),
+            "{:?}",
+            second.0
+        );
+        assert!(
+            !first.0.iter().any(|l| l.starts_with("queued")),
+            "{:?}",
+            first.0
+        );
+    })
+    .await;
+}

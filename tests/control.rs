@@ -13,13 +13,13 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use control_plane::{
-    AbortOnDrop, AgentRun, ControlPlane, Record, TestCa, node_api_client, node_context,
-    serve_node_api,
+    AbortOnDrop, AgentRun, ControlPlane, Record, Route, TestCa, node_api_client, node_context,
+    serve, serve_file, serve_node_api,
 };
 use rustls::pki_types::ServerName;
 use tokio::sync::{mpsc, watch};
@@ -58,6 +58,7 @@ fn options(cp: &ControlPlane, token: String, data: &Path) -> JoinOptions {
         binary_version: "9.9.9-test".into(),
         mesh: zattera_agent::control::join::MeshJoin::default(),
         control_node_ids: Vec::new(),
+        labels: std::collections::BTreeMap::new(),
     }
 }
 
@@ -320,6 +321,41 @@ async fn wait_version<T>(
 /// Waits until the desired watch holds a set with `version`.
 async fn desired_version(rx: &mut watch::Receiver<Option<AssignmentSet>>, version: u64) {
     wait_version(rx, version, |s| s.version, "set version").await;
+}
+
+/// 57.11: the first heartbeat goes right after the hello, not one interval
+/// later (the reference's first waits 10 s, so control sees no liveness
+/// before that), and its proxy map is empty: this node runs no ingress
+/// proxy.
+#[tokio::test]
+async fn the_first_heartbeat_follows_the_hello_with_an_empty_proxy_map() {
+    let cp = ControlPlane::start(&[SECRET]).await;
+    let (data, _node_id) = joined(&cp).await;
+    let mut cfg = sync_config(&cp, data.path());
+    cfg.heartbeat = Duration::from_secs(3600);
+    let (desired_tx, _) = watch::channel(None);
+    let (_, batches_rx) = mpsc::unbounded_channel();
+    let _task = AbortOnDrop(
+        sync::spawn(cfg, desired_tx, batches_rx, zattera_agent::metrics::none()).unwrap(),
+    );
+    let (first, second) = cp
+        .wait_for("two frames", WAIT, |r| {
+            let mut of_session = r
+                .frames
+                .iter()
+                .filter(|(s, _)| *s == 0)
+                .map(|(_, f)| f.clone());
+            Some((of_session.next()?, of_session.next()?))
+        })
+        .await;
+    assert!(matches!(first.body, Some(Body::Hello(_))), "{first:?}");
+    match second.body {
+        Some(Body::Heartbeat(hb)) => {
+            assert!(hb.proxy.is_empty(), "{hb:?}");
+            assert!(hb.memory_total_bytes > 0, "{hb:?}");
+        }
+        other => panic!("the frame after the hello: {other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -1540,14 +1576,42 @@ async fn the_binary_joins_and_runs_under_control() {
             .unwrap()
             .into_inner();
         assert!(none.message().await.unwrap().is_none());
-        // An empty selector would read every log on the node: refused (17.1).
-        let all = api
-            .query_logs(LogQuery::default())
-            .await
-            .map(|_| ())
-            .unwrap_err();
-        assert_eq!(all.code(), tonic::Code::InvalidArgument, "{all:?}");
-        assert!(all.message().contains("empty selector"), "{all:?}");
+        // An empty selector, as the reference answers it (57.9): every
+        // instance of the current set, the newest `limit` lines of all, in
+        // time order.
+        let unfiltered = |limit: u32| {
+            let mut api = api.clone();
+            async move {
+                let mut all = api
+                    .query_logs(LogQuery {
+                        limit,
+                        ..LogQuery::default()
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                let mut lines = Vec::new();
+                while let Some(l) = all.message().await.unwrap() {
+                    lines.push(l);
+                }
+                lines
+            }
+        };
+        let newest = unfiltered(3).await;
+        assert_eq!(newest.len(), 3, "{newest:?}");
+        assert!(newest.is_sorted_by_key(at), "{newest:?}");
+        let every = unfiltered(1000).await;
+        let instances: std::collections::BTreeSet<&str> =
+            every.iter().map(|l| l.instance_id.as_str()).collect();
+        for id in ["c1", "x1", "x2"] {
+            assert!(instances.contains(id), "{id} missing: {instances:?}");
+        }
+        assert!(
+            instances
+                .iter()
+                .all(|i| ["b1", "c1", "x1", "x2"].contains(i)),
+            "{instances:?}"
+        );
 
         // Exec: stdin in the first frame, both streams, the exit code.
         let start = |cmd: &[&str], tty: bool| AgentExecStart {
@@ -1603,6 +1667,27 @@ async fn the_binary_joins_and_runs_under_control() {
         )
         .await;
         assert_eq!(got.0.trim(), "40 100", "{got:?}");
+        assert_eq!(got.2, Some(0));
+        // A resize in a later frame reaches the terminal before the stdin
+        // of the same frame (57.11).
+        let resize = AgentExecInput {
+            resize: Some(AgentTerminalSize {
+                cols: 120,
+                rows: 30,
+            }),
+            stdin: b"go\n".to_vec(),
+            ..AgentExecInput::default()
+        };
+        let got = run_exec(
+            &mut api,
+            AgentExecInput {
+                start: Some(start(&["sh", "-c", "read x; stty size"], true)),
+                ..AgentExecInput::default()
+            },
+            &[resize],
+        )
+        .await;
+        assert_eq!(got.0.trim().lines().last(), Some("30 120"), "{got:?}");
         assert_eq!(got.2, Some(0));
         // A runtime failure is reported in the last frame, and the call is OK.
         let mut gone = start(&["true"], false);
@@ -1692,74 +1777,6 @@ async fn the_binary_joins_and_runs_under_control() {
     .await;
 }
 
-/// Serves the file `body` at `path` over plain HTTP on loopback, 404
-/// elsewhere.
-async fn serve_file(path: &'static str, body: PathBuf) -> (String, AbortOnDrop) {
-    serve(vec![(path, Route::File(body))]).await
-}
-
-/// What [`serve`] answers on a path.
-#[derive(Clone)]
-enum Route {
-    File(PathBuf),
-    /// A 302 to this URL.
-    Redirect(String),
-}
-
-/// A loopback HTTP/1.1 server of `routes` (404 elsewhere); its address.
-async fn serve(routes: Vec<(&'static str, Route)>) -> (String, AbortOnDrop) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let routes = Arc::new(routes);
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                return;
-            };
-            let routes = Arc::clone(&routes);
-            tokio::spawn(async move {
-                let mut req = Vec::new();
-                let mut buf = [0u8; 1024];
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let line = String::from_utf8_lossy(&req);
-                let route = routes
-                    .iter()
-                    .find(|(path, _)| line.starts_with(&format!("GET {path} ")))
-                    .map(|(_, r)| r.clone());
-                let head = match &route {
-                    Some(Route::File(body)) => {
-                        let len = std::fs::metadata(body).map_or(0, |m| m.len());
-                        format!(
-                            "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
-                        )
-                    }
-                    Some(Route::Redirect(to)) => format!(
-                        "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    ),
-                    None => {
-                        "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                            .to_owned()
-                    }
-                };
-                let _ = conn.write_all(head.as_bytes()).await;
-                if let Some(Route::File(body)) = &route
-                    && let Ok(mut file) = tokio::fs::File::open(body).await
-                {
-                    let _ = tokio::io::copy(&mut file, &mut conn).await;
-                }
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
-    (addr, AbortOnDrop(task))
-}
-
 /// UpgradeBinary end to end: refusals install nothing; a good download
 /// replaces the binary, the agent re-executes itself (same pid), reconnects,
 /// and its container keeps running untouched.
@@ -1801,16 +1818,21 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         std::fs::copy("/bin/true", &other).unwrap();
         // The release on a CDN (another origin) that the base redirects to.
         let (cdn, _cdn) = serve_file("/cdn/zattera-agent", upgraded.clone()).await;
-        let (http, _http) = serve(vec![
-            ("/releases/zattera-agent", Route::File(upgraded.clone())),
-            ("/elsewhere/zattera-agent", Route::File(upgraded.clone())),
-            ("/releases/script", Route::File(script.clone())),
-            ("/releases/other", Route::File(other.clone())),
-            (
-                "/releases/via-cdn",
-                Route::Redirect(format!("http://{cdn}/cdn/zattera-agent")),
-            ),
-        ])
+        let (http, _http) = serve(
+            [
+                ("/releases/zattera-agent", Route::File(upgraded.clone())),
+                ("/elsewhere/zattera-agent", Route::File(upgraded.clone())),
+                ("/releases/script", Route::File(script.clone())),
+                ("/releases/other", Route::File(other.clone())),
+                (
+                    "/releases/via-cdn",
+                    Route::Redirect(format!("http://{cdn}/cdn/zattera-agent")),
+                ),
+            ]
+            .into_iter()
+            .map(|(p, r)| (p.to_owned(), r))
+            .collect(),
+        )
         .await;
 
         let net_cfg = NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
@@ -1878,9 +1900,11 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
                 request(String::new(), &digest),
                 tonic::Code::InvalidArgument,
             ),
+            // A URL outside the base is never fetched: this node looks for
+            // its own build of the version in its channel, which has none.
             (
                 request(format!("http://{http}/elsewhere/zattera-agent"), &digest),
-                tonic::Code::PermissionDenied,
+                tonic::Code::NotFound,
             ),
             (
                 request(good_url.clone(), &"0".repeat(64)),
@@ -1892,14 +1916,14 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
                     format!("http://{http}/releases/../elsewhere/zattera-agent"),
                     &digest,
                 ),
-                tonic::Code::PermissionDenied,
+                tonic::Code::NotFound,
             ),
             (
                 request(
                     format!("http://{http}/releases/%2e%2e/elsewhere/zattera-agent"),
                     &digest,
                 ),
-                tonic::Code::PermissionDenied,
+                tonic::Code::NotFound,
             ),
             // 44.6: the staged file must be this agent.
             (

@@ -738,3 +738,107 @@ async fn bad_assignments_are_reported_and_disturb_nothing() {
     })
     .await;
 }
+
+/// 57.11: an image `VOLUME` entry. The reference (Docker) makes it an
+/// anonymous volume filled from the image; here the path stays in the
+/// container's own writable layer, which holds the image's content there
+/// and keeps what the container writes across a restart of its task, as
+/// the anonymous volume does across restarts of its container.
+#[tokio::test]
+async fn an_image_volume_entry_holds_the_image_content_and_keeps_writes() {
+    on_rig("exec-imgvol", |ctd, rig| async move {
+        import_archive(&ctd, &rig.images.join("volume-oci.tar"), None)
+            .await
+            .unwrap();
+        let mut agent = Agent::start(&ctd, "ztxj");
+        // Appends once per start: a restart shows as a second line.
+        let (a, mut rt) = assignment(
+            "vol-img",
+            "volimg",
+            "prod",
+            252,
+            "echo start >> /data/seed.txt; sleep 2; exit 3",
+            "h1",
+        );
+        rt.image_ref = "docker.io/zattera/busybox:volume".into();
+        agent.push(set(vec![(a, rt)]));
+        let snap = agent
+            .wait_for("one restart", |s| {
+                s.assignments
+                    .iter()
+                    .any(|a| a.id == "vol-img" && a.restarts >= 1)
+            })
+            .await;
+        let cid = row(&snap, "vol-img").container_id.clone();
+        let out = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let text = zattera_agent::runtime::exec::exec(
+                    &ctd,
+                    &cid,
+                    &agent.dirs.path().join("exec"),
+                    &zattera_agent::runtime::exec::ExecRequest {
+                        args: vec!["cat".into(), "/data/seed.txt".into()],
+                        timeout: Duration::from_secs(5),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+                if text.matches("start").count() >= 2 {
+                    return text;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+        .await
+        .expect("two starts written to /data");
+        assert!(out.starts_with("from the image\n"), "{out:?}");
+        agent.finish().await;
+    })
+    .await;
+}
+
+/// 57.11: TCP health probes, as the reference's multi-service guide checks
+/// Postgres: a port that accepts is HEALTHY, a closed one goes UNHEALTHY
+/// after its threshold once the grace period is over.
+#[tokio::test]
+async fn tcp_probes_pass_on_an_open_port_and_fail_on_a_closed_one() {
+    on_rig("exec-tcp", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxk");
+        let tcp = |port: u32| HealthCheck {
+            r#type: HealthCheckType::Tcp as i32,
+            port,
+            interval: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            timeout: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            // 0 would be the default grace (60 s).
+            grace_period: Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 0,
+            }),
+            unhealthy_threshold: 2,
+            ..HealthCheck::default()
+        };
+        let serve = "httpd -f -p 5432 -h /var/www";
+        let (open, mut open_rt) = assignment("tcp-open", "db", "prod", 253, serve, "h1");
+        open_rt.spec.as_mut().unwrap().healthcheck = Some(tcp(5432));
+        let (closed, mut closed_rt) = assignment("tcp-closed", "db2", "prod", 253, serve, "h1");
+        closed_rt.spec.as_mut().unwrap().healthcheck = Some(tcp(5433));
+        agent.push(set(vec![(open, open_rt), (closed, closed_rt)]));
+        agent
+            .wait_for("open HEALTHY, closed UNHEALTHY", |s| {
+                state_of(s, "tcp-open") == Some(State::Healthy)
+                    && state_of(s, "tcp-closed") == Some(State::Unhealthy)
+            })
+            .await;
+        agent.finish().await;
+    })
+    .await;
+}

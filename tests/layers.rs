@@ -23,7 +23,7 @@ const FLOORS: &[(&str, &[&str])] = &[
     (
         "shared words",
         &[
-            "proto", "status", "labels", "link", "beneath", "programs", "redact",
+            "proto", "status", "labels", "link", "beneath", "programs", "redact", "version",
         ],
     ),
     (

@@ -130,6 +130,7 @@ impl Node {
             binary_version: "9.9.9-test".into(),
             mesh: zattera_agent::control::join::MeshJoin::default(),
             control_node_ids: Vec::new(),
+            labels: std::collections::BTreeMap::new(),
         })
         .await
         .expect("join");

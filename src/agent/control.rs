@@ -72,9 +72,13 @@ impl ControlLink {
                 .cloned()
                 .collect::<BTreeSet<String>>(),
         );
+        let tls = Arc::clone(&sync.tls.borrow());
+        let (registry_tx, registry) =
+            watch::channel(enrollment.cluster_registry(&tls).map(Arc::new));
         let feed = crate::mesh::watch::ControlFeed {
             tx: controls_tx,
             configured: config.control_node_ids.iter().cloned().collect(),
+            registry: Some(registry_tx.clone()),
         };
         let link = crate::mesh::start::Link {
             node_id: sync.node_id.clone(),
@@ -89,9 +93,6 @@ impl ControlLink {
             mesh_ip = Some(mesh.mesh_ip);
             feeds.adopt("mesh", mesh.task);
         }
-        let tls = Arc::clone(&sync.tls.borrow());
-        let (registry_tx, registry) =
-            watch::channel(enrollment.cluster_registry(&tls).map(Arc::new));
         let (tls_tx, tls_rx) = watch::channel(tls);
         sync.tls = tls_rx;
         let (notices_tx, renewal_notices) = watch::channel(Vec::new());

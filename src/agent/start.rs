@@ -16,6 +16,7 @@ pub(super) async fn prepare(
 ) -> Result<(nix::fcntl::Flock<std::fs::File>, Option<String>)> {
     // `--control` is where joins go; the sync stream may go elsewhere.
     let join_addr = config.control.clone();
+    take_over_a_reference_enrollment(config);
     if let Some(token) = &config.join_token {
         enroll_if_new(config, join_addr.as_deref(), token).await?;
     }
@@ -36,6 +37,25 @@ pub(super) async fn prepare(
         );
     }
     Ok((lock, join_addr))
+}
+
+/// A data dir moved from the reference agent: its enrollment becomes this
+/// agent's ([`crate::control::moved`]); one that cannot be used is left
+/// as it is, and a kept join token joins again as the same node.
+fn take_over_a_reference_enrollment(config: &Config) {
+    use crate::control::moved::{Moved, adopt};
+    match adopt(&config.data_dir, config.control.as_deref()) {
+        Moved::Adopted { node_id } => tracing::info!(
+            %node_id,
+            "took over the enrollment the reference agent left in {}: this node keeps its identity, record and mesh key",
+            config.data_dir.join("node").display()
+        ),
+        Moved::Unusable { why } => tracing::warn!(
+            "the reference agent's enrollment in {} cannot be used ({why}); join again (a kept join-token resumes the same node)",
+            config.data_dir.join("node").display()
+        ),
+        Moved::Nothing => {}
+    }
 }
 
 /// With a kept join token and no enrollment yet, `run --control ADDR`

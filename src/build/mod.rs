@@ -260,10 +260,40 @@ pub struct Host<'a> {
     pub run_dir: &'a std::path::Path,
 }
 
+/// A backend the settings name and this node has installed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Available {
+    BuildKit,
+    Buildah,
+}
+
+/// Which backend builds here, or why none does. What `doctor` reports and
+/// what the join's `builder` label says.
+pub fn available_backend(s: &settings::BuildSettings) -> Result<Available, String> {
+    use self::settings::BuildBackendKind as Kind;
+    match s.backend {
+        Kind::Off => Err("builds are off on this node (build-backend = \"off\")".into()),
+        Kind::BuildKit | Kind::Auto if installed(&s.buildkitd) => Ok(Available::BuildKit),
+        Kind::BuildKit => Err(format!(
+            "build-backend is buildkit, but {} is not installed (buildkitd-binary)",
+            s.buildkitd.display()
+        )),
+        Kind::Buildah | Kind::Auto if installed(std::path::Path::new("buildah")) => {
+            Ok(Available::Buildah)
+        }
+        Kind::Buildah => Err(
+            "build-backend is buildah, but buildah is not installed (apt install buildah)".into(),
+        ),
+        Kind::Auto => Err(format!(
+            "this node has no builder: neither buildkitd ({}) nor buildah is installed",
+            s.buildkitd.display()
+        )),
+    }
+}
+
 /// The configured backend; `Err` says why there is none (a node without a
 /// builder answers UNIMPLEMENTED with it).
 pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, String> {
-    use self::settings::BuildBackendKind as Kind;
     let s = host.settings;
     let buildkit = || {
         let mut bk = buildkit::BuildKit::new(
@@ -280,20 +310,8 @@ pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, St
         let b = buildah::Buildah::new(host.data_dir, host.run_dir, host.ctd.clone());
         std::sync::Arc::new(b) as std::sync::Arc<dyn Backend>
     };
-    match s.backend {
-        Kind::Off => Err("builds are off on this node (build-backend = \"off\")".into()),
-        Kind::BuildKit | Kind::Auto if installed(&s.buildkitd) => Ok(buildkit()),
-        Kind::BuildKit => Err(format!(
-            "build-backend is buildkit, but {} is not installed (buildkitd-binary)",
-            s.buildkitd.display()
-        )),
-        Kind::Buildah | Kind::Auto if installed(std::path::Path::new("buildah")) => Ok(buildah()),
-        Kind::Buildah => Err(
-            "build-backend is buildah, but buildah is not installed (apt install buildah)".into(),
-        ),
-        Kind::Auto => Err(format!(
-            "this node has no builder: neither buildkitd ({}) nor buildah is installed",
-            s.buildkitd.display()
-        )),
-    }
+    Ok(match available_backend(s)? {
+        Available::BuildKit => buildkit(),
+        Available::Buildah => buildah(),
+    })
 }

@@ -417,18 +417,20 @@ impl Pipeline {
                 Credentials::Basic { username, password } => (username.clone(), password.clone()),
                 Credentials::Anonymous => (String::new(), String::new()),
             };
-            out.push(RegistryAuth {
-                host: reg.addr.clone(),
-                username,
-                password,
-                ca_pem: Some(reg.ca_pem.clone()),
-            });
+            for host in reg.hosts() {
+                out.push(RegistryAuth {
+                    host: host.to_owned(),
+                    username: username.clone(),
+                    password: password.clone(),
+                    ca_pem: Some(reg.ca_pem.clone()),
+                });
+            }
         }
         if let (Some(reference), Some((username, password))) =
             (&req.push_ref, &req.registry_credential)
         {
             let host = reference.split('/').next().unwrap_or_default().to_owned();
-            if cluster.as_ref().is_none_or(|c| c.addr != host) {
+            if cluster.as_ref().is_none_or(|c| !c.serves(&host)) {
                 out.push(RegistryAuth {
                     host,
                     username: username.clone(),

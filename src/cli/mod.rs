@@ -21,7 +21,7 @@ use zattera_agent::config::{Config, Settings};
 #[derive(Debug, Parser)]
 #[command(
     name = "zattera-agent",
-    version,
+    version = zattera_agent::version::tag(),
     about = "containerd-native node agent",
     long_about = "containerd-native node agent: keeps this machine in sync with a control plane \
                   (or with manifest files, standalone) and runs its containers through containerd, \
@@ -142,7 +142,7 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
     let g = &cli.global;
     match cli.command {
         Command::Version(args) => {
-            let version = env!("CARGO_PKG_VERSION");
+            let version = zattera_agent::version::tag();
             if args.json {
                 println!(
                     "{}",

@@ -95,7 +95,7 @@ pub struct RunArgs {
     /// UDP port of the node's WireGuard [default: 51820]
     #[arg(long, value_name = "PORT")]
     mesh_listen_port: Option<u16>,
-    /// IP:PORT where other nodes reach this node's WireGuard, sent in the join; repeatable [default: the default route's address, if globally routable]
+    /// IP:PORT where other nodes reach this node's WireGuard, sent in the join; repeatable; `auto`: the default route's address, if globally routable [default: none, peers go through the hub]
     #[arg(long = "mesh-endpoint", value_name = "IP:PORT")]
     mesh_endpoints: Vec<String>,
     /// auto, kernel or userspace [default: auto: the kernel's WireGuard where it has one]
@@ -116,6 +116,9 @@ pub struct RunArgs {
     /// The private build network's bridge, a.b.c.0/24 [default: 10.202.254.0/24]
     #[arg(long, value_name = "CIDR")]
     build_subnet: Option<String>,
+    /// Builds running at once; more wait in a bounded queue [default: 2]
+    #[arg(long, value_name = "N")]
+    max_builds: Option<usize>,
 }
 
 impl RunArgs {
@@ -156,6 +159,7 @@ impl RunArgs {
             nixpacks_binary: self.nixpacks_binary.clone(),
             build_network: self.build_network.clone(),
             build_subnet: self.build_subnet.clone(),
+            max_builds: self.max_builds,
             ..base
         }
     }

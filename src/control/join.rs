@@ -87,6 +87,11 @@ pub enum JoinError {
     Store(#[from] IdentityError),
     #[error("the node's WireGuard key or peers: {0}")]
     MeshKey(crate::mesh::MeshError),
+    /// The token was a control-role one: this agent runs workers only.
+    #[error(
+        "control plane {addr} made this node a CONTROL node (the join token is a control-role one): this agent runs worker nodes only; nothing of this join was kept. Create a worker token (`zt nodes join-token create`, without --control), remove this node's record (`zt nodes rm`), and join with the new token"
+    )]
+    ControlRole { addr: String },
 }
 
 /// What `join` needs to know.
@@ -106,14 +111,18 @@ pub struct JoinOptions {
     /// names them, and the reference's API certificates carry no node id,
     /// so the node API would refuse every caller.
     pub control_node_ids: Vec<String>,
+    /// `detected_labels`: what control may place by (see [`node_labels`]).
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// What a join says of the node's WireGuard.
 #[derive(Clone, Debug)]
 pub struct MeshJoin {
     pub listen_port: u16,
-    /// Empty: the default route's address, at `listen_port`.
+    /// The endpoints advertised, as configured (the reference's rule).
     pub endpoints: Vec<std::net::SocketAddr>,
+    /// Also the default route's address at `listen_port` (opt-in).
+    pub autodetect: bool,
 }
 
 impl Default for MeshJoin {
@@ -121,6 +130,7 @@ impl Default for MeshJoin {
         Self {
             listen_port: zattera_mesh::DEFAULT_PORT,
             endpoints: Vec::new(),
+            autodetect: false,
         }
     }
 }
@@ -130,7 +140,23 @@ impl MeshJoin {
         Self {
             listen_port: s.listen_port,
             endpoints: s.endpoints.clone(),
+            autodetect: s.autodetect_endpoint,
         }
+    }
+
+    /// The endpoints a join advertises: the configured ones, and the
+    /// detected one when asked for.
+    fn advertised(&self) -> Vec<String> {
+        let detected = self
+            .autodetect
+            .then(|| crate::mesh::default_endpoint(self.listen_port))
+            .flatten();
+        self.endpoints
+            .iter()
+            .copied()
+            .chain(detected)
+            .map(|e| e.to_string())
+            .collect()
     }
 }
 
@@ -144,11 +170,33 @@ impl JoinOptions {
             token,
             data_dir: config.data_dir.clone(),
             node_name: host_name(),
-            binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+            binary_version: crate::version::tag().to_owned(),
             mesh: MeshJoin::from_settings(&config.mesh),
             control_node_ids: Vec::new(),
+            labels: node_labels(&config.build),
         }
     }
+}
+
+/// The label a reference control plane dispatches builds by.
+pub const BUILDER_LABEL: &str = "builder";
+/// The platform label the reference's nodes carry.
+pub const OS_ARCH_LABEL: &str = "zattera.dev/os-arch";
+
+/// The labels this node reports in its join: its platform, and
+/// `builder=true` when a build backend is there (what doctor's `builder`
+/// check says), so that control's dispatcher sends it builds.
+pub fn node_labels(
+    build: &crate::build::settings::BuildSettings,
+) -> std::collections::BTreeMap<String, String> {
+    let mut labels = std::collections::BTreeMap::from([(
+        OS_ARCH_LABEL.to_owned(),
+        format!("linux/{}", crate::runtime::descriptor::host_architecture()),
+    )]);
+    if crate::build::available_backend(build).is_ok() {
+        labels.insert(BUILDER_LABEL.to_owned(), "true".to_owned());
+    }
+    labels
 }
 
 impl std::fmt::Debug for JoinOptions {
@@ -186,18 +234,6 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         })?;
     let (_, disk_total) = host::disk(&opts.data_dir);
     let wg_key = crate::mesh::load_or_create_key(&opts.data_dir).map_err(JoinError::MeshKey)?;
-    let endpoints: Vec<String> = if opts.mesh.endpoints.is_empty() {
-        crate::mesh::default_endpoint(opts.mesh.listen_port)
-            .iter()
-            .map(ToString::to_string)
-            .collect()
-    } else {
-        opts.mesh
-            .endpoints
-            .iter()
-            .map(ToString::to_string)
-            .collect()
-    };
     let request = JoinRequest {
         token_secret: token.secret.clone(),
         node_name: opts.node_name.clone(),
@@ -212,7 +248,8 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
         existing_node_id: existing_node_id.clone(),
         wireguard_public_key: wg_key.public().to_base64(),
         wireguard_listen_port: u32::from(opts.mesh.listen_port),
-        public_endpoints: endpoints,
+        public_endpoints: opts.mesh.advertised(),
+        detected_labels: opts.labels.clone(),
         ..JoinRequest::default()
     };
     let mut request = tonic::Request::new(request);
@@ -229,6 +266,15 @@ pub async fn join(opts: &JoinOptions) -> Result<Enrollment, JoinError> {
     };
     if resp.node_id.is_empty() {
         return Err(bad("node_id is empty".into()));
+    }
+    // A control node is a raft voter, a hub candidate and an is_control
+    // peer to every node: nothing this agent is. Refused before anything
+    // of the response is stored.
+    if resp
+        .roles
+        .contains(&(crate::proto::v1::NodeRole::Control as i32))
+    {
+        return Err(JoinError::ControlRole { addr: addr.clone() });
     }
     // The CA handed over must be the one the token pinned: it is the trust
     // anchor of every later hop.

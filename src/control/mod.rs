@@ -4,7 +4,8 @@
 //! (`crate::node_api`).
 //!
 //! - [`join`]: `zattera-agent join`, the token, the CSR, the stored identity,
-//!   and [`renew`], which renews it before it expires;
+//!   and [`renew`], which renews it before it expires; [`moved`] takes over
+//!   the enrollment a reference worker left;
 //! - [`sync`]: the AgentSync client, with [`queue`] (status reports);
 //! - [`routes`]: route snapshots (VIPs for DNS), persisted, and [`vip`], the
 //!   proxy that answers on those VIPs;
@@ -15,6 +16,7 @@
 //! link floor (`crate::link`), shared with the mesh and builds.
 
 pub mod join;
+pub mod moved;
 pub mod queue;
 pub mod renew;
 pub mod routes;

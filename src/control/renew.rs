@@ -1,8 +1,9 @@
 //! Keeping the node identity valid (wire.md 1.2). There is no renewal RPC:
 //! a certificate lasts a year and is replaced by joining again. With a kept
-//! join token the node re-joins at start and again when a third of its
-//! certificate's life is left; without one it warns from 30 days before the
-//! end. A renewal is stored as one change ([`IdentityDir::store`]), then
+//! join token the node re-joins when a third of its certificate's life is
+//! left (not at every start, as the reference does: its server rewrites the
+//! node record on every join); without one it warns from 30 days before
+//! the end. A renewal is stored as one change ([`IdentityDir::store`]), then
 //! handed to everything that presents the identity (the sync stream, the
 //! route watch, the node API) and to the puller (the registry password is
 //! minted anew on every join).
@@ -64,17 +65,27 @@ impl Renewer {
     async fn renew(&self, opts: &JoinOptions) -> Result<(), JoinError> {
         let enrollment = join::join(opts).await?;
         let tls = IdentityDir::new(&opts.data_dir).load_tls()?;
-        self.registry
-            .send_replace(enrollment.cluster_registry(&tls).map(Arc::new));
+        // The new credential; the other control nodes' addresses stay.
+        self.registry.send_modify(|current| {
+            let also_at = current
+                .as_ref()
+                .map(|c| c.also_at.clone())
+                .unwrap_or_default();
+            *current = enrollment.cluster_registry(&tls).map(|mut r| {
+                r.also_at = also_at;
+                Arc::new(r)
+            });
+        });
         self.tls.send_replace(Arc::new(tls));
         Ok(())
     }
 
-    /// Runs until the task is dropped: a renewal right away (re-join at
-    /// start), then one whenever a third of the certificate's life is left.
+    /// Runs until the task is dropped: a renewal whenever a third of the
+    /// certificate's life is left, never merely because the agent started:
+    /// each join makes the reference rewrite the node record, dropping the
+    /// labels an operator set and undoing a cordon.
     pub async fn run(self) {
         let mut retry = RETRY.0;
-        let mut due_now = self.join.is_some();
         loop {
             let cert = self.tls.borrow().cert_pem.clone();
             let Some((not_before, not_after)) = tls::validity_of(&cert) else {
@@ -94,14 +105,13 @@ impl Renewer {
                 continue;
             };
             let at = renew_at(not_before, not_after);
-            if !due_now && let Ok(wait) = at.duration_since(now) {
+            if let Ok(wait) = at.duration_since(now) {
                 tokio::time::sleep(wait.min(LOOK_EVERY)).await;
                 continue;
             }
             match self.renew(opts).await {
                 Ok(()) => {
                     retry = RETRY.0;
-                    due_now = false;
                     let until = tls::validity_of(&self.tls.borrow().cert_pem)
                         .map(|(_, end)| humantime::format_rfc3339_seconds(end).to_string());
                     tracing::info!(control = %opts.control, valid_until = ?until, "node identity renewed");

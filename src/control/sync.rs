@@ -70,7 +70,7 @@ impl SyncConfig {
             targets: watch::channel(Targets::initial(control_addr)).1,
             node_id: enrollment.node_id,
             tls: tls::fixed(ids.load_tls()?),
-            binary_version: env!("CARGO_PKG_VERSION").to_owned(),
+            binary_version: crate::version::tag().to_owned(),
             data_dir: data_dir.to_owned(),
             heartbeat: HEARTBEAT,
             queue_limits: (super::queue::DEFAULT_BATCHES, super::queue::DEFAULT_ENTRIES),

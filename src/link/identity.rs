@@ -64,6 +64,7 @@ impl Enrollment {
             addr: self.registry_addr.clone(),
             ca_pem: tls.ca_pem.clone(),
             credentials,
+            also_at: Vec::new(),
         })
     }
 }
@@ -121,19 +122,20 @@ impl IdentityDir {
             .or_else(|| self.reference_node_id())
     }
 
-    /// The node id a reference agent left in `<data-dir>/node-id`
-    /// (AGENT-6), so a node moved from it joins again as the same node and
-    /// keeps its assignments; `None` if there is none or it is not an id.
+    /// The node id a reference agent left (AGENT-6): a joined worker's
+    /// `<data-dir>/node/id`, a bootstrapped control node's
+    /// `<data-dir>/node-id`. A node moved from it joins again as the same
+    /// node and keeps its assignments; `None` if there is none or it is
+    /// not an id.
     fn reference_node_id(&self) -> Option<String> {
         let data_dir = self.dir.parent()?;
-        let text = std::fs::read_to_string(data_dir.join("node-id")).ok()?;
-        let id = text.trim();
-        let fine = !id.is_empty()
-            && id.len() <= 128
-            && id
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        fine.then(|| id.to_owned())
+        [self.dir.join("id"), data_dir.join("node-id")]
+            .iter()
+            .find_map(|path| {
+                let text = std::fs::read_to_string(path).ok()?;
+                let id = text.trim();
+                is_node_id(id).then(|| id.to_owned())
+            })
     }
 
     pub fn load_enrollment(&self) -> Result<Enrollment, IdentityError> {
@@ -230,6 +232,16 @@ impl IdentityDir {
     fn commit_path(&self) -> PathBuf {
         self.dir.join("renewal.commit")
     }
+}
+
+/// Whether `id` is a node id: what the reference mints (a ULID), and no
+/// path or control character, whatever a file holds.
+pub fn is_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// Where [`IdentityDir::store`] stages `path`.

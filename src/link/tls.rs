@@ -233,6 +233,44 @@ pub fn server(
     Ok(cfg)
 }
 
+/// Why `node` is not a usable identity of node `node_id` now, if it is
+/// not: its certificate must chain to its CA and be valid for a client,
+/// name `zattera://node/<node_id>`, and belong to its key.
+pub fn identity_problem(node: &NodeTls, node_id: &str) -> Option<String> {
+    let check = || -> Result<(), String> {
+        let certs =
+            certs_from_pem("node certificate", &node.cert_pem).map_err(|e| e.to_string())?;
+        let leaf = &certs[0];
+        match node_id_of(leaf) {
+            Some(id) if id == node_id => {}
+            other => {
+                return Err(format!(
+                    "the certificate names node {other:?}, not {node_id:?}"
+                ));
+            }
+        }
+        let provider = provider();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots(&node.ca_pem).map_err(|e| e.to_string())?),
+            Arc::clone(&provider),
+        )
+        .build()
+        .map_err(|e| e.to_string())?;
+        verifier
+            .verify_client_cert(leaf, &certs[1..], rustls::pki_types::UnixTime::now())
+            .map_err(|e| format!("the certificate does not verify against ca.crt: {e}"))?;
+        let key = key_from_pem("node key", &node.key_pem).map_err(|e| e.to_string())?;
+        let signing = provider
+            .key_provider
+            .load_private_key(key)
+            .map_err(|e| format!("the key: {e}"))?;
+        rustls::sign::CertifiedKey::new(certs, signing)
+            .keys_match()
+            .map_err(|e| format!("the key is not the certificate's: {e}"))
+    };
+    check().err()
+}
+
 /// The node id in a certificate's `zattera://node/<id>` URI SAN, if any.
 pub fn node_id_of(der: &[u8]) -> Option<String> {
     use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};

@@ -6,9 +6,9 @@
 //! a replaced or removed container stays queryable until retention deletes
 //! it, and a query right after a restart finds it too. The history is
 //! the newest `limit` lines (0 = 1000, at most [`MAX_LIMIT`]) within
-//! `since..=until`, across all
-//! selected streams, in time order (an empty selector is refused: it would
-//! read every log on the node); with `follow` the files are then tailed
+//! `since..=until`, across all selected streams, in time order, in memory
+//! bounded by the limit; an empty selector selects every instance of the
+//! current set, as the reference's does. With `follow` the files are then tailed
 //! (every 250 ms; across a rotation, the old file is read to its end
 //! first) until the caller goes away. Unlike the
 //! reference there is no separate log store: the shim's files are it, so
@@ -37,9 +37,6 @@ pub type LogLines = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = LogLine> +
 /// Why a query could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum QueryError {
-    /// Not answerable as asked (an empty selector).
-    #[error("QueryLogs: {0}")]
-    Invalid(&'static str),
     /// containerd could not list the containers.
     #[error("QueryLogs: {0}")]
     Runtime(#[from] RuntimeError),
@@ -157,12 +154,16 @@ pub async fn streams(
                 .collect()
         })
         .unwrap_or_default();
-    wanted.extend(
-        on_disk
-            .iter()
-            .filter(|(_, m)| selected_meta(sel, m))
-            .map(|(_, m)| m.assignment_id.clone()),
-    );
+    // An empty selector is every instance control placed here now (as the
+    // reference answers it); output of instances gone since stays out.
+    if *sel != LogSelector::default() {
+        wanted.extend(
+            on_disk
+                .iter()
+                .filter(|(_, m)| selected_meta(sel, m))
+                .map(|(_, m)| m.assignment_id.clone()),
+        );
+    }
     // A reference agent's stream is named by the instance alone.
     if !sel.instance_id.is_empty() && reference::stream_dir(&dir, &sel.instance_id).is_some() {
         wanted.insert(sel.instance_id.clone());
@@ -420,22 +421,63 @@ fn read_lines(mut reader: impl BufRead, mut each: impl FnMut(&str)) -> u64 {
 }
 
 /// The selected history, merged across streams by time, newest `limit`.
+/// Memory stays within about two `limit`s of lines whatever the number of
+/// streams (an empty selector reads every instance of the node): each
+/// stream's newest `limit` go through a heap that keeps only the newest
+/// `limit` of all.
 fn merged_history(
     streams: &[LogStream],
     window: Window,
     limit: usize,
 ) -> (Vec<LogLine>, Vec<Vec<Offset>>) {
-    let mut all = Vec::new();
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    // A min-heap by (time, arrival): the oldest line kept is popped first.
+    let mut newest: BinaryHeap<Reverse<Kept>> = BinaryHeap::new();
     let mut offsets = Vec::with_capacity(streams.len());
+    let mut arrival = 0u64;
     for s in streams {
         let (lines, ends) = history(s, window, limit);
-        all.extend(lines);
         offsets.push(ends);
+        for line in lines {
+            arrival += 1;
+            let time = line.time.as_ref().map_or((0, 0), |t| (t.seconds, t.nanos));
+            newest.push(Reverse(Kept {
+                key: (time, arrival),
+                line,
+            }));
+            if newest.len() > limit {
+                newest.pop();
+            }
+        }
     }
-    let key = |l: &LogLine| l.time.as_ref().map_or((0, 0), |t| (t.seconds, t.nanos));
-    all.sort_by_key(key);
-    let skip = all.len().saturating_sub(limit);
-    (all.split_off(skip), offsets)
+    let mut kept: Vec<Kept> = newest.into_iter().map(|Reverse(k)| k).collect();
+    kept.sort_by_key(|k| k.key);
+    (kept.into_iter().map(|k| k.line).collect(), offsets)
+}
+
+/// A line in the heap, ordered by (time, arrival) alone.
+#[derive(Debug)]
+struct Kept {
+    key: ((i64, i32), u64),
+    line: LogLine,
+}
+
+impl PartialEq for Kept {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+impl Eq for Kept {}
+impl PartialOrd for Kept {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Kept {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.key.cmp(&other.key)
+    }
 }
 
 pub async fn query_logs(
@@ -445,13 +487,6 @@ pub async fn query_logs(
     query: LogQuery,
 ) -> Result<LogLines, QueryError> {
     let selector = query.selector.clone().unwrap_or_default();
-    if selector == LogSelector::default() {
-        // The reference reads every stream on the node for this.
-        return Err(QueryError::Invalid(
-            "an empty selector would read every log on the node; \
-             name an instance, app, environment, project or job",
-        ));
-    }
     let set = desired.borrow().clone();
     let streams = streams(ctd, data_dir, set.as_ref(), &selector).await?;
     let window = Window::of(&query);

@@ -43,10 +43,39 @@ pub struct MeshTask {
 pub struct ControlFeed {
     pub tx: watch::Sender<BTreeSet<String>>,
     pub configured: BTreeSet<String>,
+    /// The cluster registry's grant: it holds at every control peer's mesh
+    /// IP, on the join registry's port.
+    pub registry: Option<crate::runtime::pull::ClusterRegistryFeed>,
 }
 
 impl ControlFeed {
     fn take(&self, set: &PeerSet) {
+        if let Some(registry) = &self.registry {
+            registry.send_if_modified(|grant| {
+                let Some(g) = grant.as_mut() else {
+                    return false;
+                };
+                let Some(port) = g.port() else {
+                    return false;
+                };
+                let also_at: Vec<String> = set
+                    .peers
+                    .iter()
+                    .filter(|p| p.is_control && !p.mesh_ip.is_empty())
+                    .filter_map(|p| p.mesh_ip.parse::<std::net::Ipv4Addr>().ok())
+                    .map(|ip| format!("{ip}:{port}"))
+                    .filter(|a| *a != g.addr)
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                if g.also_at == also_at {
+                    return false;
+                }
+                tracing::info!(at = ?also_at, "the cluster registry at the control nodes");
+                std::sync::Arc::make_mut(g).also_at = also_at;
+                true
+            });
+        }
         let next = control_ids(set, &self.configured);
         self.tx.send_if_modified(|ids| {
             if *ids == next {
@@ -186,7 +215,11 @@ mod tests {
     fn control_ids_follow_every_peer_set() {
         let configured = BTreeSet::from(["ops".to_owned()]);
         let (tx, rx) = watch::channel(BTreeSet::from(["c1".to_owned()]));
-        let feed = ControlFeed { tx, configured };
+        let feed = ControlFeed {
+            tx,
+            configured,
+            registry: None,
+        };
         let ids = |rx: &watch::Receiver<BTreeSet<String>>| -> Vec<String> {
             rx.borrow().iter().cloned().collect()
         };

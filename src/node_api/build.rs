@@ -68,6 +68,9 @@ fn line(text: String) -> BuildEvent {
     }
 }
 
+/// How often a queued build says it still waits.
+const QUEUED_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Runs the build on a task feeding the stream (128 events, BLD-10).
 pub fn run_build(builder: &Builder, req: RunBuildRequest) -> Result<Out<BuildEvent>, Status> {
     let req = request(req)?;
@@ -78,8 +81,47 @@ pub fn run_build(builder: &Builder, req: RunBuildRequest) -> Result<Out<BuildEve
         .start(&req.id)
         .map_err(|full| Status::resource_exhausted(format!("RunBuild: {full}")))?;
     tokio::spawn(async move {
-        let (events, mut from_pipeline) = mpsc::channel::<Event>(128);
         let id = req.id.clone();
+        // Past max-builds the build waits its turn, saying so now and then
+        // (control takes a silent builder for lost after 4 minutes).
+        let slot = {
+            let waiting = ticket.slot();
+            tokio::pin!(waiting);
+            if !ticket.runs_at_once() {
+                let text = format!(
+                    "queued behind {} build(s): this node runs {} at once (max-builds)",
+                    ticket.ahead,
+                    ticket.max()
+                );
+                if tx.send(Ok(line(text))).await.is_err() {
+                    return;
+                }
+            }
+            let mut every = tokio::time::interval(QUEUED_HEARTBEAT);
+            every.tick().await;
+            loop {
+                tokio::select! {
+                    slot = &mut waiting => break slot,
+                    _ = every.tick() => {
+                        if tx.send(Ok(line("still queued for a build slot".into()))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        };
+        let Some(_slot) = slot else {
+            tracing::info!(build = %id, "build cancelled while queued");
+            let _ = tx
+                .send(Ok(BuildEvent {
+                    status: BuildStatus::Canceled as i32,
+                    error: BuildError::Canceled.to_string(),
+                    ..BuildEvent::default()
+                }))
+                .await;
+            return;
+        };
+        let (events, mut from_pipeline) = mpsc::channel::<Event>(128);
         let build = pipeline.run(req, events, ticket.cancel.clone());
         let forward = {
             let tx = tx.clone();

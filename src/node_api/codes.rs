@@ -22,7 +22,6 @@ use crate::volumes::VolumeError;
 pub fn query(e: &QueryError) -> Status {
     let text = e.to_string();
     match e {
-        QueryError::Invalid(_) => Status::invalid_argument(text),
         QueryError::Runtime(r) => runtime(r, text),
         QueryError::Internal(_) => Status::internal(text),
     }
@@ -63,7 +62,7 @@ pub fn upgrade(e: &UpgradeError) -> Status {
         UpgradeError::NotConfigured | UpgradeError::NotAnAgent { .. } => {
             Status::failed_precondition(text)
         }
-        UpgradeError::NotAllowed { .. } => Status::permission_denied(text),
+        UpgradeError::NotInChannel { .. } => Status::not_found(text),
         UpgradeError::Busy => Status::aborted(text),
         UpgradeError::Download { .. } => Status::unavailable(text),
         UpgradeError::TooLarge { .. } => Status::resource_exhausted(text),
@@ -123,10 +122,6 @@ mod tests {
     #[test]
     fn each_error_has_its_code() {
         let mut table: Vec<(Status, Code)> = vec![
-            (
-                query(&QueryError::Invalid("empty selector")),
-                Code::InvalidArgument,
-            ),
             (
                 query(&QueryError::Internal("task died".into())),
                 Code::Internal,
@@ -199,11 +194,14 @@ mod tests {
                 Code::FailedPrecondition,
             ),
             (
-                upgrade(&UpgradeError::NotAllowed {
-                    url: url(),
+                upgrade(&UpgradeError::NotInChannel {
                     base: "https://b".into(),
+                    version: "v9".into(),
+                    asset: "zattera-agent-linux-amd64".into(),
+                    why: "HTTP 404".into(),
+                    running: "v1".into(),
                 }),
-                Code::PermissionDenied,
+                Code::NotFound,
             ),
             (upgrade(&UpgradeError::Busy), Code::Aborted),
             (
@@ -240,8 +238,8 @@ mod tests {
         for (status, code) in table {
             assert_eq!(status.code(), code, "{}", status.message());
         }
-        let s = query(&QueryError::Invalid("an empty selector"));
-        assert_eq!(s.message(), "QueryLogs: an empty selector");
+        let s = query(&QueryError::Internal("a task died".into()));
+        assert_eq!(s.message(), "QueryLogs: a task died");
     }
 
     #[test]

@@ -68,6 +68,10 @@ impl std::fmt::Debug for Credentials {
 
 /// The cluster's embedded registry (W-11, W-12): the only registry that is
 /// sent the node's credential, reached over TLS chained to the cluster CA.
+/// Every control node runs one: builds push to the leader, and an image's
+/// reference names the registry of the control node that built it, so the
+/// same grant holds at every control node's mesh IP (`also_at`, from the
+/// peer sets).
 #[derive(Clone, Debug)]
 pub struct ClusterRegistry {
     /// `host:port`, compared with a reference's domain as written.
@@ -75,11 +79,33 @@ pub struct ClusterRegistry {
     /// PEM of the cluster CA, trusted for this registry only.
     pub ca_pem: Vec<u8>,
     pub credentials: Credentials,
+    /// The same registry at the other control nodes (`host:port`).
+    pub also_at: Vec<String>,
+}
+
+impl ClusterRegistry {
+    /// Whether an image reference's domain is this registry.
+    pub fn serves(&self, domain: &str) -> bool {
+        !domain.is_empty() && (self.addr == domain || self.also_at.iter().any(|a| a == domain))
+    }
+
+    /// Every `host:port` it answers at, the join's first.
+    pub fn hosts(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.addr.as_str()).chain(self.also_at.iter().map(String::as_str))
+    }
+
+    /// The port the join's address names (every control node's registry
+    /// listens on the same one).
+    pub fn port(&self) -> Option<u16> {
+        self.addr.rsplit_once(':')?.1.parse().ok()
+    }
 }
 
 /// The cluster registry as it is now; a re-join replaces it (the password
 /// is minted anew on every join).
 pub type ClusterRegistryWatch = watch::Receiver<Option<Arc<ClusterRegistry>>>;
+/// What writes it: the renewal, and the peer sets (its other addresses).
+pub type ClusterRegistryFeed = watch::Sender<Option<Arc<ClusterRegistry>>>;
 
 /// What a pull reports while it runs (for a terminal progress line).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,7 +174,7 @@ impl Puller {
         self.cluster
             .borrow()
             .as_ref()
-            .filter(|c| !c.addr.is_empty() && c.addr == reference.domain())
+            .filter(|c| !c.addr.is_empty() && c.serves(reference.domain()))
             .cloned()
     }
 
@@ -743,6 +769,7 @@ mod tests {
             addr: "10.90.0.1:5000".into(),
             ca_pem: Vec::new(),
             credentials: c.clone(),
+            also_at: Vec::new(),
         };
         for shown in [
             format!("{c:?}"),

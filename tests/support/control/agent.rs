@@ -47,6 +47,9 @@ pub struct AgentFlags<'a> {
     pub run: &'a [&'a str],
     /// Run with (data dir, node id) between the join and the agent's start.
     pub prepare: Option<Prepare<'a>>,
+    /// Run this binary instead of the one cargo built (a copy an upgrade
+    /// may replace).
+    pub binary: Option<&'a std::path::Path>,
 }
 
 /// A step run on a joined node's (data dir, node id) before it starts.
@@ -63,6 +66,9 @@ pub struct ControlledAgent {
     pub node_id: String,
     pub api_addr: String,
     pub namespace: String,
+    /// What it runs, and the extra `run` flags (again at a restart).
+    binary: std::path::PathBuf,
+    run_args: Vec<String>,
 }
 
 impl ControlledAgent {
@@ -86,11 +92,19 @@ impl ControlledAgent {
         prefix: &str,
         flags: AgentFlags<'_>,
     ) -> Self {
-        let AgentFlags { join, run, prepare } = flags;
+        let AgentFlags {
+            join,
+            run,
+            prepare,
+            binary,
+        } = flags;
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let run_dir = dir.path().join("run");
-        let bin = crate::support::agent::run_bin();
+        let bin = binary.map_or_else(
+            || std::path::PathBuf::from(crate::support::agent::run_bin()),
+            std::path::Path::to_path_buf,
+        );
         join_cli(&data, &cp.address(), &cp.ca.token(secret), join);
         let node_id = zattera_agent::link::identity::IdentityDir::new(&data)
             .load_enrollment()
@@ -109,7 +123,7 @@ impl ControlledAgent {
         let log = std::fs::File::create(dir.path().join("agent.log")).unwrap();
         let child = cp
             .agent_command(&AgentRun {
-                binary: std::path::Path::new(&bin),
+                binary: &bin,
                 socket: &rig.socket,
                 namespace,
                 run_dir: &run_dir,
@@ -129,6 +143,8 @@ impl ControlledAgent {
             api_addr,
             namespace: namespace.into(),
             net,
+            binary: bin,
+            run_args: run.iter().map(|a| (*a).to_owned()).collect(),
         }
     }
 
@@ -174,10 +190,9 @@ impl ControlledAgent {
             .append(true)
             .open(self.dir.path().join("agent.log"))
             .unwrap();
-        let bin = crate::support::agent::run_bin();
         self.child = cp
             .agent_command(&AgentRun {
-                binary: std::path::Path::new(&bin),
+                binary: &self.binary,
                 socket: &rig.socket,
                 namespace: &self.namespace,
                 run_dir: &self.dir.path().join("run"),
@@ -185,6 +200,7 @@ impl ControlledAgent {
                 bridge_prefix: &self.net.prefix,
                 api_addr: &self.api_addr,
             })
+            .args(&self.run_args)
             .env("RUST_LOG", "info")
             .stderr(log)
             .spawn()

@@ -13,11 +13,19 @@
 //!
 //! One file per part: [`ca`] (the cluster CA), [`record`] (what control
 //! saw), [`plane`] (the services and the handle tests drive),
-//! [`node_api`] (calling and serving the node API), [`assignments`],
+//! [`node_api`] (calling and serving the node API), [`operations`] (the
+//! reference's rollout and build dispatch), [`releases`] (release
+//! channels over HTTP), [`assignments`],
 //! [`agent`] (the agent binary under this control plane) and
 //! [`buildkitd`] (what a test's buildkitd leaves).
 
-#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    unused_imports,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::wildcard_imports
+)]
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -57,8 +65,10 @@ pub mod blobs;
 pub mod buildkitd;
 pub mod ca;
 pub mod node_api;
+pub mod operations;
 pub mod plane;
 pub mod record;
+pub mod releases;
 
 pub use agent::*;
 pub use assignments::*;
@@ -67,6 +77,7 @@ pub use ca::*;
 pub use node_api::*;
 pub use plane::*;
 pub use record::*;
+pub use releases::*;
 
 /// The node id of the test control plane's own node certificate.
 pub const CONTROL_NODE_ID: &str = "control-1";

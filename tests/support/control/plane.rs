@@ -48,6 +48,8 @@ struct Shared {
     /// The control node that is the hub, in the reference's hub-and-spoke
     /// shape; `None`: a full mesh.
     hub: Mutex<Option<String>>,
+    /// The roles joins grant (the token's, as the reference stores them).
+    roles: Mutex<Vec<i32>>,
 }
 
 impl Shared {
@@ -75,6 +77,7 @@ impl Shared {
             peers: watch::channel(1).0,
             away: Mutex::new(HashSet::new()),
             hub: Mutex::new(None),
+            roles: Mutex::new(vec![zattera_agent::proto::v1::NodeRole::Worker as i32]),
         }
     }
 
@@ -176,8 +179,23 @@ impl Shared {
         self.note(|r| {
             r.joins.push(req.clone());
             if !r.nodes.contains(&id) {
-                r.nodes.push(id);
+                r.nodes.push(id.clone());
             }
+            // The reference replaces the record wholesale on every join
+            // (`registerNode`): labels are the join's, the cordon is undone.
+            let mut labels = req.detected_labels.clone();
+            if !req.os_arch.is_empty() {
+                labels.insert("zattera.dev/os-arch".into(), req.os_arch.clone());
+            }
+            r.node_records.insert(
+                id,
+                NodeRecord {
+                    labels,
+                    schedulable: true,
+                    binary_version: req.binary_version.clone(),
+                    os_arch: req.os_arch.clone(),
+                },
+            );
         });
         if !self.mesh {
             return (node_id, None);
@@ -333,6 +351,46 @@ impl ControlPlane {
     }
 
     /// How long the node certificates of the next joins last.
+    /// The roles the next joins are granted (a control-role token).
+    pub fn grant_roles(&self, roles: &[zattera_agent::proto::v1::NodeRole]) {
+        *self.shared.roles.lock().unwrap() = roles.iter().map(|r| *r as i32).collect();
+    }
+
+    /// `zt nodes label NODE KEY=VALUE` as the reference's CLI does it: the
+    /// node's own `zattera.dev/` keys are refused, the rest merged into
+    /// the record.
+    pub fn label_node(&self, node: &str, key: &str, value: &str) {
+        assert!(
+            !key.starts_with("zattera.dev/"),
+            "label {key:?} is reserved: zattera.dev/* labels are set by the node itself"
+        );
+        self.shared.note(|r| {
+            let n = r.node_records.get_mut(node).expect("no such node");
+            n.labels.insert(key.into(), value.into());
+        });
+    }
+
+    /// `zt nodes cordon` / `uncordon`.
+    pub fn set_schedulable(&self, node: &str, schedulable: bool) {
+        self.shared.note(|r| {
+            r.node_records
+                .get_mut(node)
+                .expect("no such node")
+                .schedulable = schedulable;
+        });
+    }
+
+    /// The record of `node`, if it ever joined.
+    pub fn node_record(&self, node: &str) -> Option<NodeRecord> {
+        self.shared
+            .record
+            .lock()
+            .unwrap()
+            .node_records
+            .get(node)
+            .cloned()
+    }
+
     pub fn set_cert_life(&self, life: Duration) {
         *self.shared.cert_life.lock().unwrap() = life;
     }
@@ -705,6 +763,7 @@ impl JoinService for Svc {
             },
             registry_password: registry.password,
             initial_peers,
+            roles: self.shared.roles.lock().unwrap().clone(),
             ..JoinResponse::default()
         }))
     }
@@ -751,9 +810,16 @@ impl AgentSyncService for Svc {
                 node: node_id.clone(),
             };
             let index = shared.record.lock().unwrap().sessions.len();
+            let version = h.binary_version.clone();
             shared.note(|r| {
                 r.sessions.push(session.clone());
                 r.frames.push((index, hello));
+                // recordNodeVersion: a non-empty version that differs.
+                if let Some(n) = r.node_records.get_mut(&node_id)
+                    && !version.is_empty()
+                {
+                    n.binary_version = version;
+                }
             });
             shared.streams.lock().unwrap().push(OpenStream {
                 session,

@@ -23,6 +23,21 @@ pub struct Record {
     pub route_watches: Vec<WatchRoutesRequest>,
     /// Every WatchPeers call, as (control host, node id).
     pub peer_watches: Vec<Session>,
+    /// The node records, as the reference's control plane keeps them.
+    pub node_records: std::collections::BTreeMap<String, NodeRecord>,
+}
+
+/// A node as the reference's control plane records it
+/// (`internal/daemon/api/join.go` `nodeRecord`, `nodes.go`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeRecord {
+    /// Operator labels (`zt nodes label`) and the node's own.
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// False: cordoned (nothing new is placed there).
+    pub schedulable: bool,
+    /// From the join, then from every hello that names one.
+    pub binary_version: String,
+    pub os_arch: String,
 }
 
 impl Record {
