@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/control/mod.rs"]
+mod control_plane;
 mod support;
 
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -574,4 +576,51 @@ async fn an_endless_manifest_is_cut_off() {
     })
     .await;
     server.abort();
+}
+
+/// 57.7: the cluster registry runs on every control node, and an image's
+/// reference names the one that built it: the node's credential and the
+/// cluster CA hold at every control peer's address (`also_at`, from the
+/// peer sets), not only at the join's `registry_addr`.
+#[tokio::test]
+async fn the_cluster_registry_grant_holds_at_every_control_node() {
+    use zattera_agent::runtime::pull::ClusterRegistry;
+    let Some(rig) = rig() else { return };
+    let ca = control_plane::TestCa::new("cluster");
+    let (chain, key) = ca.server_identity();
+    let registry = Registry::start_with(Some(("node-n1", "cluster-pw")), Some((&chain, &key)));
+    let reference = push_test_image(&registry, &rig, "proj/app:b1");
+    with_namespace(&rig, "pull-controls", |ctd, _rig| async move {
+        // The join named the leader's registry; this image was built on
+        // another control node (here: the rig's registry).
+        let grant = ClusterRegistry {
+            addr: "10.90.0.1:5000".into(),
+            ca_pem: ca.pem.clone().into_bytes(),
+            credentials: Credentials::Basic {
+                username: "node-n1".into(),
+                password: "cluster-pw".into(),
+            },
+            also_at: Vec::new(),
+        };
+        let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(grant)));
+        let puller = Puller::new(ctd.clone(), vec![]).with_cluster_registry(rx);
+        let refused = puller
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains(&reference.to_string()),
+            "{refused}"
+        );
+        // A peer set names that control node: the grant holds there too.
+        tx.send_modify(|g| {
+            Arc::make_mut(g.as_mut().unwrap()).also_at = vec![registry.addr.to_string()];
+        });
+        let image = puller
+            .ensure(&reference, &Credentials::Anonymous, None)
+            .await
+            .expect("a pull from another control node's registry");
+        assert!(image.unpacked);
+    })
+    .await;
 }

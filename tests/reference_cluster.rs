@@ -256,3 +256,118 @@ fn file_sha256(path: &std::path::Path) -> String {
     std::io::copy(&mut std::fs::File::open(path).unwrap(), &mut h).unwrap();
     hex::encode(h.finalize())
 }
+
+/// A data dir as a joined reference worker leaves it: `node/id`,
+/// `node/mesh.json`, `node/node.crt`, `node/node.key` (SEC1, as Go's
+/// `x509.MarshalECPrivateKey` writes it), `node/ca.crt` and `wg.key`.
+fn reference_worker_dir(cp: &ControlPlane, data: &std::path::Path, node_id: &str, cert_for: &str) {
+    let node = data.join("node");
+    std::fs::create_dir_all(&node).unwrap();
+    let (cert, key) = cp.ca.node_identity(cert_for, false);
+    let pk8 = node.join("pk8.pem");
+    std::fs::write(&pk8, key).unwrap();
+    let sec1 = std::process::Command::new("openssl")
+        .args(["ec", "-in"])
+        .arg(&pk8)
+        .arg("-out")
+        .arg(node.join("node.key"))
+        .output()
+        .unwrap();
+    assert!(sec1.status.success(), "openssl ec: {sec1:?}");
+    std::fs::remove_file(&pk8).unwrap();
+    assert!(
+        std::fs::read_to_string(node.join("node.key"))
+            .unwrap()
+            .contains("BEGIN EC PRIVATE KEY")
+    );
+    std::fs::write(node.join("node.crt"), cert).unwrap();
+    std::fs::write(node.join("ca.crt"), &cp.ca.pem).unwrap();
+    std::fs::write(node.join("id"), node_id).unwrap();
+    let mesh = serde_json::json!({
+        "node_id": node_id,
+        "mesh_ip": "",
+        "control_grpc_addr": "127.0.0.1:8443",
+        "registry_addr": "127.0.0.1:5000",
+        "registry_username": format!("node-{node_id}"),
+        "registry_password": "reference-registry-pw",
+        "mesh_enabled": false,
+    });
+    std::fs::write(
+        node.join("mesh.json"),
+        serde_json::to_string_pretty(&mesh).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        data.join("wg.key"),
+        "kBZ9iJqS8QDIB2zDdIqGk3aSvEF9mX8ZSbF6DV0h1lk=\n",
+    )
+    .unwrap();
+}
+
+/// 57.1: moving a reference worker keeps its enrollment. The agent finds
+/// the reference's identity and no token: it takes the identity over (the
+/// same node id in its hello, no join, its WireGuard key kept); a set of
+/// files whose certificate names another node is not taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_reference_worker_keeps_its_identity_without_a_token() {
+    on_rig_with_image("ref-move", |ctd, rig| async move {
+        let cp = ControlPlane::start(&[SECRET]).await;
+        let node_id = "01JREFERENCEWORKER00000001";
+        let dir = tempfile::tempdir().unwrap();
+        let (data, run_dir) = (dir.path().join("data"), dir.path().join("run"));
+        reference_worker_dir(&cp, &data, node_id, node_id);
+        let net_cfg =
+            zattera_netns::NetConfig::for_namespace(ctd.namespace().as_str(), &run_dir).unwrap();
+        let _cleanup = support::NetCleanup {
+            prefix: "ztrd".into(),
+            table: net_cfg.nft_table.clone(),
+            run_dir: run_dir.clone(),
+        };
+        let bin = support::agent::run_bin();
+        let api_addr = control_plane::free_loopback_addr().await;
+        let log = dir.path().join("agent.log");
+        let child = cp
+            .agent_command(&control_plane::AgentRun {
+                binary: std::path::Path::new(&bin),
+                socket: &rig.socket,
+                namespace: ctd.namespace().as_str(),
+                run_dir: &run_dir,
+                data_dir: &data,
+                bridge_prefix: "ztrd",
+                api_addr: &api_addr,
+            })
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let _agent = support::agent::KillOnDrop(child);
+        cp.wait_for("the moved node's hello", WAIT, |r| {
+            r.session_host_of(node_id).map(|_| ())
+        })
+        .await;
+        assert!(cp.with(|r| r.joins.is_empty()), "the move needed a join");
+        let enrollment = IdentityDir::new(&data).load_enrollment().unwrap();
+        assert_eq!(enrollment.node_id, node_id);
+        assert_eq!(enrollment.registry_password, "reference-registry-pw");
+        assert_eq!(
+            std::fs::read_to_string(zattera_agent::mesh::key_path(&data))
+                .unwrap()
+                .trim(),
+            "kBZ9iJqS8QDIB2zDdIqGk3aSvEF9mX8ZSbF6DV0h1lk="
+        );
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(text.contains("took over the enrollment"), "{text}");
+
+        // Files whose certificate is another node's: not taken, said why.
+        let other = tempfile::tempdir().unwrap();
+        reference_worker_dir(&cp, other.path(), node_id, "01JSOMEONEELSE000000000001");
+        match zattera_agent::control::moved::adopt(other.path(), None) {
+            zattera_agent::control::moved::Moved::Unusable { why } => {
+                assert!(why.contains("names node"), "{why}");
+            }
+            moved => panic!("{moved:?}"),
+        }
+        assert!(!IdentityDir::new(other.path()).state_path().exists());
+    })
+    .await;
+}

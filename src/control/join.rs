@@ -147,10 +147,11 @@ impl MeshJoin {
     /// The endpoints a join advertises: the configured ones, and the
     /// detected one when asked for.
     fn advertised(&self) -> Vec<String> {
-        let detected = self
-            .autodetect
-            .then(|| crate::mesh::default_endpoint(self.listen_port))
-            .flatten();
+        self.advertised_with(crate::mesh::default_endpoint)
+    }
+
+    fn advertised_with(&self, detect: impl Fn(u16) -> Option<std::net::SocketAddr>) -> Vec<String> {
+        let detected = self.autodetect.then(|| detect(self.listen_port)).flatten();
         self.endpoints
             .iter()
             .copied()
@@ -431,6 +432,31 @@ pub fn host_name() -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_configured_endpoints_unless_autodetection_is_asked_for() {
+        // A host whose default route has a public address.
+        let public = |port| Some(std::net::SocketAddr::from(([203, 0, 113, 9], port)));
+        let configured: std::net::SocketAddr = "198.51.100.4:51820".parse().unwrap();
+        let mesh = |endpoints: Vec<std::net::SocketAddr>, autodetect| MeshJoin {
+            endpoints,
+            autodetect,
+            ..MeshJoin::default()
+        };
+        assert!(mesh(vec![], false).advertised_with(public).is_empty());
+        assert_eq!(
+            mesh(vec![configured], false).advertised_with(public),
+            ["198.51.100.4:51820"]
+        );
+        assert_eq!(
+            mesh(vec![], true).advertised_with(public),
+            ["203.0.113.9:51820"]
+        );
+        assert_eq!(
+            mesh(vec![configured], true).advertised_with(public),
+            ["198.51.100.4:51820", "203.0.113.9:51820"]
+        );
+    }
+
     use super::*;
 
     #[test]

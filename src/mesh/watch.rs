@@ -232,4 +232,41 @@ mod tests {
             "a removed one loses access; workers never get it"
         );
     }
+
+    #[test]
+    fn the_registry_grant_follows_the_control_peers_addresses() {
+        use crate::runtime::pull::{ClusterRegistry, Credentials};
+        let grant = ClusterRegistry {
+            addr: "10.90.0.1:5000".into(),
+            ca_pem: Vec::new(),
+            credentials: Credentials::Anonymous,
+            also_at: Vec::new(),
+        };
+        let (registry, rx) = watch::channel(Some(std::sync::Arc::new(grant)));
+        let feed = ControlFeed {
+            tx: watch::channel(BTreeSet::new()).0,
+            configured: BTreeSet::new(),
+            registry: Some(registry),
+        };
+        let mut peers = set(&["c1", "c2", "c3"], &["w1"]);
+        for (p, ip) in peers
+            .peers
+            .iter_mut()
+            .zip(["10.90.0.1", "10.90.0.2", "", "10.90.1.1"])
+        {
+            p.mesh_ip = ip.into();
+        }
+        feed.take(&peers);
+        let also = rx.borrow().as_ref().unwrap().also_at.clone();
+        assert_eq!(
+            also,
+            ["10.90.0.2:5000"],
+            "control peers only, the join's own left out"
+        );
+        assert!(rx.borrow().as_ref().unwrap().serves("10.90.0.2:5000"));
+        assert!(
+            !rx.borrow().as_ref().unwrap().serves("10.90.1.1:5000"),
+            "a worker is no registry"
+        );
+    }
 }
