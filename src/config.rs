@@ -73,8 +73,9 @@ pub struct Settings {
     /// join named.
     #[serde(alias = "control_node_ids")]
     pub control_node_ids: Option<Vec<String>>,
-    /// A join token kept to renew the node identity: the node re-joins at
-    /// start and when its certificate has a third of its life left.
+    /// A join token kept to renew the node identity: the node joins again
+    /// when its certificate has a third of its life left (and enrolls with
+    /// it at the first start), never at every start.
     #[serde(alias = "join_token")]
     pub join_token: Option<String>,
     /// The node-local network of assignments pushed without a subnet,
@@ -91,6 +92,10 @@ pub struct Settings {
     /// How long container output is kept, as `7days`, `36h` (default 7 days).
     #[serde(alias = "log_retention")]
     pub log_retention: Option<String>,
+    /// Where Docker kept the reference agent's volumes, taken over at their
+    /// first use here (default /var/lib/docker/volumes).
+    #[serde(alias = "docker_volumes_dir")]
+    pub docker_volumes_dir: Option<PathBuf>,
     /// Compressed container output kept per instance, in MiB (default 100).
     #[serde(alias = "log_max_stream_mb")]
     pub log_max_stream_mb: Option<u64>,
@@ -211,6 +216,7 @@ impl Settings {
             default_subnet: top.default_subnet.or(self.default_subnet),
             host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
             log_retention: top.log_retention.or(self.log_retention),
+            docker_volumes_dir: top.docker_volumes_dir.or(self.docker_volumes_dir),
             log_max_stream_mb: top.log_max_stream_mb.or(self.log_max_stream_mb),
             image_gc_high_percent: top.image_gc_high_percent.or(self.image_gc_high_percent),
             image_gc_low_percent: top.image_gc_low_percent.or(self.image_gc_low_percent),
@@ -328,6 +334,9 @@ impl Settings {
             host_shutdown_check,
             host_port_range,
             pull_timeout,
+            docker_volumes_dir: self
+                .docker_volumes_dir
+                .unwrap_or_else(|| PathBuf::from(crate::volumes::adopt::DEFAULT_DOCKER_VOLUMES)),
             pids_limit: self
                 .pids_limit
                 .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
@@ -549,6 +558,8 @@ pub struct Config {
     /// argv of the host-shutdown check; empty: never.
     pub host_shutdown_check: Vec<String>,
     pub log_retention: crate::logs::Retention,
+    /// Where the reference agent's Docker volumes are (adopted at first use).
+    pub docker_volumes_dir: PathBuf,
     pub image_gc: ImageGcConfig,
     /// Where `/metrics` is served; `None`: nowhere.
     pub metrics_listen: Option<SocketAddr>,

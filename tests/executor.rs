@@ -827,9 +827,9 @@ async fn tcp_probes_pass_on_an_open_port_and_fail_on_a_closed_one() {
             ..HealthCheck::default()
         };
         let serve = "httpd -f -p 5432 -h /var/www";
-        let (open, mut open_rt) = assignment("tcp-open", "db", "prod", 253, serve, "h1");
+        let (open, mut open_rt) = assignment("tcp-open", "db", "prod", 207, serve, "h1");
         open_rt.spec.as_mut().unwrap().healthcheck = Some(tcp(5432));
-        let (closed, mut closed_rt) = assignment("tcp-closed", "db2", "prod", 253, serve, "h1");
+        let (closed, mut closed_rt) = assignment("tcp-closed", "db2", "prod", 207, serve, "h1");
         closed_rt.spec.as_mut().unwrap().healthcheck = Some(tcp(5433));
         agent.push(set(vec![(open, open_rt), (closed, closed_rt)]));
         agent

@@ -371,3 +371,153 @@ async fn a_moved_reference_worker_keeps_its_identity_without_a_token() {
     })
     .await;
 }
+
+/// Every entry below `root`: type, mode, owner, size and content digest,
+/// link target, extended attributes, which paths share an inode.
+fn tree(root: &std::path::Path) -> Vec<String> {
+    use sha2::Digest;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    let mut paths = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        if std::fs::symlink_metadata(&p).unwrap().is_dir() {
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        }
+        paths.push(p);
+    }
+    paths.sort();
+    let mut inodes = std::collections::BTreeMap::new();
+    paths
+        .iter()
+        .map(|p| {
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            let m = std::fs::symlink_metadata(p).unwrap();
+            let what = if m.file_type().is_symlink() {
+                format!("-> {}", std::fs::read_link(p).unwrap().display())
+            } else if m.is_file() {
+                let first = inodes.entry(m.ino()).or_insert_with(|| rel.clone()).clone();
+                let digest = sha2::Sha256::digest(std::fs::read(p).unwrap());
+                format!("{} {digest:x} inode-of {first}", m.len())
+            } else {
+                "dir".into()
+            };
+            let mut names = vec![0u8; 4096];
+            let n = rustix::fs::llistxattr(p, &mut names).unwrap_or(0);
+            let xattr: Vec<String> = names[..n]
+                .split(|b| *b == 0)
+                .filter(|k| !k.is_empty())
+                .map(|k| {
+                    let key = std::ffi::OsStr::from_bytes(k);
+                    let mut v = vec![0u8; 4096];
+                    let len = rustix::fs::lgetxattr(p, key, &mut v).unwrap_or(0);
+                    format!(
+                        "{}={}",
+                        key.to_string_lossy(),
+                        String::from_utf8_lossy(&v[..len])
+                    )
+                })
+                .collect();
+            let mode = if m.file_type().is_symlink() {
+                0
+            } else {
+                m.mode()
+            };
+            format!("{rel} {mode:o} {}:{} {what} {xattr:?}", m.uid(), m.gid())
+        })
+        .collect()
+}
+
+/// 57.2: moving keeps the volumes. The reference's Docker volume
+/// `zt-<env8>-data` (here on another filesystem, a tmpfs, so it is copied
+/// and verified, not renamed) becomes the volume at its first use: the
+/// container sees the data, the image is not copied over it, and owners,
+/// modes, links, hard links and extended attributes are as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moved_nodes_docker_volume_is_taken_over_with_nothing_lost() {
+    use std::os::unix::fs::PermissionsExt;
+    on_rig_with_image("ref-volume", |ctd, rig| async move {
+        let docker = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=16m", "tmpfs"])
+            .arg(docker.path())
+            .status()
+            .unwrap();
+        assert!(mounted.success());
+        let _unmount = Unmount(docker.path().to_owned());
+        let env = "01JMOVEDENVIRONMENT0000001";
+        let data = docker.path().join("zt-01JMOVED-data/_data");
+        std::fs::create_dir_all(data.join("pg/base")).unwrap();
+        std::fs::write(data.join("pg/base/16384"), b"rows\n".repeat(1000)).unwrap();
+        std::fs::write(data.join("PG_VERSION"), b"16\n").unwrap();
+        std::os::unix::fs::symlink("PG_VERSION", data.join("version-link")).unwrap();
+        std::fs::hard_link(data.join("PG_VERSION"), data.join("hard")).unwrap();
+        std::os::unix::fs::chown(data.join("pg"), Some(999), Some(999)).unwrap();
+        std::fs::set_permissions(data.join("pg"), std::fs::Permissions::from_mode(0o700)).unwrap();
+        rustix::fs::lsetxattr(
+            data.join("PG_VERSION"),
+            "user.zattera",
+            b"kept",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        let before = tree(&data);
+
+        let volumes = format!("{}", docker.path().display());
+        let run = ["--docker-volumes-dir", volumes.as_str()];
+        let (cp, agent) = control_plane::controlled_agent(SECRET, &rig, &ctd, "ztre", &run).await;
+        let (a, mut rt) = control_plane::assignment("db", env, 209, "sleep 3600");
+        rt.spec.as_mut().unwrap().volumes = vec![zattera_agent::proto::v1::VolumeMount {
+            volume_name: "data".into(),
+            mount_path: "/var/lib/postgresql/data".into(),
+        }];
+        cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
+        let status = agent.wait_for("db HEALTHY", |s| {
+            s["assignments"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|r| r["id"] == "db" && r["state"] == "HEALTHY")
+        });
+        let ours = agent.data_dir().join(format!("volumes/zt-{env}-data"));
+        assert_eq!(
+            tree(&ours.join("_data")),
+            before,
+            "the volume as the reference left it"
+        );
+        let record = std::fs::read_to_string(ours.join("adopted-from")).unwrap();
+        assert!(
+            record.contains("copied and verified") && record.contains("zt-01JMOVED-data"),
+            "{record}"
+        );
+        assert_eq!(tree(&data), before, "the Docker copy is left as it was");
+        let log = agent.log();
+        assert!(log.contains("adopted from"), "{log}");
+        // The container reads it; nothing of the image was copied over it.
+        let cid = status["assignments"][0]["container_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let out = agent.cli(&[
+            "exec",
+            &cid,
+            "--",
+            "cat",
+            "/var/lib/postgresql/data/PG_VERSION",
+        ]);
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "16\n", "{out:?}");
+    })
+    .await;
+}
+
+/// Unmounts a test's mount when dropped.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}

@@ -177,6 +177,7 @@ impl Node {
             cluster_registry: control.map(|c| c.registry.clone()),
             default_subnet: config.default_subnet,
             log_retention: config.log_retention,
+            docker_volumes: config.docker_volumes_dir.clone(),
             metrics: Arc::clone(&self.metrics),
         };
         let (executor, handle) = Executor::new(

@@ -44,8 +44,8 @@ pub struct RunArgs {
     /// Longest an image pull may take [default: 10m]
     #[arg(long, value_name = "DURATION")]
     pull_timeout: Option<String>,
-    /// Join token kept for renewing the node identity (re-join at start and
-    /// when a third of the certificate's life is left)
+    /// Join token kept for renewing the node identity (a join when a third
+    /// of the certificate's life is left, never at every start)
     #[arg(
         long,
         value_name = "TOKEN",
@@ -119,6 +119,9 @@ pub struct RunArgs {
     /// Builds running at once; more wait in a bounded queue [default: 2]
     #[arg(long, value_name = "N")]
     max_builds: Option<usize>,
+    /// Where Docker kept the reference agent's volumes, taken over at their first use [default: /var/lib/docker/volumes]
+    #[arg(long, value_name = "DIR")]
+    docker_volumes_dir: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -160,6 +163,7 @@ impl RunArgs {
             build_network: self.build_network.clone(),
             build_subnet: self.build_subnet.clone(),
             max_builds: self.max_builds,
+            docker_volumes_dir: self.docker_volumes_dir.clone(),
             ..base
         }
     }

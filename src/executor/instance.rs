@@ -279,6 +279,21 @@ pub async fn bring_up(
         .map_err(|e| Failure::new(Step::Volume, e))?;
         crate::volumes::check_mount_path(&v.mount_path)
             .map_err(|e| Failure::of(Step::Volume, &name, e))?;
+        // A node moved from the reference agent: its Docker volume.
+        if let Some(adopted) = crate::volumes::adopt::adopt(
+            &h.cfg.docker_volumes,
+            &h.cfg.data_dir,
+            &plan.assignment.environment_id,
+            &v.volume_name,
+            &name,
+        )
+        .map_err(|e| Failure::of(Step::Volume, &name, e))?
+        {
+            progress(
+                Observation::new(&id, State::Pulling)
+                    .message(format!("volume {}: {adopted}", v.volume_name)),
+            );
+        }
         let first = crate::volumes::first_use(&h.cfg.data_dir, &name)
             .map_err(|e| Failure::of(Step::Volume, &name, e))?;
         let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);

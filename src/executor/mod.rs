@@ -114,6 +114,8 @@ pub struct ExecutorConfig {
     pub default_subnet: Option<Subnet>,
     /// How long each container's log shim keeps its rotated files.
     pub log_retention: crate::logs::Retention,
+    /// Where the reference agent's Docker volumes are (adopted at first use).
+    pub docker_volumes: PathBuf,
     /// Passes and pulls are counted here.
     pub metrics: Arc<crate::telemetry::AgentMetrics>,
 }

@@ -11,6 +11,7 @@
 //! follow Docker's rule, `[A-Za-z0-9][A-Za-z0-9_.-]*`, which also keeps any
 //! path trick out, wherever a name comes from.
 
+pub mod adopt;
 pub mod files;
 
 use std::path::{Component, Path, PathBuf};

@@ -432,6 +432,7 @@ pub fn executor_config(
         cluster_registry: None,
         default_subnet: None,
         log_retention: zattera_agent::logs::Retention::default(),
+        docker_volumes: data_dir.join("no-docker-volumes"),
         metrics: std::sync::Arc::default(),
     }
 }
