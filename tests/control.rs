@@ -1896,10 +1896,17 @@ async fn the_binary_upgrades_itself_and_keeps_its_containers() {
         };
         let good_url = format!("http://{http}/releases/zattera-agent");
         let refusals = [
+            // Neither a version nor a URL.
             (
-                request(String::new(), &digest),
+                AgentUpgradeRequest {
+                    version: String::new(),
+                    url: String::new(),
+                    sha256: digest.clone(),
+                },
                 tonic::Code::InvalidArgument,
             ),
+            // A version alone: this node's channel, which has none of it.
+            (request(String::new(), &digest), tonic::Code::NotFound),
             // A URL outside the base is never fetched: this node looks for
             // its own build of the version in its channel, which has none.
             (

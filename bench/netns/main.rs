@@ -179,6 +179,7 @@ async fn bench_rules(dir: &Path) {
             bridges: bridges.clone(),
             published: published_ports(count),
             vips: Vec::new(),
+            egress_deny: Vec::new(),
         };
         // Two states that differ in every port, alternating: applying an
         // unchanged state is skipped, which would time nothing.

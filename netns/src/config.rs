@@ -28,6 +28,9 @@ pub struct NetConfig {
     /// The network build steps run on ([`crate::firewall::BUILD_SCOPE`]):
     /// bridge `<prefix>b`, host veths `<prefix>bv<host octet>`.
     pub build_subnet: Option<Subnet>,
+    /// Ranges no bridge may reach besides the mesh and link-local (the
+    /// underlay, a VPC): containers and build steps alike.
+    pub egress_deny: Vec<crate::firewall::Cidr>,
 }
 
 impl Default for NetConfig {
@@ -39,6 +42,7 @@ impl Default for NetConfig {
             nft_binary: PathBuf::from("nft"),
             default_subnet: None,
             build_subnet: None,
+            egress_deny: Vec::new(),
         }
     }
 }

@@ -15,9 +15,16 @@
 //!   interface; masquerade loopback-sourced traffic DNATed onto a bridge
 //!   (needs `route_localnet`); hairpin masquerade for a container reaching a
 //!   published port of its own bridge.
-//! - `forward` (filter): established/related and DNATed flows accepted;
-//!   inside one bridge accepted; between two of our bridges dropped; out of a
-//!   bridge accepted; unsolicited traffic into a bridge dropped.
+//! - `forward` (filter): established/related flows accepted; from a bridge
+//!   to the mesh range, link-local (cloud metadata) or the operator's
+//!   egress deny list refused; DNATed flows accepted; inside one bridge
+//!   accepted; between two of our bridges dropped; out of a bridge
+//!   accepted; unsolicited traffic into a bridge dropped. Only the node's
+//!   own processes (the VIP proxies, `output`) dial mesh addresses.
+//! - `prerouting` from a bridge to a mesh address DNATs only ports
+//!   published to every address (the operator's, to the world): a port
+//!   published on the mesh IP for the VIP proxies of other nodes is no door
+//!   from one tenant's container to another's.
 //! - `guard` (filter, prerouting at raw priority, before conntrack and
 //!   routing): a packet arriving on a bridge to 127.0.0.0/8 is dropped (with
 //!   `route_localnet` on, a container with CAP_NET_RAW could otherwise reach
@@ -54,13 +61,47 @@ impl Proto {
     }
 }
 
-/// The scope of the bridge build steps run on: on top of what every bridge
-/// gets, its traffic may not go to the mesh ([`MESH_CIDR`]), so a tenant's
-/// `RUN` step cannot reach other nodes' node APIs and published ports.
+/// The scope of the bridge build steps run on (guarded as every bridge).
 pub const BUILD_SCOPE: &str = "zattera-build";
 
-/// The mesh's address range (the reference's fixed 10.90.0.0/16).
+/// The mesh's address range (the reference's fixed 10.90.0.0/16): no
+/// bridge reaches it.
 pub const MESH_CIDR: &str = "10.90.0.0/16";
+/// Link-local, where clouds answer metadata (whose user-data often holds a
+/// join token): no bridge reaches it.
+pub const LINK_LOCAL_CIDR: &str = "169.254.0.0/16";
+
+/// An IPv4 range, `a.b.c.d/n`, with the host bits zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cidr {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = crate::error::Error;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || crate::error::Error::Config(format!("{s:?} is not an IPv4 range a.b.c.d/n"));
+        let (addr, prefix) = s.trim().split_once('/').ok_or_else(bad)?;
+        let addr: Ipv4Addr = addr.parse().map_err(|_| bad())?;
+        let prefix: u8 = prefix.parse().map_err(|_| bad())?;
+        if prefix > 32 {
+            return Err(bad());
+        }
+        let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+        Ok(Self {
+            addr: Ipv4Addr::from(u32::from(addr) & mask),
+            prefix,
+        })
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
 
 /// One environment bridge the rules cover.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +192,9 @@ pub struct FirewallState {
     /// Service VIPs on this host (runtime.md §9), each reachable from the
     /// bridges of its own scope only.
     pub vips: Vec<ScopedVip>,
+    /// Ranges no container or build step may reach, besides the mesh and
+    /// link-local (the operator's `egress-deny`: underlay, VPC).
+    pub egress_deny: Vec<Cidr>,
 }
 
 impl FirewallState {
@@ -210,6 +254,15 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("  set vip_access {\n    type ifname . ipv4_addr\n");
     push_elements(&mut s, &access);
     s.push_str("  }\n");
+    let mut deny: Vec<String> = [MESH_CIDR.to_owned(), LINK_LOCAL_CIDR.to_owned()]
+        .into_iter()
+        .chain(state.egress_deny.iter().map(Cidr::to_string))
+        .collect();
+    deny.sort();
+    deny.dedup();
+    s.push_str("  set egress_deny {\n    type ipv4_addr\n    flags interval\n    auto-merge\n");
+    push_elements(&mut s, &deny);
+    s.push_str("  }\n");
 
     for proto in [Proto::Tcp, Proto::Udp] {
         let p = proto.name();
@@ -255,6 +308,12 @@ pub fn render(table: &str, state: &FirewallState) -> String {
             s,
             "  chain {chain} {{\n    type nat hook {hook} priority {prio}; policy accept;"
         );
+        if chain == "prerouting" {
+            let _ = writeln!(
+                s,
+                "    iifname @bridges ip daddr {MESH_CIDR} goto world_ports"
+            );
+        }
         for p in ["tcp", "udp"] {
             let _ = writeln!(s, "    dnat ip to ip daddr . {p} dport map @pub_{p}");
             let _ = writeln!(
@@ -265,6 +324,16 @@ pub fn render(table: &str, state: &FirewallState) -> String {
         s.push_str("  }\n");
     }
 
+    // From a bridge to a mesh address: ports published to every address
+    // only; a mesh-only port (for other nodes' VIP proxies) is not DNATed.
+    s.push_str("  chain world_ports {\n");
+    for p in ["tcp", "udp"] {
+        let _ = writeln!(
+            s,
+            "    fib daddr type local dnat ip to {p} dport map @puball_{p}"
+        );
+    }
+    s.push_str("  }\n");
     s.push_str(
         "  chain postrouting {\n    type nat hook postrouting priority srcnat; policy accept;\n",
     );
@@ -280,20 +349,15 @@ pub fn render(table: &str, state: &FirewallState) -> String {
     s.push_str("  }\n");
 
     s.push_str("  chain forward {\n    type filter hook forward priority filter; policy accept;\n");
+    s.push_str("    ct state established,related accept\n");
     s.push_str(
-        "    ct state established,related accept\n    ct status dnat oifname @bridges accept\n",
+        "    iifname @bridges ip daddr @egress_deny reject with icmpx type admin-prohibited\n",
     );
+    s.push_str("    ct status dnat oifname @bridges accept\n");
     for b in &bridges {
         let _ = writeln!(s, "    iifname \"{0}\" oifname \"{0}\" accept", b.bridge);
     }
     s.push_str("    iifname @bridges oifname @bridges drop\n");
-    for b in bridges.iter().filter(|b| b.scope == BUILD_SCOPE) {
-        let _ = writeln!(
-            s,
-            "    iifname \"{}\" ip daddr {MESH_CIDR} reject with icmpx type admin-prohibited",
-            b.bridge
-        );
-    }
     s.push_str("    iifname @bridges accept\n    oifname @bridges drop\n  }\n");
 
     s.push_str("  chain guard {\n    type filter hook prerouting priority raw; policy accept;\n");
@@ -355,7 +419,7 @@ mod tests {
     }
 
     #[test]
-    fn the_build_bridge_may_not_reach_the_mesh() {
+    fn no_bridge_reaches_the_mesh_link_local_or_the_deny_list() {
         let bridge = |name: &str, slot, scope: &str| BridgeRules {
             bridge: name.into(),
             subnet: Subnet::from_slot(slot),
@@ -366,16 +430,45 @@ mod tests {
                 bridge("ztbr5", 5, "zt-p-prod"),
                 bridge("ztbr9", 9, BUILD_SCOPE),
             ],
+            egress_deny: vec!["192.168.7.9/16".parse().unwrap()],
             ..FirewallState::default()
         };
         let text = render("zattera_t", &state);
-        let denied: Vec<&str> = text.lines().filter(|l| l.contains(MESH_CIDR)).collect();
-        assert_eq!(
-            denied,
-            ["    iifname \"ztbr9\" ip daddr 10.90.0.0/16 reject with icmpx type admin-prohibited"]
+        assert!(
+            text.contains("elements = { 10.90.0.0/16, 169.254.0.0/16, 192.168.0.0/16 }"),
+            "{text}"
         );
-        // Before the bridge's blanket accept of what leaves it.
-        assert!(text.find(denied[0]) < text.find("    iifname @bridges accept"));
+        let reject =
+            "    iifname @bridges ip daddr @egress_deny reject with icmpx type admin-prohibited";
+        // Before anything accepts a new flow out of a bridge, DNATed ones
+        // included (a DNAT to a container never reaches the mesh anyway).
+        assert!(text.find(reject) < text.find("    ct status dnat oifname @bridges accept"));
+        assert!(text.find(reject) < text.find("    iifname @bridges accept"));
+        // From a bridge, a mesh address DNATs ports published to every
+        // address only.
+        let prerouting = &text[text.find("chain prerouting").unwrap()..];
+        assert!(prerouting.starts_with(
+            "chain prerouting {\n    type nat hook prerouting priority dstnat; policy accept;\n    iifname @bridges ip daddr 10.90.0.0/16 goto world_ports\n"
+        ));
+        let world = &text[text.find("chain world_ports").unwrap()..];
+        let world = &world[..world.find("  }").unwrap()];
+        assert!(
+            world.contains("@puball_tcp") && !world.contains("@pub_tcp"),
+            "{world}"
+        );
+    }
+
+    #[test]
+    fn ranges_parse_with_their_host_bits_cleared() {
+        let c: Cidr = "10.1.2.3/8".parse().unwrap();
+        assert_eq!(c.to_string(), "10.0.0.0/8");
+        assert_eq!(
+            "0.0.0.0/0".parse::<Cidr>().unwrap().to_string(),
+            "0.0.0.0/0"
+        );
+        for bad in ["10.0.0.0", "10.0.0.0/33", "x/8", "10.0.0.0/-1"] {
+            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -410,6 +503,7 @@ mod tests {
                 },
             ],
             vips: Vec::new(),
+            egress_deny: Vec::new(),
         };
         let mut state = state;
         state.vips = vec![

@@ -263,6 +263,7 @@ impl NetNode {
                 bridges,
                 published: current.published,
                 vips,
+                egress_deny: self.cfg.egress_deny.clone(),
             });
         }
         Ok(slot.get_or_insert_with(FirewallState::default))
