@@ -96,6 +96,11 @@ pub struct Settings {
     /// first use here (default /var/lib/docker/volumes).
     #[serde(alias = "docker_volumes_dir")]
     pub docker_volumes_dir: Option<PathBuf>,
+    /// IPv4 ranges no container or build step may reach (the node's
+    /// underlay, a VPC), besides the mesh and link-local, which none ever
+    /// reaches.
+    #[serde(alias = "egress_deny")]
+    pub egress_deny: Option<Vec<String>>,
     /// Compressed container output kept per instance, in MiB (default 100).
     #[serde(alias = "log_max_stream_mb")]
     pub log_max_stream_mb: Option<u64>,
@@ -217,6 +222,7 @@ impl Settings {
             host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
             log_retention: top.log_retention.or(self.log_retention),
             docker_volumes_dir: top.docker_volumes_dir.or(self.docker_volumes_dir),
+            egress_deny: top.egress_deny.or(self.egress_deny),
             log_max_stream_mb: top.log_max_stream_mb.or(self.log_max_stream_mb),
             image_gc_high_percent: top.image_gc_high_percent.or(self.image_gc_high_percent),
             image_gc_low_percent: top.image_gc_low_percent.or(self.image_gc_low_percent),
@@ -337,6 +343,18 @@ impl Settings {
             docker_volumes_dir: self
                 .docker_volumes_dir
                 .unwrap_or_else(|| PathBuf::from(crate::volumes::adopt::DEFAULT_DOCKER_VOLUMES)),
+            egress_deny: self
+                .egress_deny
+                .iter()
+                .flatten()
+                .map(|c| {
+                    c.parse()
+                        .map_err(|e: zattera_netns::Error| ConfigError::Invalid {
+                            key: "egress-deny",
+                            message: e.to_string(),
+                        })
+                })
+                .collect::<Result<_, _>>()?,
             pids_limit: self
                 .pids_limit
                 .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
@@ -560,6 +578,8 @@ pub struct Config {
     pub log_retention: crate::logs::Retention,
     /// Where the reference agent's Docker volumes are (adopted at first use).
     pub docker_volumes_dir: PathBuf,
+    /// Ranges no bridge reaches, besides the mesh and link-local.
+    pub egress_deny: Vec<zattera_netns::firewall::Cidr>,
     pub image_gc: ImageGcConfig,
     /// Where `/metrics` is served; `None`: nowhere.
     pub metrics_listen: Option<SocketAddr>,

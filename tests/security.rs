@@ -965,3 +965,118 @@ async fn a_device_node_planted_in_a_volume_is_never_opened() {
     })
     .await;
 }
+
+/// Issue 56.1 and 56.8, attack: with the mesh, every published port is on
+/// the node's mesh IP, so a container of project A read project B's port
+/// (one with no host port, published for the VIP proxies) at that address;
+/// it reached other nodes' mesh addresses, cloud metadata (169.254.169.254)
+/// and the node's underlay. Played on one node: a dummy interface holds the
+/// mesh IP, and an "outside" namespace answers another node's mesh IP, the
+/// metadata address, an address in the operator's deny list and, as the
+/// positive control, an ordinary address. Only the node's own processes
+/// (the VIP proxies) may dial mesh addresses.
+#[tokio::test]
+async fn no_container_reaches_another_tenant_through_mesh_addresses_or_metadata() {
+    on_rig("sec-mesh", |ctd, rig| async move {
+        import(&ctd, &rig, "busybox-oci.tar").await;
+        let netns = TestNetns::new("secm");
+        let outside = TestNetns::new("seco");
+        // The node's mesh IP, and a way out to everything else.
+        // (On loopback: this kernel may have no dummy interfaces.)
+        netns.run(&["ip", "addr", "add", "10.90.1.1/32", "dev", "lo"]);
+        let veth = format!("ztsmo{}", std::process::id() % 1000);
+        netns.run(&["ip", "link", "add", &veth, "type", "veth", "peer", "name", "ztsmx"]);
+        netns.run(&["ip", "link", "set", "ztsmx", "netns", &outside.name]);
+        netns.run(&["ip", "addr", "add", "192.0.2.1/30", "dev", &veth]);
+        netns.run(&["ip", "link", "set", &veth, "up"]);
+        outside.run(&["ip", "addr", "add", "192.0.2.2/30", "dev", "ztsmx"]);
+        outside.run(&["ip", "link", "set", "ztsmx", "up"]);
+        let far = [
+            ("another node's mesh IP", "10.90.2.1"),
+            ("cloud metadata", "169.254.169.254"),
+            ("the operator's deny list", "198.18.0.1"),
+            ("an ordinary address", "203.0.113.1"),
+        ];
+        for (_, ip) in far {
+            outside.run(&["ip", "addr", "add", &format!("{ip}/32"), "dev", "ztsmx"]);
+            netns.run(&["ip", "route", "add", &format!("{ip}/32"), "via", "192.0.2.2"]);
+        }
+        outside.run(&["ip", "route", "add", "default", "via", "192.0.2.1"]);
+        let mut listener = KillOnDrop(
+            outside
+                .command("python3")
+                .args([
+                    "-c",
+                    "import socket\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                     s.bind(('0.0.0.0', 7000)); s.listen(16); print('ready', flush=True)\n\
+                     while True:\n    c, peer = s.accept(); c.sendall(b'outside-secret\\n'); c.close()\n",
+                ])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = BufReader::new(listener.0.stdout.take().unwrap()).lines().next();
+        assert_eq!(ready.unwrap().unwrap(), "ready");
+
+        let mut agent = AgentProc::new(&rig.socket, ctd.namespace().as_str(), "ztsm", "210-211");
+        agent.netns = Some(netns.path());
+        agent.run_args = ["--host-ip", "10.90.1.1", "--egress-deny", "198.18.0.0/15"]
+            .map(str::to_owned)
+            .to_vec();
+        agent.write_manifest("attacker.toml", &manifest("attacker", "a", support::TEST_IMAGE, IDLE, ""));
+        agent.write_manifest(
+            "db.toml",
+            &manifest(
+                "db",
+                "b",
+                support::TEST_IMAGE,
+                "httpd -f -p 80 -h /var/www",
+                "[[env.b.ports]]\nname = \"http\"\ncontainer_port = 80\nprotocol = \"http\"\n",
+            )
+            .replace("project = \"p\"", "project = \"other\""),
+        );
+        agent.start();
+        let status = agent.wait_for("both up", |s| {
+            ["attacker", "db"]
+                .iter()
+                .all(|a| row(s, a).is_some_and(|r| r["state"] == "HEALTHY"))
+        });
+        let attacker = container_of(&status, "attacker");
+        let port = row(&status, "db").unwrap()["ports"]["http"].as_u64().unwrap();
+        let dial = |ip: String, port: u64| {
+            let (ctd, attacker) = (&ctd, &attacker);
+            async move {
+                let request = "printf 'GET / HTTP/1.0\\r\\n\\r\\n'";
+                sh(ctd, attacker, &format!("{request} | nc -w 3 {ip} {port}; echo rc=$?"))
+                    .await
+                    .1
+            }
+        };
+        // The positive controls: the host itself reaches db's port on the
+        // mesh IP (as the VIP proxy does), and the container reaches an
+        // ordinary address outside.
+        let from_host = netns.run(&[
+            "python3",
+            "-c",
+            &format!(
+                "import socket; s = socket.create_connection(('10.90.1.1', {port}), 5); \
+                 s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n'); print(s.recv(4096))"
+            ),
+        ]);
+        assert!(from_host.contains("200 OK"), "{from_host}");
+        let ordinary = dial("203.0.113.1".into(), 7000).await;
+        assert!(ordinary.contains("outside-secret"), "the path out works: {ordinary}");
+
+        // The attacks.
+        let tenant = dial("10.90.1.1".into(), port).await;
+        assert!(
+            !tenant.contains("HTTP/1"),
+            "another tenant's port answered through the mesh IP: {tenant}"
+        );
+        for (what, ip) in &far[..3] {
+            let got = dial((*ip).to_owned(), 7000).await;
+            assert!(!got.contains("outside-secret"), "{what} reached from a container: {got}");
+        }
+    })
+    .await;
+}

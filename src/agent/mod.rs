@@ -119,6 +119,7 @@ impl Node {
         let mut net_cfg = NetConfig::for_namespace(config.namespace.as_str(), &config.run_dir)?;
         net_cfg.default_subnet = config.default_subnet;
         net_cfg.build_subnet = Some(config.build.subnet);
+        net_cfg.egress_deny.clone_from(&config.egress_deny);
         if let Some(prefix) = &config.bridge_prefix {
             prefix.clone_into(&mut net_cfg.bridge_prefix);
             net_cfg.validate()?;

@@ -122,6 +122,9 @@ pub struct RunArgs {
     /// Where Docker kept the reference agent's volumes, taken over at their first use [default: /var/lib/docker/volumes]
     #[arg(long, value_name = "DIR")]
     docker_volumes_dir: Option<PathBuf>,
+    /// An IPv4 range no container or build step may reach (underlay, VPC); repeatable. The mesh and 169.254.0.0/16 are never reachable
+    #[arg(long = "egress-deny", value_name = "CIDR")]
+    egress_deny: Vec<String>,
 }
 
 impl RunArgs {
@@ -164,6 +167,7 @@ impl RunArgs {
             build_subnet: self.build_subnet.clone(),
             max_builds: self.max_builds,
             docker_volumes_dir: self.docker_volumes_dir.clone(),
+            egress_deny: (!self.egress_deny.is_empty()).then(|| self.egress_deny.clone()),
             ..base
         }
     }
