@@ -137,7 +137,7 @@ fn bench_spec(namespace: &str, id: &str, image_env: &[String]) -> ContainerSpec 
     ContainerSpec {
         hostname: id.into(),
         args: vec!["sleep".into(), "1000".into()],
-        env: spec::process_env(id, image_env, []),
+        env: spec::process_env(id, image_env, []).unwrap(),
         cwd: "/".into(),
         // ctr's default: /<namespace>/<id>.
         cgroups_path: format!("/{namespace}/{id}").into(),

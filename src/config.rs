@@ -92,6 +92,10 @@ pub struct Settings {
     /// How long container output is kept, as `7days`, `36h` (default 7 days).
     #[serde(alias = "log_retention")]
     pub log_retention: Option<String>,
+    /// Whether a tenant's Dockerfile may name a `# syntax=` frontend, which
+    /// parses the file its own way past the image check (default false).
+    #[serde(alias = "build_custom_frontends")]
+    pub build_custom_frontends: Option<bool>,
     /// Where Docker kept the reference agent's volumes, taken over at their
     /// first use here (default /var/lib/docker/volumes).
     #[serde(alias = "docker_volumes_dir")]
@@ -222,6 +226,7 @@ impl Settings {
             host_shutdown_check: top.host_shutdown_check.or(self.host_shutdown_check),
             log_retention: top.log_retention.or(self.log_retention),
             docker_volumes_dir: top.docker_volumes_dir.or(self.docker_volumes_dir),
+            build_custom_frontends: top.build_custom_frontends.or(self.build_custom_frontends),
             egress_deny: top.egress_deny.or(self.egress_deny),
             log_max_stream_mb: top.log_max_stream_mb.or(self.log_max_stream_mb),
             image_gc_high_percent: top.image_gc_high_percent.or(self.image_gc_high_percent),
@@ -437,6 +442,7 @@ impl Settings {
                 Some(n) => n,
                 None => defaults.max_builds,
             },
+            custom_frontends: self.build_custom_frontends.unwrap_or(false),
         })
     }
 

@@ -325,6 +325,22 @@ async fn a_dockerfile_may_not_read_images_from_the_node() {
                     c.base
                 ),
             ),
+            // 56.5: the file's own escape character continues the line.
+            (
+                "bld-l4",
+                format!(
+                    "# escape=`\nFROM {}\nCOPY `\n  --from={node_file} /bin/sh /sh\n",
+                    c.base
+                ),
+            ),
+            // 56.5: a trigger is the instruction it carries.
+            (
+                "bld-l5",
+                format!(
+                    "FROM {}\nONBUILD COPY --from={node_file} /bin/sh /sh\n",
+                    c.base
+                ),
+            ),
         ] {
             let url = c
                 .blobs
@@ -345,6 +361,25 @@ async fn a_dockerfile_may_not_read_images_from_the_node() {
                 "buildah never ran: {lines:?}"
             );
         }
+        // 56.5: a custom frontend would parse the file its own way.
+        let url = c.blobs.put(context(&[(
+            "Dockerfile",
+            format!("# syntax=docker.io/evil/frontend:1\nFROM {}\n", c.base).as_bytes(),
+        )]));
+        let (_, end) = run_build(&c.agent, &c.cp, build_request("bld-l6", &url, "")).await;
+        assert!(end.error.contains("frontend"), "{end:?}");
+        // 56.4: nine 300-byte lines that double each other asked for a
+        // 64 GiB string, and the agent died: the build fails, the agent
+        // stays and builds again.
+        let mut bomb = format!("ARG A0={}\n", "x".repeat(300));
+        for i in 1..40 {
+            bomb.push_str(&format!("ARG A{i}=${{A{}}}${{A{}}}\n", i - 1, i - 1));
+        }
+        bomb.push_str(&format!("FROM {}:$A39\n", c.base));
+        let url = c.blobs.put(context(&[("Dockerfile", bomb.as_bytes())]));
+        let (_, end) = run_build(&c.agent, &c.cp, build_request("bld-l7", &url, "")).await;
+        assert_eq!(end.status, BuildStatus::Failed as i32, "{end:?}");
+        assert!(end.error.contains("ARG values expand past"), "{end:?}");
         let url = c.blobs.put(app_context(&c.base, ""));
         let (lines, end) = run_build(&c.agent, &c.cp, build_request("bld-l3", &url, "")).await;
         assert_eq!(

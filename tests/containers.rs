@@ -64,7 +64,8 @@ async fn start_busybox(
             &hostname,
             &cfg.env().clone().unwrap_or_default(),
             [("GREETING", "hi")],
-        ),
+        )
+        .unwrap(),
         cwd: "/".into(),
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()

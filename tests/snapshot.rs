@@ -769,7 +769,7 @@ async fn start_container(ctd: &Containerd, rig: &support::Rig, id: &str, root: &
     let c = ContainerSpec {
         hostname: id.into(),
         args: spec::process_args(&[], &[], "sleep 600", true),
-        env: spec::process_env(id, &cfg.env().clone().unwrap_or_default(), []),
+        env: spec::process_env(id, &cfg.env().clone().unwrap_or_default(), []).unwrap(),
         cwd: "/".into(),
         mounts: vec![BindMount {
             source: root.to_owned(),

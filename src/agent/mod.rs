@@ -542,6 +542,7 @@ fn builder(
     let mut pipeline = crate::build::PipelineConfig::new(&config.data_dir);
     pipeline.node_tls = Some(tls);
     pipeline.cluster_registry = registry;
+    pipeline.custom_frontends = config.build.custom_frontends;
     pipeline.planner.binary.clone_from(&config.build.nixpacks);
     pipeline.network = config.build.network;
     pipeline.sandbox = Some(Arc::new(sandbox));

@@ -44,14 +44,65 @@ pub fn read_dockerfile(path: &std::path::Path) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// The first image of `dockerfile` that names a local transport, as
-/// (the name as resolved, the transport).
-pub fn local_image(
+/// Why a tenant's Dockerfile is refused before any builder runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// An image read from the node's own files or storage.
+    LocalImage {
+        image: String,
+        transport: &'static str,
+    },
+    /// A `# syntax=` frontend: an image that would parse the file its own
+    /// way, past this check (allowed only by the operator).
+    Frontend(String),
+    /// `ARG` values that expand past the bounds (a tenant's way to make
+    /// the agent allocate without limit).
+    Expansion(String),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::LocalImage { image, transport } => write!(
+                f,
+                "image {image:?} reads the node's own files ({transport}:); builds take their images from registries"
+            ),
+            Self::Frontend(image) => write!(
+                f,
+                "the Dockerfile asks for the frontend {image:?} (# syntax=); custom frontends are off on this node (build-frontends)"
+            ),
+            Self::Expansion(why) => write!(f, "the Dockerfile's ARG values {why}"),
+        }
+    }
+}
+
+/// The most bytes one expanded value may hold.
+const MAX_VALUE: usize = 64 << 10;
+/// The most bytes every expansion of one Dockerfile may produce together.
+const MAX_EXPANDED: usize = 4 << 20;
+
+/// Checks a tenant's Dockerfile before the build: its parser directives
+/// (`# escape=`, `# syntax=`), then every image it names (`FROM`, `COPY
+/// --from`, `RUN --mount=...,from=`, `ONBUILD` included) after the `ARG`
+/// values a build would give it (the Dockerfile's defaults, then the
+/// request's build args), expanded within bounds.
+pub fn check(
     dockerfile: &str,
     build_args: &BTreeMap<String, String>,
-) -> Option<(String, &'static str)> {
+    allow_frontends: bool,
+) -> Result<(), Refused> {
+    let directives = directives(dockerfile);
+    if let Some(frontend) = directives.syntax.filter(|_| !allow_frontends) {
+        return Err(Refused::Frontend(frontend));
+    }
     let mut args: HashMap<String, String> = HashMap::new();
-    for line in instructions(dockerfile) {
+    let mut budget = MAX_EXPANDED;
+    for line in instructions(dockerfile, directives.escape) {
+        let mut line = line.as_str().trim_start();
+        // ONBUILD X runs X in a later build: checked as X.
+        while let Some(rest) = strip_keyword(line, "ONBUILD") {
+            line = rest;
+        }
         let mut words = line.split_whitespace();
         let Some(keyword) = words.next() else {
             continue;
@@ -61,10 +112,10 @@ pub fn local_image(
             "ARG" => {
                 for decl in &rest {
                     let (name, default) = decl.split_once('=').unwrap_or((decl, ""));
-                    let value = build_args
-                        .get(name)
-                        .cloned()
-                        .unwrap_or_else(|| expand(unquote(default), &args));
+                    let value = match build_args.get(name) {
+                        Some(v) => v.clone(),
+                        None => expand(unquote(default), &args, &mut budget)?,
+                    };
                     args.insert(name.to_owned(), value);
                 }
                 continue;
@@ -84,13 +135,59 @@ pub fn local_image(
             _ => continue,
         };
         for image in named {
-            let image = expand(unquote(&image), &args);
+            let image = expand(unquote(&image), &args, &mut budget)?;
             if let Some(transport) = transport_of(&image) {
-                return Some((image, transport));
+                return Err(Refused::LocalImage { image, transport });
             }
         }
     }
-    None
+    Ok(())
+}
+
+/// `line` after `keyword` (any case) and the whitespace that follows it.
+fn strip_keyword<'a>(line: &'a str, keyword: &str) -> Option<&'a str> {
+    let head = line.get(..keyword.len())?;
+    let rest = &line[keyword.len()..];
+    (head.eq_ignore_ascii_case(keyword) && rest.starts_with(char::is_whitespace))
+        .then(|| rest.trim_start())
+}
+
+/// The parser directives a Dockerfile opens with.
+#[derive(Debug, Default)]
+struct Directives {
+    /// The line-continuation character (`\` unless `# escape=` says `` ` ``).
+    escape: char,
+    /// The `# syntax=` frontend image, if any.
+    syntax: Option<String>,
+}
+
+/// Directives are `# key=value` comments before anything else; the first
+/// other line (or a repeated key) ends them, as BuildKit reads them.
+fn directives(text: &str) -> Directives {
+    let mut d = Directives {
+        escape: '\\',
+        syntax: None,
+    };
+    let mut seen = std::collections::HashSet::new();
+    for line in text.lines() {
+        let Some(body) = line.trim().strip_prefix('#') else {
+            break;
+        };
+        let Some((key, value)) = body.split_once('=') else {
+            break;
+        };
+        let key = key.trim().to_ascii_lowercase();
+        if key.contains(char::is_whitespace) || !seen.insert(key.clone()) {
+            break;
+        }
+        let value = value.trim();
+        match key.as_str() {
+            "escape" if value == "`" => d.escape = '`',
+            "syntax" => d.syntax = Some(value.to_owned()),
+            _ => {}
+        }
+    }
+    d
 }
 
 /// The image a flag names: `--from=X`, or `from=X` inside `--mount=...`.
@@ -114,9 +211,9 @@ fn transport_of(image: &str) -> Option<&'static str> {
     LOCAL_TRANSPORTS.into_iter().find(|t| *t == head)
 }
 
-/// The Dockerfile's instructions, one line each: continuations joined,
-/// comments and blank lines dropped.
-fn instructions(text: &str) -> Vec<String> {
+/// The Dockerfile's instructions, one line each: continuations (by the
+/// file's escape character) joined, comments and blank lines dropped.
+fn instructions(text: &str, escape: char) -> Vec<String> {
     let mut out = Vec::new();
     let mut current = String::new();
     for raw in text.lines() {
@@ -124,7 +221,7 @@ fn instructions(text: &str) -> Vec<String> {
         if current.is_empty() && (line.is_empty() || line.starts_with('#')) {
             continue;
         }
-        if let Some(head) = line.strip_suffix('\\') {
+        if let Some(head) = line.strip_suffix(escape) {
             current.push_str(head);
             current.push(' ');
             continue;
@@ -145,53 +242,74 @@ fn unquote(s: &str) -> &str {
 }
 
 /// `$NAME`, `${NAME}`, `${NAME:-default}` and `${NAME:+alt}` from `args`
-/// (an unset one is empty, as the builders take it).
-fn expand(text: &str, args: &HashMap<String, String>) -> String {
+/// (an unset one is empty, as the builders take it), within bounds: one
+/// value holds at most [`MAX_VALUE`] bytes, and `budget` (what every
+/// expansion of the file may still produce) is spent as it goes.
+fn expand(
+    text: &str,
+    args: &HashMap<String, String>,
+    budget: &mut usize,
+) -> Result<String, Refused> {
     let mut out = String::new();
     let mut rest = text;
+    let mut push = |out: &mut String, piece: &str| -> Result<(), Refused> {
+        if out.len() + piece.len() > MAX_VALUE {
+            return Err(Refused::Expansion(format!(
+                "expand past {MAX_VALUE} bytes in one value"
+            )));
+        }
+        *budget = budget.checked_sub(piece.len()).ok_or_else(|| {
+            Refused::Expansion(format!("expand past {MAX_EXPANDED} bytes in all"))
+        })?;
+        out.push_str(piece);
+        Ok(())
+    };
     while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..at]);
+        push(&mut out, &rest[..at])?;
         let after = &rest[at + 1..];
         if let Some(body) = after.strip_prefix('{') {
             let Some(end) = body.find('}') else {
-                out.push_str(&rest[at..]);
-                return out;
+                push(&mut out, &rest[at..])?;
+                return Ok(out);
             };
             let inner = &body[..end];
             let value = if let Some((name, default)) = inner.split_once(":-") {
                 args.get(name)
                     .filter(|v| !v.is_empty())
-                    .cloned()
-                    .unwrap_or_else(|| default.to_owned())
+                    .map_or(default, String::as_str)
             } else if let Some((name, alt)) = inner.split_once(":+") {
                 if args.get(name).is_some_and(|v| !v.is_empty()) {
-                    alt.to_owned()
+                    alt
                 } else {
-                    String::new()
+                    ""
                 }
             } else {
-                args.get(inner).cloned().unwrap_or_default()
+                args.get(inner).map_or("", String::as_str)
             };
-            out.push_str(&value);
+            push(&mut out, value)?;
             rest = &body[end + 1..];
         } else {
             let len = after
                 .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
                 .unwrap_or(after.len());
-            out.push_str(args.get(&after[..len]).map_or("", String::as_str));
+            push(&mut out, args.get(&after[..len]).map_or("", String::as_str))?;
             rest = &after[len..];
         }
     }
-    out.push_str(rest);
-    out
+    push(&mut out, rest)?;
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn check(dockerfile: &str) -> Option<(String, &'static str)> {
-        local_image(dockerfile, &BTreeMap::new())
+    fn local(dockerfile: &str) -> Option<(String, &'static str)> {
+        match check(dockerfile, &BTreeMap::new(), false) {
+            Ok(()) => None,
+            Err(Refused::LocalImage { image, transport }) => Some((image, transport)),
+            Err(other) => panic!("{other}"),
+        }
     }
 
     #[test]
@@ -204,7 +322,7 @@ mod tests {
             "ARG BASE=node:20\nFROM ${BASE}\nRUN --mount=type=cache,target=/root/.npm npm ci\n",
             "# FROM oci-archive:/x is only a comment\nFROM alpine\n",
         ] {
-            assert_eq!(check(ok), None, "{ok}");
+            assert_eq!(local(ok), None, "{ok}");
         }
     }
 
@@ -230,7 +348,7 @@ mod tests {
             ("ARG B\nFROM ${B:-tarball:/x}\n", "tarball"),
             ("FROM \\\n  OCI-ARCHIVE:/x.tar\n", "oci-archive"),
         ] {
-            assert_eq!(check(bad).map(|(_, t)| t), Some(transport), "{bad}");
+            assert_eq!(local(bad).map(|(_, t)| t), Some(transport), "{bad}");
         }
     }
 
@@ -238,9 +356,68 @@ mod tests {
     fn a_build_arg_overrides_the_default_both_ways() {
         let df = "ARG BASE=alpine\nFROM $BASE\n";
         let evil = BTreeMap::from([("BASE".to_owned(), "sif:/x".to_owned())]);
-        assert_eq!(local_image(df, &evil), Some(("sif:/x".to_owned(), "sif")));
+        assert_eq!(
+            check(df, &evil, false),
+            Err(Refused::LocalImage {
+                image: "sif:/x".to_owned(),
+                transport: "sif"
+            })
+        );
         let df = "ARG BASE=dir:/x\nFROM $BASE\n";
         let fine = BTreeMap::from([("BASE".to_owned(), "alpine".to_owned())]);
-        assert_eq!(local_image(df, &fine), None);
+        assert_eq!(check(df, &fine, false), Ok(()));
+    }
+
+    /// Issue 56.5: what slipped past the check before.
+    #[test]
+    fn escape_onbuild_and_frontends_do_not_slip_past() {
+        for (bad, transport) in [
+            // A backtick continues the line once `# escape=` says so.
+            (
+                "# escape=`\nFROM alpine\nCOPY `\n  --from=oci-archive:/x.tar /a /b\n",
+                "oci-archive",
+            ),
+            ("FROM alpine\nONBUILD COPY --from=dir:/etc /e /e\n", "dir"),
+            (
+                "FROM alpine\nonbuild onbuild RUN --mount=from=sif:/x true\n",
+                "sif",
+            ),
+        ] {
+            assert_eq!(local(bad).map(|(_, t)| t), Some(transport), "{bad}");
+        }
+        let custom = "# syntax=docker.io/evil/frontend:1\nFROM alpine\n";
+        assert_eq!(
+            check(custom, &BTreeMap::new(), false),
+            Err(Refused::Frontend("docker.io/evil/frontend:1".into()))
+        );
+        assert_eq!(
+            check(custom, &BTreeMap::new(), true),
+            Ok(()),
+            "the operator allows it"
+        );
+        // A directive after the first instruction is a comment.
+        assert_eq!(local("FROM alpine\n# syntax=x\n"), None);
+    }
+
+    /// Issue 56.4: nine 300-byte ARG lines that double each other asked
+    /// for a 64 GiB string; the expansion stops at its bounds.
+    #[test]
+    fn arg_expansion_is_bounded() {
+        let mut df = format!("ARG A0={}\n", "x".repeat(300));
+        for i in 1..40 {
+            let prev = i - 1;
+            df.push_str(&format!("ARG A{i}=${{A{prev}}}${{A{prev}}}\n"));
+        }
+        df.push_str("FROM alpine:$A39\n");
+        let started = std::time::Instant::now();
+        let err = check(&df, &BTreeMap::new(), false).unwrap_err();
+        assert!(matches!(err, Refused::Expansion(_)), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        // Many modest values stop at the total.
+        let wide: String = (0..200)
+            .map(|i| format!("ARG B{i}={}\n", "y".repeat(30_000)))
+            .collect();
+        let err = check(&(wide + "FROM alpine\n"), &BTreeMap::new(), false).unwrap_err();
+        assert!(err.to_string().contains("in all"), "{err}");
     }
 }

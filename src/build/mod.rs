@@ -152,6 +152,10 @@ pub enum BuildError {
         image: String,
         transport: &'static str,
     },
+    /// A tenant's Dockerfile the check refuses (a custom frontend, ARG
+    /// values past their bounds).
+    #[error("builder: {0}")]
+    Refused(String),
     #[error("builder: push: {0}")]
     Push(String),
     #[error("builder: load image: {0}")]

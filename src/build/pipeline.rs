@@ -88,6 +88,8 @@ pub struct PipelineConfig {
     /// The build bridge, for a private network; without it (a local
     /// `zattera-agent build`, the operator's own) steps use the host's.
     pub sandbox: Option<Arc<super::network::BuildNet>>,
+    /// Whether a tenant's Dockerfile may name a `# syntax=` frontend.
+    pub custom_frontends: bool,
 }
 
 impl PipelineConfig {
@@ -104,6 +106,7 @@ impl PipelineConfig {
             heartbeat: HEARTBEAT_AFTER,
             network: super::buildah::BuildNetwork::default(),
             sandbox: None,
+            custom_frontends: false,
         }
     }
 }
@@ -231,13 +234,15 @@ impl Pipeline {
         // A local directory is the operator's own; any other source is a
         // tenant's, whose images must come from registries.
         if !matches!(req.source, Source::Dir(_)) {
-            let dockerfile = std::fs::read_to_string(context.join(strategy.dockerfile()))
-                .map_err(|e| BuildError::Source(format!("reading the Dockerfile: {e}")))?;
-            if let Some((image, transport)) =
-                super::bases::local_image(&dockerfile, &req.build_args)
-            {
-                return Err(BuildError::LocalImage { image, transport });
-            }
+            let dockerfile = super::bases::read_dockerfile(&context.join(strategy.dockerfile()))
+                .map_err(BuildError::Source)?;
+            super::bases::check(&dockerfile, &req.build_args, self.config.custom_frontends)
+                .map_err(|refused| match refused {
+                    super::bases::Refused::LocalImage { image, transport } => {
+                        BuildError::LocalImage { image, transport }
+                    }
+                    other => BuildError::Refused(other.to_string()),
+                })?;
         }
         let mut bridge = None;
         let lease = match (self.config.network, &self.config.sandbox) {

@@ -23,8 +23,11 @@ pub struct BuildSettings {
     pub network: super::buildah::BuildNetwork,
     /// The bridge's /24 when `network` is private.
     pub subnet: zattera_netns::Subnet,
-    /// Builds at once; more get RESOURCE_EXHAUSTED.
+    /// Builds at once; more wait in a bounded queue.
     pub max_builds: usize,
+    /// Whether a tenant's Dockerfile may name a `# syntax=` frontend (an
+    /// image that parses the file its own way, past the image check).
+    pub custom_frontends: bool,
 }
 
 impl Default for BuildSettings {
@@ -37,6 +40,7 @@ impl Default for BuildSettings {
             network: super::buildah::BuildNetwork::Private,
             subnet: super::network::DEFAULT_SUBNET,
             max_builds: 2,
+            custom_frontends: false,
         }
     }
 }

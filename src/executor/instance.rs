@@ -370,7 +370,8 @@ pub async fn bring_up(
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         env_pairs.sort_unstable();
-        let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs);
+        let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs)
+            .map_err(|e| Failure::new(Step::Create, e))?;
         let user = image_user(h, &image, cfg.user().as_deref().unwrap_or_default()).await?;
         let stop_signal = spec::stop_signal(cfg.stop_signal().as_deref())
             .map_err(|e| Failure::new(Step::Create, e))?;

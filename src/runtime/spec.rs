@@ -125,13 +125,22 @@ pub fn process_env<'a>(
     hostname: &str,
     image_env: &[String],
     assignment_env: impl IntoIterator<Item = (&'a str, &'a str)>,
-) -> Vec<String> {
+) -> Result<Vec<String>, String> {
+    if image_env.len() > MAX_IMAGE_ENV {
+        return Err(format!(
+            "the image config has {} Env entries; at most {MAX_IMAGE_ENV} are taken",
+            image_env.len()
+        ));
+    }
     let mut assignment: Vec<String> = assignment_env
         .into_iter()
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     assignment.sort();
+    // Merged through an index of keys: a later entry replaces an earlier
+    // one in its place, in time linear in the entries.
     let mut out: Vec<String> = Vec::new();
+    let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     let defaults = [DEFAULT_PATH.to_owned(), format!("HOSTNAME={hostname}")];
     for entry in defaults
         .into_iter()
@@ -139,17 +148,20 @@ pub fn process_env<'a>(
         .chain(assignment)
     {
         let key = entry.split('=').next().unwrap_or_default().to_owned();
-        if let Some(existing) = out
-            .iter_mut()
-            .find(|e| e.split('=').next() == Some(key.as_str()))
-        {
-            *existing = entry;
-        } else {
-            out.push(entry);
+        match at.get(&key) {
+            Some(&i) => out[i] = entry,
+            None => {
+                at.insert(key, out.len());
+                out.push(entry);
+            }
         }
     }
-    out
+    Ok(out)
 }
+
+/// The most `Env` entries an image config may bring (a hostile one brought
+/// hundreds of thousands, which the merge held a worker thread for).
+pub const MAX_IMAGE_ENV: usize = 4096;
 
 /// Parses an image `StopSignal` (`SIGQUIT`, `QUIT` or `3`); SIGTERM by default.
 pub fn stop_signal(image_stop_signal: Option<&str>) -> Result<u32, String> {
@@ -409,7 +421,8 @@ mod tests {
             "abc123",
             &image,
             [("ZED", "1"), ("LANG", "en"), ("APP", "x")],
-        );
+        )
+        .unwrap();
         assert_eq!(
             env,
             s(&[
@@ -420,8 +433,31 @@ mod tests {
                 "ZED=1"
             ])
         );
-        let env = process_env("h", &[], []);
+        let env = process_env("h", &[], []).unwrap();
         assert_eq!(env, s(&[DEFAULT_PATH, "HOSTNAME=h"]));
+    }
+
+    /// Issue 56.4: a config of many distinct keys is refused at once, and
+    /// one at the cap merges in linear time (a quadratic merge of 4,096
+    /// entries is some 8 million comparisons; of a 16 MiB config's, hours).
+    #[test]
+    fn a_hostile_image_env_is_capped_and_merged_in_linear_time() {
+        let many: Vec<String> = (0..=MAX_IMAGE_ENV).map(|i| format!("K{i}=v")).collect();
+        let err = process_env("h", &many, []).unwrap_err();
+        assert!(err.contains("Env entries"), "{err}");
+        let at_cap = &many[..MAX_IMAGE_ENV];
+        let started = std::time::Instant::now();
+        for _ in 0..20 {
+            assert_eq!(
+                process_env("h", at_cap, []).unwrap().len(),
+                MAX_IMAGE_ENV + 2
+            );
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

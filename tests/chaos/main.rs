@@ -510,7 +510,7 @@ async fn start_foreign(ctd: &Containerd, dir: &Path) -> (String, u32) {
     let c = ContainerSpec {
         hostname: "foreign".into(),
         args: spec::process_args(&[], &[], "while true; do sleep 1; done", true),
-        env: spec::process_env("foreign", &cfg.env().clone().unwrap_or_default(), []),
+        env: spec::process_env("foreign", &cfg.env().clone().unwrap_or_default(), []).unwrap(),
         cwd: "/".into(),
         cgroups_path: format!("/zattera-test/{}/{id}", ctd.namespace()).into(),
         ..ContainerSpec::default()
