@@ -303,6 +303,7 @@ fn expand(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fmt::Write as _;
 
     fn local(dockerfile: &str) -> Option<(String, &'static str)> {
         match check(dockerfile, &BTreeMap::new(), false) {
@@ -406,7 +407,7 @@ mod tests {
         let mut df = format!("ARG A0={}\n", "x".repeat(300));
         for i in 1..40 {
             let prev = i - 1;
-            df.push_str(&format!("ARG A{i}=${{A{prev}}}${{A{prev}}}\n"));
+            let _ = writeln!(df, "ARG A{i}=${{A{prev}}}${{A{prev}}}");
         }
         df.push_str("FROM alpine:$A39\n");
         let started = std::time::Instant::now();
@@ -414,9 +415,10 @@ mod tests {
         assert!(matches!(err, Refused::Expansion(_)), "{err}");
         assert!(started.elapsed() < std::time::Duration::from_secs(2));
         // Many modest values stop at the total.
-        let wide: String = (0..200)
-            .map(|i| format!("ARG B{i}={}\n", "y".repeat(30_000)))
-            .collect();
+        let mut wide = String::new();
+        for i in 0..200 {
+            let _ = writeln!(wide, "ARG B{i}={}", "y".repeat(30_000));
+        }
         let err = check(&(wide + "FROM alpine\n"), &BTreeMap::new(), false).unwrap_err();
         assert!(err.to_string().contains("in all"), "{err}");
     }

@@ -148,12 +148,11 @@ pub fn process_env<'a>(
         .chain(assignment)
     {
         let key = entry.split('=').next().unwrap_or_default().to_owned();
-        match at.get(&key) {
-            Some(&i) => out[i] = entry,
-            None => {
-                at.insert(key, out.len());
-                out.push(entry);
-            }
+        if let Some(&i) = at.get(&key) {
+            out[i] = entry;
+        } else {
+            at.insert(key, out.len());
+            out.push(entry);
         }
     }
     Ok(out)
