@@ -119,30 +119,41 @@ pub(crate) fn inbound(dev: &Device) -> io::Result<()> {
                 // of the receiver's CPU).
                 buf.resize(VIRTIO_NET_HDR_LEN + datagram.len().max(148), 0);
                 let mut tunn = peer.tunn();
-                match tunn.decapsulate(Some(from.ip()), datagram, &mut buf[VIRTIO_NET_HDR_LEN..]) {
+                let kind = datagram.first().copied();
+                let outcome = match tunn.decapsulate(
+                    Some(from.ip()),
+                    datagram,
+                    &mut buf[VIRTIO_NET_HDR_LEN..],
+                ) {
                     TunnResult::WriteToTunnelV4(p, src) => {
                         let len = p.len();
                         if peer.allows(src.into()) {
                             buf.truncate(VIRTIO_NET_HDR_LEN + len);
                             ready += 1;
                         }
+                        Outcome::Opened
                     }
                     // A handshake answer or cookie, then what waited for
                     // the session: rare, sent one by one.
                     TunnResult::WriteToNetwork(p) => {
+                        let first = p.first().copied();
                         let _ = socket.send_to(p, from);
                         while let TunnResult::WriteToNetwork(p) =
                             tunn.decapsulate(None, &[], &mut reply)
                         {
                             let _ = socket.send_to(p, from);
                         }
+                        Outcome::Answered(first)
                     }
+                    TunnResult::Done => Outcome::Done,
                     // IPv6 is not routed into the mesh (its allowed IPs are
                     // IPv4); errors are the peer's or an attacker's.
-                    _ => continue,
-                }
+                    _ => Outcome::Refused,
+                };
                 drop(tunn);
-                peer.set_endpoint(from);
+                if proves_the_peer(kind, outcome) {
+                    peer.set_endpoint(from);
+                }
             }
         }
         if ready == 0 {
@@ -160,7 +171,136 @@ pub(crate) fn inbound(dev: &Device) -> io::Result<()> {
     }
 }
 
+/// WireGuard's message types (the first byte of a datagram).
+const HANDSHAKE_INITIATION: u8 = 1;
+const HANDSHAKE_RESPONSE: u8 = 2;
+const TRANSPORT_DATA: u8 = 4;
+
+/// What opening one datagram came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// A packet decrypted for the tun.
+    Opened,
+    /// Something sent back, starting with this message type.
+    Answered(Option<u8>),
+    /// Taken, nothing to deliver (a keepalive, a completed handshake).
+    Done,
+    Refused,
+}
+
+/// Whether a datagram proved it came from the peer, so that its source
+/// becomes the peer's endpoint: a transport packet that decrypted (data or
+/// a keepalive), a handshake response that completed a handshake, or an
+/// initiation answered with a response. Never a cookie reply: under load
+/// boringtun answers any initiation with a valid mac1 with one, and mac1
+/// needs only public keys, which every mesh node has; moving the endpoint
+/// on that let a forger take a peer's traffic, and keepalives never moved
+/// it back.
+fn proves_the_peer(kind: Option<u8>, outcome: Outcome) -> bool {
+    matches!(
+        (kind, outcome),
+        (Some(TRANSPORT_DATA), Outcome::Opened | Outcome::Done)
+            | (
+                Some(HANDSHAKE_RESPONSE),
+                Outcome::Done | Outcome::Answered(_)
+            )
+            | (
+                Some(HANDSHAKE_INITIATION),
+                Outcome::Answered(Some(HANDSHAKE_RESPONSE))
+            )
+    )
+}
+
 /// The tun's interface is gone: the device has nothing left to carry.
 fn fatal(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc_ebadfd) if libc_ebadfd == nix::errno::Errno::EBADFD as i32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use boringtun::noise::rate_limiter::RateLimiter;
+    use boringtun::x25519;
+    use std::sync::Arc;
+
+    /// What a datagram's opening comes to, as the in-path classifies it.
+    fn open(tunn: &mut Tunn, datagram: &[u8]) -> Outcome {
+        let mut dst = vec![0u8; 2048];
+        match tunn.decapsulate(Some([192, 0, 2, 9].into()), datagram, &mut dst) {
+            TunnResult::WriteToTunnelV4(..) => Outcome::Opened,
+            TunnResult::WriteToNetwork(p) => Outcome::Answered(p.first().copied()),
+            TunnResult::Done => Outcome::Done,
+            _ => Outcome::Refused,
+        }
+    }
+
+    /// Issue 56.7 with boringtun's real messages: a forged or replayed
+    /// initiation answered with a cookie (under load) proves nothing, and
+    /// neither does a cookie; a completed handshake, data and keepalives do.
+    #[test]
+    fn only_an_authenticated_datagram_moves_a_peers_endpoint() {
+        let (a_key, b_key) = (
+            x25519::StaticSecret::from([7u8; 32]),
+            x25519::StaticSecret::from([9u8; 32]),
+        );
+        let (a_pub, b_pub) = (
+            x25519::PublicKey::from(&a_key),
+            x25519::PublicKey::from(&b_key),
+        );
+        let mut a = Tunn::new(a_key, b_pub, None, None, 1, None);
+        let mut b = Tunn::new(b_key.clone(), a_pub, None, None, 2, None);
+        let mut buf = vec![0u8; 2048];
+        let init = match a.format_handshake_initiation(&mut buf, false) {
+            TunnResult::WriteToNetwork(p) => p.to_vec(),
+            other => panic!("{other:?}"),
+        };
+        // Under load (a limit of 0): any initiation with a valid mac1, the
+        // attacker's replay of this one included, gets a cookie reply,
+        // which the old in-path took for proof like any answer.
+        let loaded = Arc::new(RateLimiter::new(&b_pub, 0));
+        let mut b_loaded = Tunn::new(b_key, a_pub, None, None, 3, Some(loaded));
+        let cookie = open(&mut b_loaded, &init);
+        assert!(matches!(cookie, Outcome::Answered(Some(3))), "{cookie:?}");
+        assert!(!proves_the_peer(Some(HANDSHAKE_INITIATION), cookie));
+        // Not under load: the initiation is answered with a response, the
+        // response completes the initiator's handshake.
+        let mut reply = vec![0u8; 2048];
+        let response = match b.decapsulate(Some([192, 0, 2, 9].into()), &init, &mut reply) {
+            TunnResult::WriteToNetwork(p) => p.to_vec(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(response[0], HANDSHAKE_RESPONSE);
+        assert!(proves_the_peer(
+            Some(HANDSHAKE_INITIATION),
+            Outcome::Answered(Some(HANDSHAKE_RESPONSE))
+        ));
+        let done = open(&mut a, &response);
+        assert!(proves_the_peer(Some(HANDSHAKE_RESPONSE), done), "{done:?}");
+        // Data and a keepalive, sealed by the initiator.
+        let ip = [
+            0x45u8, 0, 0, 20, 0, 0, 0, 0, 64, 17, 0, 0, 10, 90, 1, 1, 10, 90, 1, 2,
+        ];
+        let mut sealed = vec![0u8; 2048];
+        let data = match a.encapsulate(&ip, &mut sealed) {
+            TunnResult::WriteToNetwork(p) => p.to_vec(),
+            other => panic!("{other:?}"),
+        };
+        assert!(proves_the_peer(data.first().copied(), open(&mut b, &data)));
+        let keepalive = match a.encapsulate(&[], &mut sealed) {
+            TunnResult::WriteToNetwork(p) => p.to_vec(),
+            other => panic!("{other:?}"),
+        };
+        assert!(proves_the_peer(
+            keepalive.first().copied(),
+            open(&mut b, &keepalive)
+        ));
+        // A datagram that does not decrypt (flipped) proves nothing.
+        let mut forged = data.clone();
+        let last = forged.len() - 1;
+        forged[last] ^= 1;
+        assert!(!proves_the_peer(
+            forged.first().copied(),
+            open(&mut b, &forged)
+        ));
+    }
 }
