@@ -70,6 +70,22 @@ impl Agent {
         }
     }
 
+    /// A new executor on the same directories, networks and namespace, as
+    /// after an agent restart; the old one is stopped first.
+    fn restart(&mut self, ctd: &Containerd) {
+        self.task.abort();
+        let cfg = support::executor_config(
+            ctd,
+            "",
+            &self.dirs.path().join("data"),
+            self.dirs.path().join("run"),
+        );
+        let (exec, handle) =
+            Executor::new(cfg, ctd.clone(), Some(Arc::clone(&self.net)), None, None);
+        self.task = tokio::spawn(exec.run());
+        self.handle = handle;
+    }
+
     fn push(&self, set: AssignmentSet) {
         self.handle.desired.send(Some(set)).unwrap();
     }
@@ -580,6 +596,85 @@ async fn jobs_run_once_and_report_their_exit() {
             labels["dev.zattera/exit-code"], "4",
             "the exit code survives agent restarts"
         );
+        agent.finish().await;
+    })
+    .await;
+}
+
+/// Issue 58.2: a job never runs twice. After a reboot (every task gone) a
+/// finished job reports its labelled exit and one cut short is FAILED
+/// "lost in a reboot"; neither is run again. Before, the poll restarted any
+/// container whose task was gone, jobs included.
+#[tokio::test]
+async fn after_a_reboot_a_job_is_never_run_again() {
+    on_rig("exec-job-boot", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxl");
+        let (mut done, done_rt) =
+            assignment("job-done", "jobs", "prod", 208, "echo ran; exit 5", "h1");
+        done.job_id = "j-done".into();
+        let (mut long, long_rt) = assignment(
+            "job-long",
+            "jobs",
+            "prod",
+            208,
+            "echo ran; sleep 1000",
+            "h1",
+        );
+        long.job_id = "j-long".into();
+        let jobs = set(vec![(done, done_rt), (long, long_rt)]);
+        agent.push(jobs.clone());
+        let snap = agent
+            .wait_for("one finished, one running", |s| {
+                state_of(s, "job-done") == Some(State::Failed)
+                    && matches!(
+                        state_of(s, "job-long"),
+                        Some(State::Running | State::Healthy)
+                    )
+            })
+            .await;
+        let cids: Vec<String> = ["job-done", "job-long"]
+            .iter()
+            .map(|id| row(&snap, id).container_id.clone())
+            .collect();
+        // The reboot: the executor goes, and every task with it.
+        agent.task.abort();
+        for cid in &cids {
+            zattera_agent::runtime::containers::stop(&ctd, cid, 9, Duration::from_secs(1))
+                .await
+                .unwrap();
+            zattera_agent::runtime::containers::delete_task(&ctd, cid)
+                .await
+                .unwrap();
+        }
+        agent.restart(&ctd);
+        agent.push(jobs);
+        let snap = agent
+            .wait_for("both reported without a run", |s| {
+                state_of(s, "job-done") == Some(State::Failed)
+                    && state_of(s, "job-long") == Some(State::Failed)
+            })
+            .await;
+        assert_eq!(row(&snap, "job-done").message, "exited with code 5");
+        assert!(
+            row(&snap, "job-long").message.contains("lost in a reboot"),
+            "{snap:?}"
+        );
+        agent.wait_passes(2).await;
+        for cid in &cids {
+            let log = agent.dirs.path().join(format!("data/logs/{cid}.log"));
+            let runs = std::fs::read_to_string(&log)
+                .unwrap()
+                .matches(" ran")
+                .count();
+            assert_eq!(runs, 1, "{cid} ran again");
+            assert!(matches!(
+                zattera_agent::runtime::containers::task_state(&ctd, cid)
+                    .await
+                    .unwrap(),
+                zattera_agent::runtime::containers::TaskState::Absent
+            ));
+        }
         agent.finish().await;
     })
     .await;

@@ -541,7 +541,27 @@ impl<'a> Supervisor<'a> {
                 f.exit_code = i32::try_from(crash.exit_code).ok();
                 self.report(Event::Observed(f));
             }
-            // Lost (reboot) or never started: bring the task back now.
+            // A job's task gone (a reboot): a job never runs twice. Its
+            // labelled exit is its end; without one it was cut short.
+            TaskState::Absent if !self.owned.restart => {
+                self.stop_monitor();
+                let obs = match self.owned.exit_code {
+                    Some(0) => self.observe(State::Stopped),
+                    Some(code) => {
+                        let mut f = self
+                            .observe(State::Failed)
+                            .message(format!("exited with code {code}"));
+                        f.exit_code = i32::try_from(code).ok();
+                        f
+                    }
+                    None => self.observe(State::Failed).message(
+                        "lost in a reboot before it ended; not run again (a job never runs twice)",
+                    ),
+                };
+                self.report(Event::Observed(obs));
+            }
+            // A service's task lost (reboot), or any task never started:
+            // bring it back now.
             TaskState::Absent | TaskState::Created => return self.restart().await,
             // A shim that did not answer in time (a loaded host) says
             // nothing about the task: restarting on it would kill a live one.
