@@ -12,6 +12,7 @@ pub mod build;
 pub mod config;
 pub mod control;
 pub mod doctor;
+pub mod durable;
 pub mod executor;
 pub mod health;
 pub mod image_gc;

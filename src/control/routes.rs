@@ -69,6 +69,14 @@ pub fn name_table(snapshot: &RouteSnapshot) -> zattera_dns::NameTable {
 /// The persisted snapshot, if there is one.
 pub fn load(path: &Path) -> Result<Option<RouteSnapshot>, RoutesError> {
     match std::fs::read(path) {
+        // An empty file decodes as a valid empty snapshot, which would
+        // answer NXDOMAIN for every VIP: it is what a cut can leave of an
+        // unsynced write, never a snapshot control sent (58.10).
+        Ok(bytes) if bytes.is_empty() => {
+            let aside = crate::durable::set_aside(path);
+            tracing::warn!(path = %path.display(), aside = ?aside, "an empty route snapshot file is not a snapshot; set aside");
+            Ok(None)
+        }
         Ok(bytes) => RouteSnapshot::decode(bytes.as_slice())
             .map(Some)
             .map_err(|source| RoutesError::Decode {
@@ -91,9 +99,7 @@ fn store(path: &Path, snapshot: &RouteSnapshot) -> Result<(), RoutesError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, snapshot.encode_to_vec()).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    crate::durable::write(path, &snapshot.encode_to_vec(), 0o600).map_err(io)
 }
 
 /// Starts the client; `out` gets the persisted snapshot at once (if any),
@@ -210,5 +216,9 @@ mod tests {
         assert_eq!(name_table(&snap).len(), 1);
         std::fs::write(&path, b"\xff\xff\xff").unwrap();
         assert!(matches!(load(&path), Err(RoutesError::Decode { .. })));
+        // 58.10: an empty file (a cut's leftover) is no empty snapshot.
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(load(&path).unwrap(), None);
+        assert!(!path.exists(), "set aside");
     }
 }

@@ -343,8 +343,10 @@ pub async fn bring_up(
             .map(|a| a.gateway);
         let host_resolv = read_host_resolv();
         let dir = h.cfg.run_dir.join("containers").join(&cid);
-        let written = files::write(&dir, &hostname, plan.ip, gateway, &host_resolv)
-            .map_err(|e| Failure::new(Step::Create, format_args!("writing {}: {e}", dir.display())))?;
+        let written =
+            files::write(&dir, &hostname, plan.ip, gateway, &host_resolv).map_err(|e| {
+                Failure::new(Step::Create, format_args!("writing {}: {e}", dir.display()))
+            })?;
         for (source, destination) in written {
             mounts.push(BindMount {
                 source,
@@ -397,8 +399,8 @@ pub async fn bring_up(
             cgroup_v2: spec::host_has_cgroup_v2(),
             shim_group: plan.shim_group.clone(),
         };
-        let oci =
-            spec::build(&container_spec).map_err(|e| Failure::new(Step::Create, format_args!("spec: {e}")))?;
+        let oci = spec::build(&container_spec)
+            .map_err(|e| Failure::new(Step::Create, format_args!("spec: {e}")))?;
         phases.spec = phases.lap();
 
         let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
@@ -446,16 +448,22 @@ pub async fn bring_up(
         .map_err(|e| Failure::new(Step::Create, e))?;
         phases.create = phases.lap();
 
-        for (name, dir, inside) in &fresh_volumes {
+        for (name, _dir, inside) in &fresh_volumes {
             let scratch = h.cfg.run_dir.join("scratch");
-            if let Err(e) =
-                crate::runtime::rootfs::copy_up(&h.ctd, &cid, inside, dir, &scratch).await
-            {
+            // Into a staging directory, made the root only once whole and
+            // on disk: an interruption is redone, never taken for done.
+            let copied = async {
+                let staging = crate::volumes::copy_up_staging(&h.cfg.data_dir, name)
+                    .map_err(|e| e.to_string())?;
+                crate::runtime::rootfs::copy_up(&h.ctd, &cid, inside, &staging, &scratch)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                crate::volumes::finish_copy_up(&h.cfg.data_dir, name).map_err(|e| e.to_string())
+            }
+            .await;
+            if let Err(e) = copied {
                 let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
                 return Err(Failure::of(Step::Volume, name, e));
-            }
-            if let Err(e) = crate::volumes::mark_copied_up(&h.cfg.data_dir, name) {
-                tracing::warn!(volume = %name, error = %e, "copy-up not recorded; it may run again");
             }
         }
         progress(Observation::new(&id, State::Starting).container(&cid));

@@ -176,12 +176,11 @@ fn save(path: &Path, last_used: &BTreeMap<String, SystemTime>) {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec(&secs).map_err(std::io::Error::other)?,
-        )?;
-        std::fs::rename(tmp, path)
+        crate::durable::write(
+            path,
+            &serde_json::to_vec(&secs).map_err(std::io::Error::other)?,
+            0o600,
+        )
     };
     if let Err(e) = write() {
         tracing::warn!(path = %path.display(), "image gc: cannot keep the last-use record: {e}");

@@ -5,8 +5,7 @@
 //! node id, mesh IP, control and registry addresses, and the control-plane
 //! node ids the join's peer set named (who may call the node API).
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -265,24 +264,13 @@ fn read(path: &Path) -> Result<Vec<u8>, IdentityError> {
     })
 }
 
+/// [`crate::durable::write`], its error naming the file. The mode is set
+/// at creation: a key is never readable by others, not even for an instant.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), IdentityError> {
-    let tmp = path.with_extension("tmp");
-    let io = |p: &Path| {
-        let p = p.to_owned();
-        move |source| IdentityError::Io { path: p, source }
-    };
-    let _ = std::fs::remove_file(&tmp);
-    // The mode is set at creation: a key is never readable by others, not
-    // even for an instant.
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(io(&tmp))?;
-    f.write_all(bytes).map_err(io(&tmp))?;
-    f.sync_all().map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    crate::durable::write(path, bytes, mode).map_err(|source| IdentityError::Io {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 #[cfg(test)]

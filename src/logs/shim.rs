@@ -289,6 +289,41 @@ struct RotatingFile {
     rotated: Option<mpsc::Sender<PathBuf>>,
 }
 
+/// A live file whose last line has no newline (a power cut, or a shim
+/// killed in its write) is cut back to its last whole line, as journald
+/// seals a torn journal: the next shim's first line is never glued to a
+/// torn one (58.3). Its size after.
+fn seal_torn_tail(file: &File) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let size = file.metadata()?.len();
+    if size == 0 {
+        return Ok(0);
+    }
+    let mut last = [0u8; 1];
+    file.read_exact_at(&mut last, size - 1)?;
+    if last[0] == b'\n' {
+        return Ok(size);
+    }
+    // Back from the end in 64 KiB steps to the last newline.
+    let mut end = size;
+    let mut buf = vec![0u8; 64 << 10];
+    let keep = loop {
+        let start = end.saturating_sub(buf.len() as u64);
+        let chunk = &mut buf[..usize::try_from(end - start).unwrap_or(0)];
+        file.read_exact_at(chunk, start)?;
+        if let Some(i) = chunk.iter().rposition(|b| *b == b'\n') {
+            break start + i as u64 + 1;
+        }
+        if start == 0 {
+            break 0;
+        }
+        end = start;
+    };
+    file.set_len(keep)?;
+    file.sync_data()?;
+    Ok(keep)
+}
+
 impl RotatingFile {
     fn open(path: PathBuf, rotated: Option<mpsc::Sender<PathBuf>>) -> io::Result<Self> {
         use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -302,9 +337,10 @@ impl RotatingFile {
         let file = OpenOptions::new()
             .create(true)
             .append(true)
+            .read(true)
             .mode(0o600)
             .open(&path)?;
-        let size = file.metadata()?.len();
+        let size = seal_torn_tail(&file)?;
         Ok(Self {
             next_seq: files::next_seq(&path),
             path,
@@ -344,6 +380,33 @@ impl RotatingFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 58.3: a torn last line is cut away at open, so the next line starts
+    /// a line of its own.
+    #[test]
+    fn a_torn_tail_is_sealed_when_a_shim_opens_the_file() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("c.log");
+        let whole = "2026-12-07T00:00:00Z stdout F one\n";
+        fs::write(&path, format!("{whole}2026-12-07T00:00:01Z stdout F tw")).unwrap();
+        let mut f = RotatingFile::open(path.clone(), None).unwrap();
+        f.append(b"2026-12-07T00:00:02Z stdout F three\n").unwrap();
+        assert_eq!(
+            fs::read_to_string(&path).unwrap(),
+            format!("{whole}2026-12-07T00:00:02Z stdout F three\n")
+        );
+        // Whole files are left as they are; a file of one torn line empties.
+        let whole_only = d.path().join("w.log");
+        fs::write(&whole_only, whole).unwrap();
+        assert_eq!(
+            RotatingFile::open(whole_only, None).unwrap().size,
+            whole.len() as u64
+        );
+        let torn_only = d.path().join("t.log");
+        fs::write(&torn_only, "x".repeat(200_000)).unwrap();
+        assert_eq!(RotatingFile::open(torn_only.clone(), None).unwrap().size, 0);
+        assert_eq!(fs::metadata(&torn_only).unwrap().len(), 0);
+    }
 
     #[test]
     fn the_small_shim_is_found_beside_the_agent_or_in_lib_zattera() {

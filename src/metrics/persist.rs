@@ -18,7 +18,6 @@
 //! A reference agent's file (version 1) is read too, so a node moved from
 //! the reference keeps its history; the next flush writes version 2.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -66,12 +65,7 @@ pub fn flush(store: &Mutex<Store>, path: &Path, now: u32) -> std::io::Result<()>
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension("bin.tmp");
-    let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&tmp, path)
+    crate::durable::write(path, &bytes, 0o600)
 }
 
 /// Flushes every [`FLUSH_EVERY`] until the task is dropped; the agent

@@ -4,6 +4,13 @@
 //! unpacked layer is shared by every image that has it and unpacking is
 //! skipped when the snapshot is already there. containerd's Diff service
 //! decompresses (gzip, zstd or none) and applies server-side.
+//!
+//! A layer is on disk before its snapshot is committed (58.1): a committed
+//! snapshot whose files a power cut left empty breaks every container of
+//! the image, and a pull never repairs it (the snapshot "exists"). The
+//! apply asks containerd to sync (`sync_fs`, honoured from 1.7 on), and the
+//! agent syncs the prepared snapshot's filesystem itself (`syncfs`) before
+//! the commit, for a containerd that ignores the field.
 
 use std::collections::HashMap;
 
@@ -142,6 +149,18 @@ impl<'a> LayerStack<'a> {
     }
 }
 
+/// Where a prepared snapshot's files are written: the overlay's upper
+/// directory, or a bind mount's source (the first layer).
+fn snapshot_dir(mounts: &[containerd_client::types::Mount]) -> Option<std::path::PathBuf> {
+    let m = mounts.first()?;
+    let upper = m
+        .options
+        .iter()
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .map(std::path::PathBuf::from);
+    upper.or_else(|| (m.r#type == "bind").then(|| std::path::PathBuf::from(&m.source)))
+}
+
 async fn apply_layer(
     ctd: &Containerd,
     lease: &Lease,
@@ -180,9 +199,9 @@ async fn apply_layer(
             .apply(ctd.leased_request(
                 ApplyRequest {
                     diff: Some(layer.to_containerd()),
-                    mounts,
+                    mounts: mounts.clone(),
                     payloads: HashMap::new(),
-                    sync_fs: false,
+                    sync_fs: true,
                 },
                 lease.id(),
             ))
@@ -197,6 +216,12 @@ async fn apply_layer(
                 "layer {} unpacked to {applied}, but the image config says {diff_id}",
                 layer.digest
             )));
+        }
+        if let Some(dir) = snapshot_dir(&mounts) {
+            let synced = tokio::task::spawn_blocking(move || crate::durable::sync_tree(&dir)).await;
+            if !matches!(synced, Ok(Ok(()))) {
+                tracing::warn!(layer = %layer.digest, "could not sync the unpacked layer; committing what containerd synced");
+            }
         }
         match ctd
             .snapshots()

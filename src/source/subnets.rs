@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::fs;
-use std::io::{self, Write as _};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use zattera_netns::{Subnet, SubnetError, next_free_subnet};
@@ -218,28 +218,7 @@ impl SubnetBook {
 /// Temporary file in the same directory, fsync, rename over `path`, fsync
 /// the directory: after a crash the file is either the old or the new one.
 pub(super) fn write_atomically(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
-        _ => PathBuf::from("."),
-    };
-    fs::create_dir_all(&dir)?;
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| io::Error::other("the subnet book path has no file name"))?;
-    let mut tmp_name = file_name.to_owned();
-    tmp_name.push(".tmp");
-    let tmp = dir.join(tmp_name);
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        fs::File::open(&dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    crate::durable::write(path, bytes, 0o600)
 }
 
 #[cfg(test)]

@@ -179,29 +179,74 @@ pub fn volume_root(data_dir: &Path, local: &str) -> PathBuf {
 /// Beside `_data`, out of containers' reach: the image's content was copied
 /// into this volume once already (VOL-4).
 const COPIED_UP: &str = "copied-up";
+/// Beside `_data`: a copy-up was promised and has not completed (58.5).
+const COPY_UP_PENDING: &str = "copy-up-pending";
+/// Beside `_data`: where a copy-up writes before it becomes `_data`.
+const COPY_UP_STAGING: &str = "_data.copy-up";
 
-/// Makes the volume's root, and says whether this is its first use, when
-/// the image's content is copied in (VOL-4, C-8). Only the first: a volume
-/// an app emptied on purpose is not filled again at the next bring-up. A
-/// volume made by an earlier agent, which kept no record, counts as copied
-/// up already.
+/// Makes the volume's root, and says whether the image's content is to be
+/// copied in (VOL-4, C-8): at its first use, and again while a copy-up
+/// promised then has not completed (an interrupted bring-up, a power cut),
+/// so a volume never stays empty or half full for ever (58.5). Never once
+/// one completed: a volume an app emptied on purpose is not filled again.
+/// A volume made by an earlier agent, which kept no record, counts as
+/// copied up already.
 pub fn first_use(data_dir: &Path, local: &str) -> std::io::Result<bool> {
     let dir = volume_dir(data_dir, local);
     if dir.join(COPIED_UP).exists() {
         return Ok(false);
     }
+    if dir.join(COPY_UP_PENDING).exists() {
+        std::fs::create_dir_all(dir.join("_data"))?;
+        return Ok(true);
+    }
     let existed = std::fs::symlink_metadata(&dir).is_ok();
-    std::fs::create_dir_all(dir.join("_data"))?;
     if existed {
+        std::fs::create_dir_all(dir.join("_data"))?;
         mark_copied_up(data_dir, local)?;
         return Ok(false);
     }
+    // The promise first, durably, then the root.
+    std::fs::create_dir_all(&dir)?;
+    crate::durable::write(&dir.join(COPY_UP_PENDING), b"", 0o600)?;
+    std::fs::create_dir_all(dir.join("_data"))?;
     Ok(true)
+}
+
+/// Where a copy-up writes the image's content: a fresh directory beside
+/// `_data`, which [`finish_copy_up`] makes the volume's root.
+pub fn copy_up_staging(data_dir: &Path, local: &str) -> std::io::Result<PathBuf> {
+    let staging = volume_dir(data_dir, local).join(COPY_UP_STAGING);
+    if std::fs::symlink_metadata(&staging).is_ok() {
+        std::fs::remove_dir_all(&staging)?;
+    }
+    std::fs::create_dir(&staging)?;
+    Ok(staging)
+}
+
+/// A copy-up's content is on disk, becomes `_data` (whatever an earlier,
+/// interrupted one left there goes), and the volume is marked copied up,
+/// durably, in that order.
+pub fn finish_copy_up(data_dir: &Path, local: &str) -> std::io::Result<()> {
+    let dir = volume_dir(data_dir, local);
+    let staging = dir.join(COPY_UP_STAGING);
+    crate::durable::sync_tree(&staging)?;
+    let root = dir.join("_data");
+    if std::fs::symlink_metadata(&root).is_ok() {
+        std::fs::remove_dir_all(&root)?;
+    }
+    crate::durable::rename(&staging, &root)?;
+    mark_copied_up(data_dir, local)
 }
 
 /// Records that the volume had its copy-up (or needed none).
 pub fn mark_copied_up(data_dir: &Path, local: &str) -> std::io::Result<()> {
-    std::fs::write(volume_dir(data_dir, local).join(COPIED_UP), b"")
+    let dir = volume_dir(data_dir, local);
+    crate::durable::write(&dir.join(COPIED_UP), b"", 0o600)?;
+    match std::fs::remove_file(dir.join(COPY_UP_PENDING)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => crate::durable::sync_dir(&dir),
+    }
 }
 
 /// Resolves `request` inside `root`: read as if absolute (`/a` and `a` are
@@ -310,6 +355,28 @@ mod tests {
         std::fs::create_dir_all(volume_root(data.path(), "zt-e-old")).unwrap();
         assert!(!first_use(data.path(), "zt-e-old").unwrap());
         assert!(volume_dir(data.path(), "zt-e-old").join(COPIED_UP).exists());
+    }
+
+    /// 58.5: a copy-up interrupted anywhere before its marker (a failed
+    /// bring-up, a power cut) is done again, whole, at the next bring-up;
+    /// before, the volume counted as done and stayed half full.
+    #[test]
+    fn an_interrupted_copy_up_is_redone_whole() {
+        let data = tempfile::tempdir().unwrap();
+        let (d, v) = (data.path(), "zt-e-db");
+        assert!(first_use(d, v).unwrap());
+        // Half a copy, then the bring-up fails.
+        let staging = copy_up_staging(d, v).unwrap();
+        std::fs::write(staging.join("half"), b"h").unwrap();
+        assert!(first_use(d, v).unwrap(), "the promise stands");
+        let staging = copy_up_staging(d, v).unwrap();
+        assert!(!staging.join("half").exists(), "a fresh staging");
+        std::fs::write(staging.join("whole"), b"w").unwrap();
+        finish_copy_up(d, v).unwrap();
+        assert!(volume_root(d, v).join("whole").exists());
+        assert!(!volume_root(d, v).join("half").exists());
+        assert!(!first_use(d, v).unwrap(), "done: never again");
+        assert!(!volume_dir(d, v).join(COPY_UP_PENDING).exists());
     }
 
     #[test]
