@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use prost::Message as _;
 
+#[allow(clippy::disallowed_methods)] // build output in OUT_DIR
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let files = [

@@ -25,7 +25,8 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
-    clippy::many_single_char_names
+    clippy::many_single_char_names,
+    clippy::disallowed_methods
 )]
 
 use std::collections::BTreeMap;

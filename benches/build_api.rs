@@ -23,7 +23,7 @@
 //! lines for bench/report.sh. Root, after `scripts/rig.sh`; run by
 //! bench/build/run.sh.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "../tests/support/control/mod.rs"]
 mod control_plane;

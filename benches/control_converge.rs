@@ -19,7 +19,7 @@
 //! Root, after `scripts/rig.sh`: `cargo bench -p zattera-agent --bench
 //! control_converge` (bench/control/run.sh). Everything is removed at the end.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "../tests/support/control/mod.rs"]
 mod control_plane;

@@ -16,7 +16,7 @@
 //! (bench/control/run.sh). Namespace `zt-bench-cp-<pid>`, bridge prefix
 //! `ztbq`, subnet 10.201.141.0/24; everything is removed at the end.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "../tests/support/control/mod.rs"]
 mod control_plane;

@@ -23,7 +23,7 @@
 //! Environment: `ROUNDS` (default 20); `ZATTERA_TEST_CONTAINERD` and
 //! `ZATTERA_TEST_IMAGES` as for the tests (default: the rig's).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "../tests/support/mod.rs"]
 mod support;

@@ -226,6 +226,7 @@ fn set_meta(fd: BorrowedFd<'_>, st: &FileStat) -> io::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 

@@ -723,6 +723,7 @@ pub enum ConfigError {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -579,6 +579,7 @@ fn human(bytes: u64) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

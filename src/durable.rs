@@ -96,6 +96,7 @@ fn temporary_beside(path: &Path) -> PathBuf {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;

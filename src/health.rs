@@ -318,6 +318,7 @@ async fn run_probe(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::v1::{HealthCheck, PortSpec};

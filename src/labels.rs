@@ -202,6 +202,7 @@ pub fn display_name(a: &Assignment) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::runtime::validate_identifier;

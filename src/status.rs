@@ -236,6 +236,7 @@ impl StatusSnapshot {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -382,6 +382,7 @@ pub async fn upgrade(
 /// Keeps the running binary as `<binary>.prev` (a copy: the binary stays in
 /// place if anything below fails), renames the staged file over it, and
 /// syncs the directory so the swap survives a power cut.
+#[allow(clippy::disallowed_methods)] // the directory is synced right after, and the staged file before
 fn install(staged: &Path, binary: &Path) -> std::io::Result<()> {
     let mut prev = binary.as_os_str().to_owned();
     prev.push(".prev");
@@ -502,6 +503,7 @@ fn restart(binary: &Path, args: &[String]) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

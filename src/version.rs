@@ -123,6 +123,7 @@ fn find_mark(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -3,7 +3,7 @@
 //! bad manifests. Each test has its own namespace, bridge prefix, subnet
 //! pool, nft table and directories, and removes them even when it fails.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

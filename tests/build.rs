@@ -3,7 +3,7 @@
 //! cluster CA, htpasswd auth) and real containerd; BuildKit where a
 //! buildkitd is named by ZATTERA_TEST_BUILDKITD (skipped otherwise).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

@@ -2,7 +2,7 @@
 //! the test control plane, judged by what reaches control through the sync
 //! stream. `ZATTERA_TEST_AGENT_BIN` runs these against another build.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

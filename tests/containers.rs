@@ -2,7 +2,7 @@
 //! through the log shim in CRI format, graceful and forced stops, removal,
 //! label filters.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

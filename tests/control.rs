@@ -3,7 +3,7 @@
 //! (no root needed), then end to end with the real executor, containerd and
 //! the busybox test image.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

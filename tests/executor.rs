@@ -3,7 +3,7 @@
 //! containers out. Each test has its own containerd namespace, bridge
 //! prefix, subnets, nft table and directories.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

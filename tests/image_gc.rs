@@ -5,7 +5,7 @@
 //! back (measured on the tmpfs), the running container is untouched, and a
 //! store still over the mark is reported as disk pressure in `status`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

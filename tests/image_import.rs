@@ -1,7 +1,7 @@
 //! `image import` against the rig's real containerd: both archive formats,
 //! idempotence, a corrupted blob, and that `ctr run` starts what we unpacked.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

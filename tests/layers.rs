@@ -10,7 +10,7 @@
 //! `zattera_agent::` from the binaries) is an edge, resolved against the
 //! module the file is. `cargo test --test layers -- --nocapture` prints it.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! zstd-compressed and within the cap, QueryLogs reads across compressed and
 //! live files in order, and the janitor removes what retention says.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -2,7 +2,7 @@
 //! follow), `top`, `stats` and `images` against a real standalone agent,
 //! each TARGET form included.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -5,7 +5,7 @@
 //! namespace of its own, so its loopback, port ranges, bridges and nft table
 //! are shared with nothing else on the machine.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -2,7 +2,7 @@
 //! (transcribed from shared/spec/wire.md) must match the compiled descriptor
 //! set, and nothing in proto/ may contradict any row.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -1,7 +1,7 @@
 //! Client-side pull from a real registry (Debian's docker-registry on
 //! 127.0.0.1, filled with skopeo) into the rig's containerd.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

@@ -6,7 +6,7 @@
 //! rollout of `zt cluster upgrade`, and a node moved from the reference
 //! agent with its enrollment and its Docker volumes.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

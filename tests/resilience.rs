@@ -2,7 +2,7 @@
 //! it is down, the same connection works again once it is back, and nothing
 //! is duplicated. Uses a private containerd so the shared rig is untouched.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

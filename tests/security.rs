@@ -6,7 +6,7 @@
 //! prefix, subnets and, where host listeners are involved, its own network
 //! namespace, and removes them even when it fails.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

@@ -5,7 +5,7 @@
 //! containers without restarting them; exec and logs stay per container;
 //! the last container's teardown ends the shim.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -6,7 +6,7 @@
 //! with a message; under `CI=true` that is a failure. Every test has its own
 //! containerd namespace, bucket and directories.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

@@ -5,7 +5,7 @@
 //! their events happen (passes, DNS queries answered on a bridge the agent
 //! made, GC runs).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

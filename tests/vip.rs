@@ -3,7 +3,7 @@
 //! healthy endpoint, no healthy endpoint closes the client at once, and a
 //! snapshot without the service removes the address again.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

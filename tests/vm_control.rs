@@ -13,7 +13,7 @@
 //! line on stdout prefixed with `@ ` (libtest prints lines of its own).
 //! It ends at the end of stdin, removing what it made.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "support/control/mod.rs"]
 mod control_plane;

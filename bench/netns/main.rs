@@ -10,7 +10,7 @@
 //!    (Debian's containernetworking-plugins in /usr/lib/cni): p50 and p99.
 //! 2. Rebuilding the whole rules table with 500 published ports.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 use std::io::Write;
 use std::net::Ipv4Addr;

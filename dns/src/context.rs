@@ -127,6 +127,7 @@ impl ListenerCtx {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::upstream::UpstreamSource;

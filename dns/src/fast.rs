@@ -107,6 +107,7 @@ fn labels(packet: &[u8]) -> Option<([Option<&[u8]>; MAX_LABELS], usize)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::request::{Outcome, Transport, respond_decoded};

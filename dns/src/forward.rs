@@ -113,6 +113,7 @@ fn answers(query: &[u8], answer: &[u8]) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

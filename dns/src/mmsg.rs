@@ -172,6 +172,7 @@ fn socket_addr(s: &SockaddrStorage) -> Option<SocketAddr> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::net::UdpSocket;

@@ -232,6 +232,7 @@ pub(crate) fn question_end(packet: &[u8]) -> Option<usize> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::table::RouteService;

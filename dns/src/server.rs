@@ -214,6 +214,7 @@ impl Drop for DnsServer {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::upstream::UpstreamSource;

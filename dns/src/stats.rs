@@ -87,6 +87,7 @@ fn query_type(packet: &[u8]) -> usize {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use hickory_proto::op::{Message, MessageType, OpCode, Query};

@@ -204,6 +204,7 @@ fn send_one(socket: &Weak<UdpSocket>, answer: &[u8], peer: SocketAddr) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::Scope;

@@ -175,6 +175,7 @@ fn read(path: &Path) -> Vec<IpAddr> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::io::Write;

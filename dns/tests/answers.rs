@@ -1,6 +1,6 @@
 //! Internal answers seen by a real client (dig) on loopback listeners:
 //! table swaps, truncation and TCP, EDNS, rotation. Addresses 127.77.1-9.x.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -1,6 +1,6 @@
 //! Forwarding to a real upstream: a dnsmasq on loopback. Addresses
 //! 127.77.10-19.x; the host's own resolvers are never used.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -4,7 +4,7 @@
 //!
 //! Each test owns its bridges 10.201.<240+n>.0/24, its link and namespace
 //! names (`ztd<tag>…`), and a dnsmasq upstream on 127.77.<20+n>.2.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

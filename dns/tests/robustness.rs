@@ -1,7 +1,7 @@
 //! Hostile input against a live listener: garbage, truncated and oversized
 //! packets over UDP and TCP, idle and excess TCP connections. The listener
 //! must keep answering real clients throughout. Addresses 127.77.30-39.x.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 mod support;
 

@@ -110,6 +110,7 @@ fn from_hex(text: &str) -> Result<[u8; 32]> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -163,6 +163,7 @@ impl PeerChanges {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

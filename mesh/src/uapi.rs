@@ -174,6 +174,7 @@ pub(crate) fn parse_get(text: &str) -> Result<Inspect, i32> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::collections::BTreeMap;
     use std::net::SocketAddr;

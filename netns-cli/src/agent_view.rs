@@ -56,6 +56,7 @@ pub fn resolve(instances: &[Instance], target: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -2,7 +2,7 @@
 //! our nftables table made by the library, read back by the operator's CLI.
 //! Subnet slots 213 to 215, shared with the library's tests (netns/tests).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 #[path = "../../netns/tests/support/mod.rs"]
 mod support;

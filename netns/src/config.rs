@@ -203,6 +203,7 @@ pub fn validate_container_id(id: &str) -> Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

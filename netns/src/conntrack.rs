@@ -375,6 +375,7 @@ fn delete(sock: &Socket, seq: u32, entry: &Entry) -> Result<bool> {
 const ENOENT: i32 = 2;
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

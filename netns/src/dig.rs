@@ -153,6 +153,7 @@ pub fn query_from(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -398,6 +398,7 @@ fn push_elements(s: &mut String, elements: &[String]) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

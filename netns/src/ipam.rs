@@ -124,6 +124,7 @@ fn split(ip: Ipv4Addr) -> Result<(Subnet, u8)> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -218,6 +218,7 @@ fn describe(addrs: &[(Ipv4Addr, u8)]) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     #[test]
     fn network_name_matches_the_reference() {

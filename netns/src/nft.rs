@@ -251,6 +251,7 @@ fn port(v: &Value) -> Option<u16> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     #[test]
     fn published_ports_are_read_back_from_nft_json() {

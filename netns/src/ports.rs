@@ -359,6 +359,7 @@ pub mod holder {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::net::{TcpListener, TcpStream, UdpSocket};
 

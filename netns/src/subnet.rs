@@ -175,6 +175,7 @@ pub fn gateway_ip(cidr: &str) -> Result<Ipv4Addr, SubnetError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

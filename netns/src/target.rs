@@ -46,6 +46,7 @@ pub fn resolve(all: &[Named<'_>], target: &str) -> Result<usize, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -7,7 +7,8 @@
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
-    clippy::many_single_char_names
+    clippy::many_single_char_names,
+    clippy::disallowed_methods
 )]
 
 mod support;

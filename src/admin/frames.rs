@@ -74,6 +74,7 @@ pub async fn read<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<Fra
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

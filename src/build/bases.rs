@@ -301,6 +301,7 @@ fn expand(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::fmt::Write as _;

@@ -172,6 +172,7 @@ fn descendants(root: i32) -> Vec<Proc> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -183,7 +183,7 @@ fn chown_tree(dir: &Path, uid: u32) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
 
     #[test]

@@ -96,7 +96,7 @@ pub async fn relay_with_heartbeat(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
 
     /// dataplane.md §13, verbatim.

@@ -224,7 +224,7 @@ fn tidy_clone(dir: &Path, limits: &Limits) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
 
     #[test]

@@ -125,7 +125,7 @@ pub fn serveable_platforms(binfmt_misc: &Path) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
 
     #[test]

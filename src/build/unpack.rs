@@ -323,7 +323,7 @@ fn mkdirs(dir: &Path) -> Result<(), UnpackError> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
     use std::io::Write;
     use std::os::unix::fs::PermissionsExt;

@@ -431,6 +431,7 @@ pub fn host_name() -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     #[test]
     fn only_configured_endpoints_unless_autodetection_is_asked_for() {

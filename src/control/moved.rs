@@ -163,6 +163,7 @@ fn carry_wireguard_key(data_dir: &Path) -> Result<(), String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

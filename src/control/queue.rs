@@ -270,6 +270,7 @@ async fn run(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::v1::InstanceState;

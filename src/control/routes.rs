@@ -182,6 +182,7 @@ pub async fn feed_dns(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::InternalService;

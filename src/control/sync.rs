@@ -383,6 +383,7 @@ fn heartbeat(cpu: &mut CpuMeter, beats: &Heartbeats) -> Heartbeat {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::AssignmentRuntime;

@@ -361,6 +361,7 @@ pub async fn copy_until_idle(a: TcpStream, b: TcpStream, idle: Duration) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::{Endpoint, InternalPort, InternalService};

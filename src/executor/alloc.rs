@@ -205,6 +205,7 @@ impl Alloc {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::net::TcpListener;
 

@@ -18,6 +18,7 @@ pub fn next_delay(previous: Option<Duration>, ran_for: Duration) -> Duration {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -107,6 +107,7 @@ pub fn wanted_subnet(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::v1::Meta;

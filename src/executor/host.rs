@@ -353,6 +353,7 @@ pub(super) async fn collect_orphans(net: &NetNode, live: &BTreeSet<String>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::AssignmentRuntime;

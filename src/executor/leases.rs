@@ -106,6 +106,7 @@ impl Drop for Removal {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::time::Duration;
 

@@ -247,6 +247,7 @@ pub(super) async fn list_owned(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::labels::{ASSIGNMENT_ID, MANAGED, ROLE, ROLE_SERVICE};

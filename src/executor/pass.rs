@@ -187,6 +187,7 @@ fn fencing(a: &Assignment, rt: &AssignmentRuntime, node_id: &str) -> Option<Stri
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::v1::{Meta, VolumeLease, VolumeMount};

@@ -103,6 +103,7 @@ impl PlanError {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::executor::shim_groups::ShimGroups;

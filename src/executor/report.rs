@@ -118,6 +118,7 @@ pub(super) fn port_bindings(o: &OwnedContainer) -> BTreeMap<String, u16> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::labels::NamedPort;

@@ -116,6 +116,7 @@ impl ShimGroups {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

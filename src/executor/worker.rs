@@ -646,6 +646,7 @@ async fn sleep_until(due: Option<tokio::time::Instant>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     //! The worker against a fake runtime, in paused time: what it reports,
     //! what it asks the runtime, and when.

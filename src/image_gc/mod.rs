@@ -188,6 +188,7 @@ fn save(path: &Path, last_used: &BTreeMap<String, SystemTime>) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

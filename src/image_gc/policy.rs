@@ -119,6 +119,7 @@ fn idle(now: SystemTime, since: SystemTime) -> Duration {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

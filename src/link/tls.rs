@@ -516,6 +516,7 @@ pub fn incoming_current(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

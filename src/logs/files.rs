@@ -254,6 +254,7 @@ pub fn read_meta(path: &Path) -> Option<StreamMeta> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::io::Write;

@@ -248,6 +248,7 @@ fn uvarint(r: &mut impl Read) -> Option<u64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -179,6 +179,7 @@ pub fn expired_of_container(live: &Path, caps: Retention, now: SystemTime) -> Ve
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::fs::{self, File};

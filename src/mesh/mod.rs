@@ -222,6 +222,7 @@ pub fn is_global(ip: std::net::Ipv4Addr) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::Peer;

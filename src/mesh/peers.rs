@@ -39,6 +39,7 @@ pub fn store(path: &Path, set: &PeerSet) -> Result<(), MeshError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::Peer;

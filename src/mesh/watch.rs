@@ -191,6 +191,7 @@ async fn session(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::proto::cluster::Peer;

@@ -108,6 +108,7 @@ pub fn mib(bytes: u64) -> u32 {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -91,6 +91,7 @@ pub async fn flush_now(store: &Arc<Mutex<Store>>, path: &Path) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::metrics::store::Scope;

@@ -115,6 +115,7 @@ fn runtime(e: &RuntimeError, text: String) -> Status {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::snapshot::seal::SealError;

@@ -142,6 +142,7 @@ fn target(dial_addr: &str) -> Result<SocketAddr, Status> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::collections::BTreeMap;
 

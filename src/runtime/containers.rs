@@ -424,6 +424,7 @@ pub async fn add_labels(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::quote;
 

@@ -92,6 +92,7 @@ pub fn select_manifest(index: &ImageIndex) -> Option<&OciDescriptor> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

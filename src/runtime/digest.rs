@@ -52,6 +52,7 @@ impl fmt::Display for Digest {
 pub struct InvalidDigest(pub String);
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

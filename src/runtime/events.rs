@@ -123,6 +123,7 @@ fn container_changed(topic: &str, value: &[u8]) -> TaskEvent {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

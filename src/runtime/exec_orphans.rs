@@ -114,6 +114,7 @@ pub async fn end(ctd: &Containerd, container_id: &str, before: SystemTime) -> Ve
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

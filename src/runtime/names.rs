@@ -72,6 +72,7 @@ pub struct InvalidName {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

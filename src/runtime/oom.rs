@@ -59,6 +59,7 @@ fn parse_limit(text: &str) -> Option<u64> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

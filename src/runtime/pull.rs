@@ -715,6 +715,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for Counting<R> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -189,6 +189,7 @@ fn validate_path(path: &str) -> Result<(), String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

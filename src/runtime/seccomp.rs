@@ -482,6 +482,7 @@ fn architectures(host: &str, image_architecture: &str) -> Vec<Arch> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

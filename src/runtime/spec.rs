@@ -387,6 +387,7 @@ fn default_mounts() -> Result<Vec<Mount>, OciSpecError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

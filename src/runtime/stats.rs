@@ -121,6 +121,7 @@ fn net_dev_totals(text: &str) -> (u64, u64) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -163,6 +163,7 @@ fn boot_time() -> SystemTime {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

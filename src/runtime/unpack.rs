@@ -260,6 +260,7 @@ async fn apply_layer(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -112,6 +112,7 @@ pub fn resolve(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

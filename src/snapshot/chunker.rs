@@ -409,6 +409,7 @@ pub(crate) const GEAR: [u64; 256] = [
 ];
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::io::Write;

@@ -94,6 +94,7 @@ pub async fn run_pre_hook(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -233,9 +233,7 @@ impl Engine {
         };
         let written = (|| {
             std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
-            let tmp = path.with_extension("tmp");
-            std::fs::write(&tmp, serde_json::to_vec(entry)?)?;
-            std::fs::rename(&tmp, &path)
+            crate::durable::write(&path, &serde_json::to_vec(entry)?, 0o600)
         })();
         if let Err(e) = written {
             tracing::warn!(path = %path.display(), error = %e, "snapshot cache not written");
@@ -706,6 +704,7 @@ impl Drop for VolumeLock {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

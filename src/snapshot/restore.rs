@@ -505,6 +505,7 @@ pub fn path_of(parts: &[Vec<u8>]) -> PathBuf {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};

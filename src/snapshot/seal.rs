@@ -115,6 +115,7 @@ pub fn decompress(packed: &[u8], limit: usize) -> Result<Vec<u8>, SealError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -710,6 +710,7 @@ pub fn rel_path(rel: &[u8]) -> &Path {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

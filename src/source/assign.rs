@@ -281,6 +281,7 @@ fn duration(d: Duration) -> prost_types::Duration {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::path::Path;
 

@@ -101,6 +101,7 @@ pub fn line_column(text: &str, at: usize) -> (usize, usize) {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

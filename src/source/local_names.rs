@@ -46,6 +46,7 @@ pub async fn feed_dns(mut status: watch::Receiver<Arc<StatusSnapshot>>, dns: Arc
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::status::AssignmentStatus;

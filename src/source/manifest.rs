@@ -631,6 +631,7 @@ fn health(h: RawHealth, file: &Path) -> Result<HealthCheckSpec, ManifestError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -87,6 +87,7 @@ impl<'de> serde::Deserialize<'de> for Name {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -134,6 +134,7 @@ fn debounce(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use std::fs;
 

@@ -235,6 +235,7 @@ pub fn render(registry: &prometheus_client::registry::Registry) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -174,6 +174,7 @@ pub fn registry(metrics: &AgentMetrics, sources: collect::Sources) -> Registry {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -74,6 +74,7 @@ pub fn parse_listen(text: &str) -> Option<SocketAddr> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -128,6 +128,7 @@ fn strip_hash(name: &str) -> &str {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -18,7 +18,7 @@
 //!   `ztfc` and 246-247), so that a long run and CI's
 //!   run can share the machine.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 // The figures are statistics over a few hundred samples: float casts are fine.
 #![allow(
     clippy::cast_precision_loss,

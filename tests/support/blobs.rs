@@ -3,7 +3,7 @@
 //! requiring the client certificate of a node. Serves what it is given;
 //! a path it does not know is a 404.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,12 @@
 //! holds bytes that are not an `AssignmentSet`. It speaks real gRPC over the
 //! test CA's TLS, so only the frame's content is wrong.
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -10,7 +10,12 @@
 //! namespaces (agents, devices) are killed, then namespaces, veths and the
 //! bridge are deleted.
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)]
 #![allow(clippy::type_complexity, clippy::needless_pass_by_value)]
 #![allow(clippy::unused_self, clippy::single_match_else)]
 

@@ -6,7 +6,12 @@
 //! under CI, where a missing rig is a failure: CI must never pass by testing
 //! nothing.
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)]
 
 use std::future::Future;
 use std::path::PathBuf;

@@ -5,7 +5,12 @@
 //! Every test owns its addresses (127.77.<n>.x on loopback, 10.201.<240+n>.x
 //! on its own bridges) and names (`ztd<tag>…`), so tests run in parallel.
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;

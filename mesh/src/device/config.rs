@@ -135,6 +135,7 @@ pub(crate) fn format_get(own: Option<PublicKey>, listen_port: u16, peers: &[Peer
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::uapi::parse_get;

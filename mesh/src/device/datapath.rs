@@ -217,6 +217,7 @@ fn fatal(e: &io::Error) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use boringtun::noise::rate_limiter::RateLimiter;

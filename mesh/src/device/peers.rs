@@ -266,6 +266,7 @@ fn take_tunn(p: Arc<Peer>) -> Tunn {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

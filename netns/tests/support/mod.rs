@@ -5,7 +5,12 @@
 //! Network safety: tests only ever send traffic to loopback and to
 //! addresses on interfaces and namespaces they create (10.201.x.x).
 
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::disallowed_methods
+)]
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};

@@ -267,7 +267,7 @@ impl Sender {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
 
     fn tree() -> tempfile::TempDir {

@@ -178,6 +178,7 @@ impl BuildKit {
     /// `trust` (the cluster registry and its CA): starts a stopped one,
     /// replaces one of another version or config, waits up to 90 s with
     /// log lines.
+    #[allow(clippy::disallowed_methods)] // buildkitd's configuration, written again at every start
     async fn ensure_daemon(
         &self,
         events: &Events,
@@ -275,6 +276,7 @@ impl BuildKit {
     /// The daemon's network for steps that go to `steps`; the CNI config
     /// is written (a changed one changes buildkitd.toml's text too, as its
     /// path holds the bridge's name).
+    #[allow(clippy::disallowed_methods)] // buildkitd's configuration, written again at every start
     fn daemon_network(&self, steps: &StepNetwork) -> Result<DaemonNetwork, BuildError> {
         match steps {
             StepNetwork::Host => Ok(DaemonNetwork::Host),
@@ -592,7 +594,7 @@ impl Backend for BuildKit {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
     use bollard_buildkit_proto::moby::buildkit::v1::{Vertex as BkVertex, VertexLog};
 

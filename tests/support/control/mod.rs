@@ -24,7 +24,8 @@
     unused_imports,
     clippy::unwrap_used,
     clippy::expect_used,
-    clippy::wildcard_imports
+    clippy::wildcard_imports,
+    clippy::disallowed_methods
 )]
 
 use std::collections::{HashMap, HashSet};
