@@ -20,9 +20,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// Writes `bytes` to `path` durably (module doc), with `mode` from the
-/// first byte on.
+/// first byte on; a missing parent directory is made.
 #[allow(clippy::disallowed_methods)]
 pub fn write(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
     let tmp = temporary_beside(path);
     let _ = std::fs::remove_file(&tmp);
     let result = (|| {
