@@ -13,8 +13,11 @@
 //!   files new to the set are considered after them, the older first (by
 //!   modification time, then by name). The loser is the error, naming both
 //!   files, and nothing of it runs; once the winner goes, it is considered
-//!   again. Which files made the set is kept in `accepted.json`, so a restart
-//!   keeps the same winners (and their running containers).
+//!   again. Which files made the set, and the text of each as accepted, is
+//!   kept in `accepted.json` (written durably), so a restart keeps the same
+//!   winners (and their running containers), and a file torn or emptied by a
+//!   power cut falls back to the version accepted before it, as it would
+//!   while the agent runs.
 //! * Each (project, environment) in use gets a subnet from the
 //!   [`SubnetBook`]; pairs no longer used are freed.
 //! * `version` grows by one whenever the set differs from the previous load
@@ -64,8 +67,9 @@ pub struct StandaloneSource {
     book: SubnetBook,
     /// Problems found opening the book, reported by the next load.
     book_errors: Vec<BookError>,
-    /// File name → the last version of it that made it into the set.
-    accepted: BTreeMap<OsString, AppManifest>,
+    /// File name → the last version of it that made it into the set, with
+    /// its text (what `accepted.json` keeps).
+    accepted: BTreeMap<OsString, Accepted>,
     /// The names of the files in the last set, kept across restarts.
     standing: Standing,
     /// Subnets that new environments must not take (see [`Self::reserve_subnets`]).
@@ -81,12 +85,14 @@ impl StandaloneSource {
     pub fn new(dir: impl Into<PathBuf>, state_dir: impl AsRef<Path>) -> Self {
         let state_dir = state_dir.as_ref();
         let (book, book_errors) = SubnetBook::open(state_dir.join("subnets.json"));
+        let dir = dir.into();
         let standing = Standing::open(state_dir.join("accepted.json"));
+        let accepted = standing.parse_texts(&dir);
         Self {
-            dir: dir.into(),
+            dir,
             book,
             book_errors,
-            accepted: BTreeMap::new(),
+            accepted,
             standing,
             reserved: BTreeSet::new(),
             version: 0,
@@ -140,8 +146,8 @@ impl StandaloneSource {
             // The directory is unreadable: keep what was accepted (it all
             // fitted together).
             None => {
-                for (name, m) in &self.accepted {
-                    chosen.push((self.dir.join(name), m.clone()));
+                for (name, a) in &self.accepted {
+                    chosen.push((self.dir.join(name), a.manifest.clone()));
                 }
             }
             Some(files) => {
@@ -151,7 +157,7 @@ impl StandaloneSource {
                 let mut claims = Claims::default();
                 for c in &candidates {
                     if let Some(prev) = self.accepted.get(&c.name) {
-                        claims.register(prev, &c.path);
+                        claims.register(&prev.manifest, &c.path);
                     }
                 }
                 let mut accepted = BTreeMap::new();
@@ -160,10 +166,10 @@ impl StandaloneSource {
                 let mut refused = Vec::new();
                 for c in candidates {
                     let pick = match c.fresh {
-                        Ok(m) => match claims.check(&m, &c.path) {
-                            Ok(()) => Some(m),
+                        Ok(a) => match claims.check(&a.manifest, &c.path) {
+                            Ok(()) => Some(a),
                             Err(message) => {
-                                refused.push((c.name.clone(), c.path.clone(), m));
+                                refused.push((c.name.clone(), c.path.clone(), a));
                                 errors.push(FileError {
                                     file: c.path.clone(),
                                     message,
@@ -180,9 +186,9 @@ impl StandaloneSource {
                         }
                     };
                     match pick {
-                        Some(m) => {
-                            claims.register(&m, &c.path);
-                            accepted.insert(c.name, (c.path, m));
+                        Some(a) => {
+                            claims.register(&a.manifest, &c.path);
+                            accepted.insert(c.name, (c.path, a));
                         }
                         None => claims.release(&c.path),
                     }
@@ -191,17 +197,20 @@ impl StandaloneSource {
                 let mut resolved = BTreeSet::new();
                 while let Some(i) = refused
                     .iter()
-                    .position(|(_, path, m)| claims.check(m, path).is_ok())
+                    .position(|(_, path, a)| claims.check(&a.manifest, path).is_ok())
                 {
-                    let (name, path, m) = refused.remove(i);
-                    claims.register(&m, &path);
+                    let (name, path, a) = refused.remove(i);
+                    claims.register(&a.manifest, &path);
                     resolved.insert(path.clone());
-                    accepted.insert(name, (path, m));
+                    accepted.insert(name, (path, a));
                 }
                 errors.retain(|e| !resolved.contains(&e.file));
-                chosen = accepted.values().cloned().collect();
-                self.accepted = accepted.into_iter().map(|(n, (_, m))| (n, m)).collect();
-                if let Err(e) = self.standing.save(self.accepted.keys()) {
+                chosen = accepted
+                    .values()
+                    .map(|(path, a)| (path.clone(), a.manifest.clone()))
+                    .collect();
+                self.accepted = accepted.into_iter().map(|(n, (_, a))| (n, a)).collect();
+                if let Err(e) = self.standing.save(&self.accepted) {
                     errors.push(FileError {
                         file: self.standing.path.clone(),
                         message: format!("{}: cannot save: {e}", self.standing.path.display()),
@@ -222,7 +231,7 @@ impl StandaloneSource {
             .map(|(name, path)| {
                 let fresh = fs::read_to_string(&path)
                     .map_err(|e| format!("{}: cannot read: {e}", path.display()))
-                    .and_then(|text| manifest::parse(&text, &path).map_err(|e| e.to_string()));
+                    .and_then(|text| Accepted::parse(text, &path));
                 let modified = fs::metadata(&path).and_then(|m| m.modified()).ok();
                 let standing = self.standing.names.contains(&name);
                 Candidate {
@@ -339,60 +348,109 @@ struct Candidate {
     path: PathBuf,
     /// Standing files first (`false`), then newcomers by modification time.
     rank: (bool, Option<SystemTime>),
-    fresh: Result<AppManifest, String>,
+    fresh: Result<Accepted, String>,
 }
 
-/// The names of the files that made the last set, on disk so that a
-/// restarted agent gives the same files the same claims.
+/// A manifest as parsed, with the text it was parsed from.
+#[derive(Debug, Clone)]
+struct Accepted {
+    manifest: AppManifest,
+    text: String,
+}
+
+impl Accepted {
+    fn parse(text: String, path: &Path) -> Result<Self, String> {
+        let manifest = manifest::parse(&text, path).map_err(|e| e.to_string())?;
+        Ok(Self { manifest, text })
+    }
+}
+
+/// The files that made the last set, on disk so that a restarted agent
+/// gives the same files the same claims and the same fallbacks.
 #[derive(Debug)]
 struct Standing {
     path: PathBuf,
     names: BTreeSet<OsString>,
+    /// The accepted text of each file, as last saved.
+    texts: BTreeMap<String, String>,
     /// Why the file could not be read at start (reported once).
     opened: Option<String>,
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
 struct StandingOnDisk {
     files: Vec<String>,
+    /// File name → the text accepted. Absent in the files of older agents,
+    /// which kept only the names.
+    #[serde(default)]
+    texts: BTreeMap<String, String>,
 }
 
 impl Standing {
     fn open(path: PathBuf) -> Self {
         let read = match fs::read(&path) {
             Ok(bytes) => serde_json::from_slice::<StandingOnDisk>(&bytes)
-                .map(|d| d.files.into_iter().map(OsString::from).collect())
                 .map_err(|e| format!("not the list of accepted manifests ({e}); starting afresh")),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeSet::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(StandingOnDisk {
+                files: Vec::new(),
+                texts: BTreeMap::new(),
+            }),
             Err(e) => Err(format!("cannot read ({e}); starting afresh")),
         };
-        let (names, opened) = match read {
-            Ok(n) => (n, None),
-            Err(e) => (BTreeSet::new(), Some(e)),
+        let (on_disk, opened) = match read {
+            Ok(d) => (d, None),
+            Err(e) => (
+                StandingOnDisk {
+                    files: Vec::new(),
+                    texts: BTreeMap::new(),
+                },
+                Some(e),
+            ),
         };
         Self {
             path,
-            names,
+            names: on_disk.files.into_iter().map(OsString::from).collect(),
+            texts: on_disk.texts,
             opened,
         }
     }
 
-    /// Records `names` as the last set's files (written only on a change).
-    fn save<'a>(&mut self, names: impl Iterator<Item = &'a OsString>) -> std::io::Result<()> {
-        let names: BTreeSet<OsString> = names.cloned().collect();
-        if names == self.names && self.path.exists() {
-            return Ok(());
-        }
+    /// The saved texts, parsed again: the fallback of each standing file
+    /// until its file on disk parses. A saved text that no longer parses
+    /// (a newer agent's manifest) is left out; its file is read as usual.
+    fn parse_texts(&self, dir: &Path) -> BTreeMap<OsString, Accepted> {
+        self.texts
+            .iter()
+            .filter(|(name, _)| self.names.contains(std::ffi::OsStr::new(name)))
+            .filter_map(|(name, text)| {
+                let a = Accepted::parse(text.clone(), &dir.join(name)).ok()?;
+                Some((OsString::from(name), a))
+            })
+            .collect()
+    }
+
+    /// Records the last set's files and their texts (written only on a
+    /// change, durably: it is the fallback after a power cut).
+    fn save(&mut self, accepted: &BTreeMap<OsString, Accepted>) -> std::io::Result<()> {
         let on_disk = StandingOnDisk {
-            files: names
-                .iter()
+            files: accepted
+                .keys()
                 .filter_map(|n| n.to_str().map(str::to_owned))
                 .collect(),
+            texts: accepted
+                .iter()
+                .filter_map(|(n, a)| Some((n.to_str()?.to_owned(), a.text.clone())))
+                .collect(),
         };
+        let names: BTreeSet<OsString> = accepted.keys().cloned().collect();
+        if names == self.names && on_disk.texts == self.texts && self.path.exists() {
+            return Ok(());
+        }
         let mut bytes = serde_json::to_vec_pretty(&on_disk).map_err(std::io::Error::other)?;
         bytes.push(b'\n');
         write_atomically(&self.path, &bytes)?;
         self.names = names;
+        self.texts = on_disk.texts;
         Ok(())
     }
 }
@@ -705,6 +763,46 @@ mod tests {
             hashes(&restarted)["two-web-production-0"],
             hashes(&first)["two-web-production-0"]
         );
+    }
+
+    /// 58.7: a power cut tears or empties a manifest the agent had accepted;
+    /// the restarted agent keeps the app (its instances, its subnet) from
+    /// the text it accepted, and reports the file.
+    #[test]
+    fn a_file_torn_by_a_power_cut_keeps_its_accepted_version_after_a_restart() {
+        let f = Fixture::new();
+        f.write("a.toml", &app("one", "web", "production", 2, ""));
+        f.write("b.toml", &app("two", "web", "production", 1, ""));
+        let first = clean(f.source().load());
+        let accepted = fs::read_to_string(f.book.with_file_name("accepted.json")).unwrap();
+        assert!(accepted.contains("replicas = 2"), "{accepted}");
+
+        f.write("a.toml", "");
+        f.write("b.toml", "[app]\nproject = \"two\"\nna");
+        let loaded = f.source().load();
+        assert_eq!(loaded.errors.len(), 2, "{:?}", loaded.errors);
+        assert_eq!(ids(&loaded.set), ids(&first));
+        assert_eq!(hashes(&loaded.set), hashes(&first));
+        assert_eq!(
+            loaded.set.runtime["one-web-production-1"].subnet_cidr,
+            first.runtime["one-web-production-1"].subnet_cidr
+        );
+
+        // Once the files are written again, they are what runs.
+        f.write("a.toml", &app("one", "web", "production", 1, ""));
+        f.write("b.toml", &app("two", "web", "production", 1, ""));
+        let mut source = f.source();
+        let fixed = clean(source.load());
+        assert_eq!(
+            ids(&fixed),
+            ["one-web-production-0", "two-web-production-0"]
+        );
+        // And a deleted file is gone for good, its fallback with it.
+        fs::remove_file(f.dir.join("a.toml")).unwrap();
+        clean(source.load());
+        f.write("a.toml", "");
+        let loaded = f.source().load();
+        assert_eq!(ids(&loaded.set), ["two-web-production-0"]);
     }
 
     #[test]
