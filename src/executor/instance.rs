@@ -148,6 +148,58 @@ impl std::fmt::Display for Failure {
 
 impl std::error::Error for Failure {}
 
+/// Why a restart failed, and so what becomes of the container (58.8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestartFailure {
+    /// Its record or its root filesystem is gone or cannot be run: only a
+    /// re-create brings it back, at the cost of its writable layer.
+    Unusable(Failure),
+    /// Anything else (containerd slow in a boot storm, a netlink hiccup, a
+    /// full disk): the container is kept, and the restart is tried again
+    /// after the crash back-off.
+    Transient(Failure),
+}
+
+impl RestartFailure {
+    /// Sorts a runtime error of the restart: unusable when containerd has no
+    /// such container or snapshot, or the runtime cannot run what the
+    /// rootfs holds (the entrypoint missing or not an executable, the rootfs
+    /// not mountable).
+    fn of(step: Step, e: RuntimeError) -> Self {
+        let unusable = e.is_not_found() || rootfs_broken(&e.to_string());
+        let failure = Failure::new(step, e);
+        if unusable {
+            Self::Unusable(failure)
+        } else {
+            Self::Transient(failure)
+        }
+    }
+
+    pub fn failure(&self) -> &Failure {
+        match self {
+            Self::Unusable(f) | Self::Transient(f) => f,
+        }
+    }
+}
+
+impl std::fmt::Display for RestartFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.failure().fmt(f)
+    }
+}
+
+/// What runc says when the rootfs itself is at fault.
+fn rootfs_broken(message: &str) -> bool {
+    const SIGNS: [&str; 4] = [
+        "exec format error",
+        "executable file not found",
+        "no such file or directory: unknown",
+        "rootfs",
+    ];
+    let message = message.to_ascii_lowercase();
+    SIGNS.iter().any(|s| message.contains(s))
+}
+
 /// Wall time of each step of one bring-up, logged at debug under the target
 /// `zattera::bringup` so that a slow start says where its time went. Create
 /// is the rootfs snapshot and the container record; start is a fresh
@@ -506,29 +558,37 @@ pub async fn bring_up(
 /// Restarts the task of an existing container (crash or reboot), reusing its
 /// container, snapshot, IP, ports and log file (C-13). A network attachment
 /// lost in a reboot (or half removed) is made again with the same address.
-pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
+pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), RestartFailure> {
     containers::delete_task(&h.ctd, &owned.container_id)
         .await
-        .map_err(|e| Failure::new(Step::Restart, e))?;
+        .map_err(|e| RestartFailure::of(Step::Restart, e))?;
+    // The network and the files are the host's, never the container's
+    // fault: a failure there keeps the container for the next try.
     if let (Some(net), Some(subnet), Some(ip)) = (&h.net, owned.subnet, owned.ip) {
         let name = scope_of(h, subnet, &owned.project_id, &owned.environment_id);
         net.ensure_network(&name, subnet)
             .await
-            .map_err(|e| Failure::of(Step::Network, &name, e))?;
+            .map_err(|e| RestartFailure::Transient(Failure::of(Step::Network, &name, e)))?;
         // Lost in a reboot, or a part of it removed behind our back: the
         // task is down, so a fresh attachment with the same address is fine.
         let intact = net
             .attachment_intact(&owned.container_id, ip)
             .await
-            .map_err(|e| Failure::new(Step::Restart, e))?;
+            .map_err(|e| RestartFailure::Transient(Failure::new(Step::Restart, e)))?;
         if !intact {
             let _ = net.detach(&owned.container_id, Some(ip)).await;
             net.attach(&owned.container_id, subnet, ip)
                 .await
-                .map_err(|e| Failure::of(Step::Network, &name, format_args!("attach: {e}")))?;
+                .map_err(|e| {
+                    RestartFailure::Transient(Failure::of(
+                        Step::Network,
+                        &name,
+                        format_args!("attach: {e}"),
+                    ))
+                })?;
         }
     }
-    restore_files(h, owned)?;
+    restore_files(h, owned).map_err(RestartFailure::Transient)?;
     let log_path = owned.log_path.clone().map_or_else(
         || {
             h.cfg
@@ -542,7 +602,7 @@ pub async fn restart(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure>
     containers::start(&h.ctd, &owned.container_id, &uri)
         .await
         .map(|_| ())
-        .map_err(|e| Failure::new(Step::Start, e))
+        .map_err(|e| RestartFailure::of(Step::Start, e))
 }
 
 /// The files bind-mounted over the image's `/etc` live in the run dir, a
@@ -683,6 +743,50 @@ async fn image_user(
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_restart_is_given_up_only_for_a_missing_record_or_a_broken_rootfs() {
+        let grpc = |code, message: &str| RuntimeError::Grpc {
+            context: "create task web-0".into(),
+            status: tonic::Status::new(code, message),
+        };
+        let unusable = [
+            grpc(tonic::Code::NotFound, "container \"web-0\": not found"),
+            grpc(
+                tonic::Code::Unknown,
+                "OCI runtime create failed: runc create failed: unable to start container process: exec: \"/app\": exec format error: unknown",
+            ),
+            grpc(
+                tonic::Code::Unknown,
+                "OCI runtime create failed: runc create failed: unable to start container process: exec: \"/app\": stat /app: no such file or directory: unknown",
+            ),
+        ];
+        for e in unusable {
+            let text = e.to_string();
+            assert!(
+                matches!(
+                    RestartFailure::of(Step::Start, e),
+                    RestartFailure::Unusable(_)
+                ),
+                "{text}"
+            );
+        }
+        let transient = [
+            grpc(tonic::Code::DeadlineExceeded, "context deadline exceeded"),
+            grpc(tonic::Code::Unavailable, "connection refused"),
+            RuntimeError::Invalid("the task of web-0 was not started within 60 s".into()),
+        ];
+        for e in transient {
+            let text = e.to_string();
+            assert!(
+                matches!(
+                    RestartFailure::of(Step::Start, e),
+                    RestartFailure::Transient(_)
+                ),
+                "{text}"
+            );
+        }
+    }
 
     #[test]
     fn a_failure_reads_as_the_failed_messages_always_did() {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::instance::{self, Failure, Handles, Plan, Progress};
+use super::instance::{self, Failure, Handles, Plan, Progress, RestartFailure};
 use crate::health::ExecContext;
 use crate::labels::OwnedContainer;
 use crate::runtime::RuntimeError;
@@ -23,7 +23,7 @@ pub(super) trait Instances: Send + Sync + std::fmt::Debug {
     ) -> Result<OwnedContainer, Failure>;
 
     /// Starts the task of an existing container again (C-13).
-    async fn restart(&self, owned: &OwnedContainer) -> Result<(), Failure>;
+    async fn restart(&self, owned: &OwnedContainer) -> Result<(), RestartFailure>;
 
     /// Stops and removes the container and what it had (network, files).
     async fn tear_down(&self, owned: &OwnedContainer) -> Result<(), String>;
@@ -69,7 +69,7 @@ impl Instances for Containerd {
         instance::bring_up(&self.h, plan, progress).await
     }
 
-    async fn restart(&self, owned: &OwnedContainer) -> Result<(), Failure> {
+    async fn restart(&self, owned: &OwnedContainer) -> Result<(), RestartFailure> {
         instance::restart(&self.h, owned).await
     }
 

@@ -18,7 +18,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 
 use super::backoff;
-use super::instance::{Failure, Plan};
+use super::instance::{Failure, Plan, RestartFailure};
 use super::instances::Instances;
 use super::leases::NetworkLeases;
 use crate::health::{self, HealthUpdate, Monitor};
@@ -251,13 +251,16 @@ async fn remove(ctx: &Ctx, owned: OwnedContainer) {
     });
 }
 
-/// A service that exited and waits for its back-off to end.
+/// A service that exited, or whose restart failed for a reason that may
+/// pass, and waits for its back-off to end.
 #[derive(Debug, Clone)]
 struct Crash {
     due: Instant,
-    exit_code: u32,
-    /// "out of memory (limit N MiB)" when the OOM killer ended it.
-    oom: Option<String>,
+    /// The exit code, when the task exited.
+    exit_code: Option<u32>,
+    /// Its FAILED message: "crash-looping: last exit code N", "out of memory
+    /// (limit N MiB)", or the restart's failure.
+    why: String,
 }
 
 /// The supervision of one running container.
@@ -390,11 +393,7 @@ impl<'a> Supervisor<'a> {
                         self.start_monitor();
                         true
                     }
-                    Err(e) => {
-                        tracing::warn!(container = %self.owned.container_id, error = %e, "could not restart at boot; re-creating the container");
-                        self.discard().await;
-                        false
-                    }
+                    Err(e) => self.restart_failed(e).await,
                 }
             }
             // A job that ran (the poll reports it), or a shim that did not
@@ -524,8 +523,10 @@ impl<'a> Supervisor<'a> {
                     tracing::info!(container = %self.owned.container_id, exit_code, ?delay, oom = oom.as_deref().unwrap_or("no"), "service exited; restarting after back-off");
                     self.crash = Some(Crash {
                         due: now + delay,
-                        exit_code,
-                        oom,
+                        exit_code: Some(exit_code),
+                        why: oom.unwrap_or_else(|| {
+                            format!("crash-looping: last exit code {exit_code}")
+                        }),
                     });
                 }
                 let Some(crash) = self.crash.clone() else {
@@ -534,11 +535,8 @@ impl<'a> Supervisor<'a> {
                 if now >= crash.due {
                     return self.restart().await;
                 }
-                let why = crash.oom.clone().unwrap_or_else(|| {
-                    format!("crash-looping: last exit code {}", crash.exit_code)
-                });
-                let mut f = self.observe(State::Failed).message(why);
-                f.exit_code = i32::try_from(crash.exit_code).ok();
+                let mut f = self.observe(State::Failed).message(crash.why);
+                f.exit_code = crash.exit_code.and_then(|c| i32::try_from(c).ok());
                 self.report(Event::Observed(f));
             }
             // A job's task gone (a reboot): a job never runs twice. Its
@@ -561,8 +559,16 @@ impl<'a> Supervisor<'a> {
                 self.report(Event::Observed(obs));
             }
             // A service's task lost (reboot), or any task never started:
-            // bring it back now.
-            TaskState::Absent | TaskState::Created => return self.restart().await,
+            // bring it back now, or when the back-off of a failed restart
+            // ends.
+            TaskState::Absent | TaskState::Created => match self.crash.clone() {
+                Some(crash) if Instant::now() < crash.due => {
+                    self.report(Event::Observed(
+                        self.observe(State::Failed).message(crash.why),
+                    ));
+                }
+                _ => return self.restart().await,
+            },
             // A shim that did not answer in time (a loaded host) says
             // nothing about the task: restarting on it would kill a live one.
             TaskState::Unknown => {
@@ -612,10 +618,38 @@ impl<'a> Supervisor<'a> {
                 self.start_monitor();
                 true
             }
-            Err(e) => {
-                tracing::warn!(container = %self.owned.container_id, error = %e, "restart failed; re-creating the container");
+            Err(e) => self.restart_failed(e).await,
+        }
+    }
+
+    /// A container that cannot be run is discarded, to be made afresh; any
+    /// other failure keeps it (its writable layer is the tenant's) and is
+    /// tried again after the crash back-off. `false` when discarded.
+    async fn restart_failed(&mut self, e: RestartFailure) -> bool {
+        match e {
+            RestartFailure::Unusable(failure) => {
+                tracing::warn!(container = %self.owned.container_id, error = %failure, "cannot be restarted; re-creating the container");
                 self.discard().await;
                 false
+            }
+            RestartFailure::Transient(failure) => {
+                let delay = backoff::next_delay(self.last_delay, Duration::ZERO);
+                self.last_delay = Some(delay);
+                self.stop_monitor();
+                tracing::warn!(container = %self.owned.container_id, error = %failure, ?delay, "restart failed; keeping the container and trying again after the back-off");
+                let why = format!(
+                    "restart failed ({failure}); trying again in {} s",
+                    delay.as_secs()
+                );
+                self.report(Event::Observed(
+                    self.observe(State::Failed).message(why.clone()),
+                ));
+                self.crash = Some(Crash {
+                    due: Instant::now() + delay,
+                    exit_code: None,
+                    why,
+                });
+                true
             }
         }
     }
@@ -668,6 +702,9 @@ mod tests {
         broken: Mutex<HashSet<String>>,
         /// Containers whose pull never ends.
         hung: Mutex<HashSet<String>>,
+        /// Containers whose next N restarts fail for a reason that passes
+        /// (containerd slow in the boot storm).
+        slow: Mutex<HashMap<String, u32>>,
     }
 
     impl Fake {
@@ -703,15 +740,25 @@ mod tests {
             self.set(&cid, TaskState::Running { pid: 1 });
             Ok(owned(&cid))
         }
-        async fn restart(&self, o: &OwnedContainer) -> Result<(), Failure> {
+        async fn restart(&self, o: &OwnedContainer) -> Result<(), RestartFailure> {
             self.call(format!("restart {}", o.container_id));
             if self.broken.lock().unwrap().contains(&o.container_id) {
-                return Err(Failure {
+                return Err(RestartFailure::Unusable(Failure {
                     step: super::super::instance::Step::Restart,
                     subject: None,
                     reason: "container not found".into(),
-                });
+                }));
             }
+            let mut slow = self.slow.lock().unwrap();
+            if let Some(left) = slow.get_mut(&o.container_id).filter(|n| **n > 0) {
+                *left -= 1;
+                return Err(RestartFailure::Transient(Failure {
+                    step: super::super::instance::Step::Start,
+                    subject: None,
+                    reason: "the task of c1 was not started within 60 s".into(),
+                }));
+            }
+            drop(slow);
             self.set(&o.container_id, TaskState::Running { pid: 2 });
             Ok(())
         }
@@ -911,6 +958,32 @@ mod tests {
         assert_eq!(fake.asked("restart c1").len(), 1);
         assert_eq!(fake.asked("tear_down c1").len(), 1);
         assert!(rx.recv().await.is_none(), "the worker ends");
+    }
+
+    /// 58.8: containerd too slow at boot to start the task is no reason to
+    /// throw the container (and its writable layer) away: it is kept, and
+    /// the restart tried again after the crash back-off.
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_that_fails_for_a_passing_reason_keeps_the_container() {
+        let fake = Arc::new(Fake::default());
+        fake.slow.lock().unwrap().insert("c1".into(), 2);
+        let began = Instant::now();
+        let (_w, mut rx) = start(&fake, "c1", Start::Adopt(owned("c1")));
+        let before = until(&mut rx, "Running").await;
+        assert_eq!(before[..2], ["Up", "Starting"]);
+        assert!(
+            before.iter().any(|s| s.starts_with("Failed restart failed (start: the task of c1 was not started within 60 s); trying again in 10 s")),
+            "{before:?}"
+        );
+        let restarts = fake.asked("restart c1");
+        assert_eq!(restarts.len(), 3, "two failures, then the start");
+        assert_eq!(restarts[1] - began, backoff::INITIAL);
+        assert_eq!(restarts[2] - restarts[1], backoff::INITIAL * 2);
+        assert!(
+            fake.asked("tear_down c1").is_empty(),
+            "the container is kept: {:?}",
+            fake.calls.lock().unwrap()
+        );
     }
 
     #[tokio::test(start_paused = true)]
