@@ -6,11 +6,13 @@ Each case boots a fresh guest from a cached image (Debian's packages only,
 see guest.py), installs dist/zattera-agent_*.deb in it with apt, and checks
 what a user of a packaged node relies on.
 
-    scripts/vm/lane.py [--suite bookworm --suite trixie] [CASE ...]
+    scripts/vm/lane.py [--suite bookworm --suite trixie --suite forky] [CASE ...]
     scripts/vm/lane.py image SUITE     build (or show) a cached image
     scripts/vm/lane.py clean           remove what killed runs left
 
-Cases (default: all on bookworm; install and restart on trixie too):
+Suites: bookworm (Debian 12), trixie (13) and forky (14, testing: its
+Release is read past its Valid-Until). Cases (default: all on bookworm;
+install and restart on trixie; install, restart and reboot on forky):
     install   apt install, doctor on cgroup v2, the unit to HEALTHY (active
               only once ready), the journal, an OOM kill as FAILED "out of
               memory (limit N MiB)", purge
@@ -53,7 +55,8 @@ HERE = Path(__file__).resolve().parents[2]
 HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "openssh-client",
               "iproute2", "busybox-static", "procps", "tcpdump"]
 DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster"],
-                 "trixie": ["install", "restart"]}
+                 "trixie": ["install", "restart"],
+                 "forky": ["install", "restart", "reboot"]}
 # Under TCG a guest is 5-20x slower than this host: generous bounds.
 HEALTHY_WITHIN = 300
 
