@@ -6,11 +6,13 @@ Each case boots a fresh guest from a cached image (Debian's packages only,
 see guest.py), installs dist/zattera-agent_*.deb in it with apt, and checks
 what a user of a packaged node relies on.
 
-    scripts/vm/lane.py [--suite bookworm --suite trixie] [CASE ...]
+    scripts/vm/lane.py [--suite bookworm --suite trixie --suite forky] [CASE ...]
     scripts/vm/lane.py image SUITE     build (or show) a cached image
     scripts/vm/lane.py clean           remove what killed runs left
 
-Cases (default: all on bookworm; install and restart on trixie too):
+Suites: bookworm (Debian 12), trixie (13) and forky (14, testing: its
+Release is read past its Valid-Until). Cases (default: all on bookworm;
+install and restart on trixie; install, restart and reboot on forky):
     install   apt install, doctor on cgroup v2, the unit to HEALTHY (active
               only once ready), the journal, an OOM kill as FAILED "out of
               memory (limit N MiB)", purge
@@ -27,6 +29,12 @@ Cases (default: all on bookworm; install and restart on trixie too):
               over the mesh, with only WireGuard on the bridge; the leader
               moves and the streams follow; a guest reboots, rejoins, and
               its container is adopted, not replaced
+    docker    a node with Docker's package layout: containerd.io (made in
+              the guest from the suite's containerd and runc, providing,
+              conflicting with and replacing both, unversioned) and a
+              docker-ce that depends on it; apt installs the agent with
+              nothing removed, doctor names containerd.io, the web app
+              reaches HEALTHY on its containerd, Docker's namespace stays
 
 As root, after scripts/package.sh. A failed case keeps its guest's console
 log and journal under the run's directory, which the output names.
@@ -52,8 +60,9 @@ from guest import CaseFailed, expect  # noqa: E402
 HERE = Path(__file__).resolve().parents[2]
 HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "openssh-client",
               "iproute2", "busybox-static", "procps", "tcpdump"]
-DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster"],
-                 "trixie": ["install", "restart"]}
+DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster", "docker"],
+                 "trixie": ["install", "restart"],
+                 "forky": ["install", "restart", "reboot"]}
 # Under TCG a guest is 5-20x slower than this host: generous bounds.
 HEALTHY_WITHIN = 300
 
@@ -132,14 +141,23 @@ class Node:
     def __init__(self, g, ctx):
         self.g = g
         self.ctx = ctx
+        self.copied = False
+
+    def put_packages(self):
+        """The .deb, its upgrade and the test image, in /root."""
+        if self.copied:
+            return
+        g = self.g
+        g.put(self.ctx.deb, f"/root/{self.ctx.deb.name}")
+        g.put(self.ctx.upgrade, f"/root/{self.ctx.upgrade.name}")
+        g.put(self.ctx.image, "/root/busybox-oci.tar")
+        self.copied = True
 
     def install(self, manifests):
         """The .deb, the test image, and `manifests` (name: text) in
         /etc/zattera/manifests; `None`: no manifests (a cluster node)."""
         g = self.g
-        g.put(self.ctx.deb, f"/root/{self.ctx.deb.name}")
-        g.put(self.ctx.upgrade, f"/root/{self.ctx.upgrade.name}")
-        g.put(self.ctx.image, "/root/busybox-oci.tar")
+        self.put_packages()
         g.sh(f"DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/{self.ctx.deb.name}",
              timeout=600)
         if manifests is not None:
@@ -432,12 +450,156 @@ def case_reboot(ctx, g):
         del t_down
 
 
+# Docker's package layout, made in the guest from the suite's own containerd
+# and runc (the files dpkg says they own, with dpkg-deb only): containerd.io
+# provides containerd and runc WITHOUT a version, conflicts with and replaces
+# both, and ships Docker's config.toml (the CRI plugin off); docker-ce is a
+# stand-in that depends on it. Prints the two .debs' paths.
+DOCKER_LAYOUT = r"""set -eu
+out=/root/docker-layout
+rm -rf "$out"
+mkdir -p "$out/containerd.io/DEBIAN" "$out/docker-ce/DEBIAN" "$out/debs"
+tree=$out/containerd.io
+# Files and links to files, the paths as dpkg has them; folders follow
+# (a link to a folder is merged /usr's /lib, never the package's).
+dpkg-query -L containerd runc | sort -u | while read -r f; do
+  if [ -f "$f" ] || { [ -L "$f" ] && [ ! -d "$f" ]; }; then echo "${f#/}"; fi
+done > "$out/files"
+tar -C / --no-recursion -cf - -T "$out/files" | tar -C "$tree" -xpf -
+find "$tree" -type d -exec chmod 0755 {} +
+mkdir -p "$tree/etc/containerd"
+printf '%s\n' '# What Docker'"'"'s containerd.io ships: the CRI plugin off.' \
+  'disabled_plugins = ["cri"]' > "$tree/etc/containerd/config.toml"
+echo /etc/containerd/config.toml > "$tree/DEBIAN/conffiles"
+version=$(dpkg-query -W -f='${Version}' containerd | sed 's/[~+].*//; s/-[^-]*$//')-1
+depends=$(dpkg-query -W -f='${Depends}, ' containerd runc | tr ',' '\n' |
+  sed 's/^ *//; s/ *$//; /^$/d; /^runc/d; /^containerd/d' | sort -u | paste -sd, | sed 's/,/, /g')
+cat > "$tree/DEBIAN/control" <<CONTROL
+Package: containerd.io
+Version: $version
+Architecture: amd64
+Maintainer: zattera VM lane <lane@zattera.invalid>
+Depends: $depends
+Provides: containerd, runc
+Conflicts: containerd, runc
+Replaces: containerd, runc
+Section: admin
+Priority: optional
+Description: stand-in for Docker's containerd.io (the VM lane)
+ Debian's containerd and runc, packaged as Docker packages them.
+CONTROL
+cat > "$tree/DEBIAN/postinst" <<'SCRIPT'
+#!/bin/sh
+set -e
+if [ "$1" = configure ]; then
+  deb-systemd-helper unmask containerd.service >/dev/null || true
+  deb-systemd-helper enable containerd.service >/dev/null || true
+  if [ -d /run/systemd/system ]; then
+    systemctl --system daemon-reload >/dev/null || true
+    deb-systemd-invoke restart containerd.service >/dev/null || true
+  fi
+fi
+SCRIPT
+cat > "$tree/DEBIAN/prerm" <<'SCRIPT'
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ] && [ "$1" = remove ]; then
+  deb-systemd-invoke stop containerd.service >/dev/null || true
+fi
+SCRIPT
+chmod 0755 "$tree/DEBIAN/postinst" "$tree/DEBIAN/prerm"
+cat > "$out/docker-ce/DEBIAN/control" <<'CONTROL'
+Package: docker-ce
+Version: 5:28.0.0-1~zattera.lane
+Architecture: amd64
+Maintainer: zattera VM lane <lane@zattera.invalid>
+Depends: containerd.io (>= 1.6)
+Section: admin
+Priority: optional
+Description: stand-in for Docker's docker-ce (the VM lane)
+ Only its dependency on containerd.io, as a node running Docker has it.
+CONTROL
+dpkg-deb --root-owner-group -Zgzip --build "$tree" "$out/debs/containerd.io_${version}_amd64.deb" >/dev/null
+dpkg-deb --root-owner-group -Zgzip --build "$out/docker-ce" "$out/debs/docker-ce_28.0.0_amd64.deb" >/dev/null
+ls "$out"/debs/*.deb
+"""
+
+
+def installed(g, package):
+    """Whether dpkg has `package` installed (not removed, not config-files)."""
+    out = g.sh(f"dpkg-query -W -f='${{db:Status-Abbrev}}' {package}", check=False)
+    return out.returncode == 0 and out.stdout.startswith("ii")
+
+
+def case_docker(ctx, g):
+    """The package on a node laid out as Docker's packages lay it out:
+    containerd.io instead of Debian's containerd and runc, docker-ce on it.
+    apt must install the agent without removing anything, and the agent
+    runs on containerd.io's containerd."""
+    node = Node(g, ctx)
+    debs = g.sh(DOCKER_LAYOUT, timeout=300).split()
+    expect(len(debs) == 2, f"the Docker layout's packages: {debs}")
+    fields = g.sh(f"dpkg-deb -f {debs[0]} Package Provides Conflicts Replaces")
+    expect("Provides: containerd, runc" in fields and "Conflicts: containerd, runc" in fields,
+           f"containerd.io's control: {fields}")
+    # apt replaces Debian's containerd and runc by containerd.io.
+    out = g.sh("DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
+               "-o Dpkg::Options::=--force-confnew " + " ".join(debs), timeout=600)
+    for p in ("containerd", "runc"):
+        expect(not installed(g, p), f"Debian's {p} is still installed beside containerd.io:\n{out}")
+    for p in ("containerd.io", "docker-ce"):
+        expect(installed(g, p), f"{p} did not install:\n{out}")
+    g.sh("systemctl enable --now containerd", timeout=120)
+    expect(g.sh("systemctl is-active containerd", check=False).stdout.strip() == "active",
+           "containerd.io's containerd is not active")
+    owner = g.sh("dpkg-query -S \"$(readlink -f /proc/$(systemctl show -p MainPID --value containerd)/exe)\"",
+                 check=False).stdout
+    expect(owner.startswith("containerd.io:"), f"the running containerd is not containerd.io's: {owner}")
+    expect("disabled_plugins = [\"cri\"]" in g.sh("cat /etc/containerd/config.toml"),
+           "containerd.io's config.toml is not Docker's")
+    # Docker's own namespace, which the agent never touches.
+    g.sh("ctr namespaces create moby", timeout=60)
+    # Nothing is removed: not containerd.io, not docker-ce.
+    node.put_packages()
+    deb = f"/root/{ctx.deb.name}"
+    sim = g.sh(f"apt-get -s install {deb}", timeout=300)
+    summary = [line for line in sim.splitlines() if " to remove" in line]
+    expect(summary and " 0 to remove" in summary[0] and "Remv " not in sim,
+           f"apt would remove packages to install the agent:\n{sim}")
+    expect("Inst zattera-agent" in sim, f"apt would not install the agent:\n{sim}")
+    ctx.facts[f"{ctx.suite} docker: apt-get -s install"] = summary[0].strip()
+    node.install({"web.toml": WEB})
+    for p in ("containerd.io", "docker-ce", "zattera-agent"):
+        expect(installed(g, p), f"{p} is not installed after the agent's install")
+    expect(g.sh("dpkg --audit").strip() == "", "dpkg --audit reports half-installed packages")
+    report = json.loads(g.sh("zattera-agent doctor --json", timeout=120))
+    checks = {c["name"]: c for c in report["checks"]}
+    ctd = checks.get("containerd", {})
+    expect(ctd.get("verdict") == "pass", f"doctor's containerd check: {ctd}")
+    expect("from package containerd.io" in ctd.get("detail", ""),
+           f"doctor does not name containerd.io: {ctd.get('detail')}")
+    expect("Docker runs on it too" in ctd.get("detail", ""),
+           f"doctor does not see Docker's namespace: {ctd.get('detail')}")
+    expect(checks.get("runc", {}).get("verdict") == "pass", f"doctor's runc check: {checks.get('runc')}")
+    expect(report.get("ok") is True, f"doctor fails: {json.dumps(report)}")
+    ctx.facts[f"{ctx.suite} docker: doctor containerd"] = ctd["detail"]
+    g.sh("systemctl enable --now zattera-agent", timeout=300)
+    node.wait("web 2 x HEALTHY on containerd.io", lambda s: all_in(s, "web", 2, "HEALTHY"))
+    body = g.sh("curl -fsS --max-time 10 http://127.0.0.1:8080/whoami.txt", check=False)
+    expect(body.returncode == 0 and "served by" in body.stdout, f"port 8080: {body.stdout}{body.stderr}")
+    expect("moby" in g.sh("ctr namespaces ls -q").split(), "Docker's namespace moby is gone")
+    # Removing the agent leaves Docker's packages alone too.
+    sim = g.sh("apt-get -s purge zattera-agent", timeout=300)
+    removed = sorted(line.split()[1] for line in sim.splitlines() if line.startswith(("Remv ", "Purg ")))
+    expect(removed == ["zattera-agent"], f"purging the agent would remove {removed}:\n{sim}")
+
+
 def case_cluster(ctx, g):
     cluster.case_cluster(ctx, g, lambda guest: Node(guest, ctx))
 
 
 CASES = {"install": case_install, "cgroup": case_cgroup, "restart": case_restart,
-         "reboot": case_reboot, "cluster": case_cluster}
+         "reboot": case_reboot, "cluster": case_cluster, "docker": case_docker}
 
 
 class Ctx:
