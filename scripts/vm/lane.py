@@ -12,7 +12,7 @@ what a user of a packaged node relies on.
 
 Suites: bookworm (Debian 12), trixie (13) and forky (14, testing: its
 Release is read past its Valid-Until). Cases (default: all on bookworm;
-install and restart on trixie; install, restart and reboot on forky):
+install and restart on trixie; install and reboot on forky):
     install   apt install, doctor on cgroup v2, the unit to HEALTHY (active
               only once ready), the journal, an OOM kill as FAILED "out of
               memory (limit N MiB)", purge
@@ -62,7 +62,7 @@ HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "opens
               "iproute2", "busybox-static", "procps", "tcpdump"]
 DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster", "docker"],
                  "trixie": ["install", "restart"],
-                 "forky": ["install", "restart", "reboot"]}
+                 "forky": ["install", "reboot"]}
 # Under TCG a guest is 5-20x slower than this host: generous bounds.
 HEALTHY_WITHIN = 300
 
