@@ -371,7 +371,7 @@ pub async fn upgrade(
         if let Some((store, path)) = &stats {
             crate::metrics::persist::flush_now(store, path).await;
         }
-        restart(&binary, &args);
+        exec_self(&binary, &args, "restarting into the upgraded agent");
     });
     Ok(AgentUpgradeResponse {
         previous_version: crate::version::tag().to_owned(),
@@ -483,14 +483,14 @@ fn too_big(url: &str) -> UpgradeError {
     }
 }
 
-/// Replaces this process with `binary args…`. Every descriptor the agent
-/// opened is close-on-exec, so the new process binds its sockets and takes
-/// its lock again.
-fn restart(binary: &Path, args: &[String]) {
+/// Replaces this process with `binary args…`, saying `why`. Every
+/// descriptor the agent opened is close-on-exec, so the new process binds
+/// its sockets and takes its lock again. Returns only when the exec failed.
+pub(crate) fn exec_self(binary: &Path, args: &[String], why: &str) {
     use std::ffi::CString;
-    tracing::info!(binary = %binary.display(), "restarting into the upgraded agent");
+    tracing::info!(binary = %binary.display(), "{why}");
     let Ok(path) = CString::new(binary.as_os_str().as_encoded_bytes()) else {
-        tracing::error!("upgrade restart: the binary path holds a NUL byte");
+        tracing::error!("restart: the binary path holds a NUL byte");
         return;
     };
     let argv: Vec<CString> = args
@@ -499,7 +499,7 @@ fn restart(binary: &Path, args: &[String]) {
         .collect();
     // execv returns only on failure.
     let Err(e) = nix::unistd::execv(&path, &argv);
-    tracing::error!(error = %e, "upgrade restart failed; the new binary runs at the next start");
+    tracing::error!(error = %e, "restart failed; the agent keeps running as it is");
 }
 
 #[cfg(test)]

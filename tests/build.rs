@@ -373,12 +373,13 @@ async fn a_dockerfile_may_not_read_images_from_the_node() {
         // stays and builds again.
         let mut bomb = format!("ARG A0={}\n", "x".repeat(300));
         for i in 1..40 {
-            let _ = std::fmt::Write::write_fmt(
+            std::fmt::Write::write_fmt(
                 &mut bomb,
                 format_args!("ARG A{i}=${{A{}}}${{A{}}}\n", i - 1, i - 1),
-            );
+            )
+            .unwrap();
         }
-        let _ = std::fmt::Write::write_fmt(&mut bomb, format_args!("FROM {}:$A39\n", c.base));
+        std::fmt::Write::write_fmt(&mut bomb, format_args!("FROM {}:$A39\n", c.base)).unwrap();
         let url = c.blobs.put(context(&[("Dockerfile", bomb.as_bytes())]));
         let (_, end) = run_build(&c.agent, &c.cp, build_request("bld-l7", &url, "")).await;
         assert_eq!(end.status, BuildStatus::Failed as i32, "{end:?}");

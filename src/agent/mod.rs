@@ -40,24 +40,43 @@ const STOP_WITHIN: Duration = Duration::from_secs(5);
 /// userspace mesh device and the self-upgrade run it, and the runc shims
 /// start the log shim found beside it (or it, when there is none).
 pub async fn run(mut config: Config, agent_binary: PathBuf) -> Result<()> {
-    let (_lock, join_addr) = start::prepare(&mut config).await?;
+    let start::Prepared {
+        lock: _lock,
+        join_addr,
+        control_problem,
+    } = start::prepare(&mut config).await?;
     let shutdown = stop::shutdown_signal();
     tokio::pin!(shutdown);
     let mut node = Node::new(config, agent_binary)?;
-    let control = ControlLink::prepare(
-        &node.config,
-        join_addr.as_deref(),
-        &node.agent_binary,
-        &mut node.feeds,
-    )
-    .await?;
+    let control = match control_problem {
+        None => {
+            ControlLink::prepare(
+                &node.config,
+                join_addr.as_deref(),
+                &node.agent_binary,
+                &mut node.feeds,
+            )
+            .await
+        }
+        Some(problem) => Err(problem),
+    };
+    let control = match control {
+        Ok(control) => control,
+        // Under control, the containers come first: they run, and are
+        // restarted after a reboot, while the link is retried (58.9).
+        Err(problem) => {
+            return node
+                .without_control_link(problem, join_addr, shutdown)
+                .await;
+        }
+    };
     let addresses = node
         .config
         .node_addresses(control.as_ref().and_then(|c| c.mesh_ip))?;
     let handle = node.start_executor(control.as_ref(), &addresses);
     // Kept for the host's shutdown, whichever source owns `handle`.
     let halt = handle.clone();
-    node.start_admin(control.as_ref(), &handle)?;
+    node.start_admin(control.as_ref(), &handle, None)?;
     tracing::info!(
         namespace = %node.config.namespace,
         run_dir = %node.config.run_dir.display(),
@@ -203,12 +222,90 @@ impl Node {
         handle
     }
 
+    /// A node that joined but cannot follow control now (its enrollment
+    /// unreadable, a join or the mesh failing): the executor adopts its
+    /// containers and restarts the ones a reboot stopped, `status` says why
+    /// control is not followed, and the link is tried again with a growing
+    /// delay. Once it can be made, the agent stops as at any restart and
+    /// runs again in place (exec): adopting changes no container.
+    async fn without_control_link(
+        mut self,
+        problem: anyhow::Error,
+        join_addr: Option<String>,
+        shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<()> {
+        let mut shutdown = shutdown;
+        let addresses = self.config.node_addresses(None)?;
+        let handle = self.start_executor(None, &addresses);
+        let halt = handle.clone();
+        let say = |attempt: u32, problem: &anyhow::Error, delay: Duration| {
+            format!(
+                "not following the control plane: {problem:#} (attempt {attempt}; next in {} s); containers are kept and restarted without it",
+                delay.as_secs()
+            )
+        };
+        let mut delay = CONTROL_RETRY_FIRST;
+        tracing::error!("{}", say(1, &problem, delay));
+        let (notice, notices) = watch::channel(vec![say(1, &problem, delay)]);
+        self.start_admin(None, &handle, Some(notices))?;
+        self.feeds.spawn("no source", async move {
+            let _keep = handle;
+            std::future::pending::<()>().await;
+        });
+        notify(&[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status("running without the control plane"),
+        ]);
+        for attempt in 2u32.. {
+            tokio::select! {
+                () = &mut shutdown => {
+                    notify(&[sd_notify::NotifyState::Stopping]);
+                    self.stop(&halt, None).await;
+                    return Ok(());
+                }
+                () = tokio::time::sleep(delay) => {}
+            }
+            let mut scratch = Tasks::new();
+            match control_link_can_be_made(
+                &self.config,
+                join_addr.as_deref(),
+                &self.agent_binary,
+                &mut scratch,
+            )
+            .await
+            {
+                Ok(()) => {
+                    scratch.stop(STOP_WITHIN).await;
+                    let binary = self.agent_binary.clone();
+                    self.stop(&halt, None).await;
+                    let args: Vec<String> = std::env::args().collect();
+                    crate::upgrade::exec_self(
+                        &binary,
+                        &args,
+                        "the control link can be made now: running again to follow control",
+                    );
+                    anyhow::bail!("could not run again to follow the control plane");
+                }
+                Err(problem) => {
+                    scratch.stop(STOP_WITHIN).await;
+                    delay = (delay * 2).min(CONTROL_RETRY_MAX);
+                    let text = say(attempt, &problem, delay);
+                    tracing::warn!("{text}");
+                    notice.send_replace(vec![text]);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Image garbage collection, and the admin socket that `status`,
-    /// `logs`, `top` and the rest of the local CLI ask.
+    /// `logs`, `top` and the rest of the local CLI ask (with `extra`
+    /// notices).
     fn start_admin(
         &mut self,
         control: Option<&ControlLink>,
         handle: &ExecutorHandle,
+        extra: Option<watch::Receiver<Vec<String>>>,
     ) -> Result<()> {
         let config = &self.config;
         let listener = admin::bind(&config.run_dir).with_context(|| {
@@ -232,6 +329,7 @@ impl Node {
         notices.extend(control.map(|c| c.renewal_notices.clone()));
         notices.push(disk_notices_rx);
         notices.extend(control.map(|c| c.api_notices.clone()));
+        notices.extend(extra);
         let admin = admin::Admin {
             status: handle.status.clone(),
             notices,
@@ -446,6 +544,27 @@ impl Node {
         }
         let _ = std::fs::remove_file(admin::socket_path(&self.config.run_dir));
     }
+}
+
+/// The first wait before the control link is tried again, and the longest.
+const CONTROL_RETRY_FIRST: Duration = Duration::from_secs(5);
+const CONTROL_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Makes the control link as a start would (a kept join token's join, the
+/// enrollment, the mesh), its tasks in `scratch`.
+async fn control_link_can_be_made(
+    config: &Config,
+    join_addr: Option<&str>,
+    binary: &std::path::Path,
+    scratch: &mut Tasks,
+) -> Result<()> {
+    let mut config = config.clone();
+    if let Some(token) = &config.join_token {
+        start::enroll_if_new(&config, join_addr, token).await?;
+    }
+    config.control = start::sync_target(&config)?;
+    ControlLink::prepare(&config, join_addr, binary, scratch).await?;
+    Ok(())
 }
 
 /// Ports from the kernel's ephemeral range are still safe (each published

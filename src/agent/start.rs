@@ -8,19 +8,43 @@ use anyhow::{Context, Result};
 
 use crate::config::Config;
 
+/// What [`prepare`] settled.
+pub(super) struct Prepared {
+    /// The namespace lock, held for the agent's life.
+    pub lock: nix::fcntl::Flock<std::fs::File>,
+    /// The address joins go to.
+    pub join_addr: Option<String>,
+    /// Why a node that joined cannot follow its control plane yet (its
+    /// enrollment unreadable): the data plane comes up without it (58.9).
+    pub control_problem: Option<anyhow::Error>,
+}
+
 /// Readies the host for the agent with `config`, and settles where the
-/// sync stream goes (`config.control`). Returns the namespace lock, held
-/// for the agent's life, and the address joins go to.
-pub(super) async fn prepare(
-    config: &mut Config,
-) -> Result<(nix::fcntl::Flock<std::fs::File>, Option<String>)> {
+/// sync stream goes (`config.control`).
+pub(super) async fn prepare(config: &mut Config) -> Result<Prepared> {
     // `--control` is where joins go; the sync stream may go elsewhere.
     let join_addr = config.control.clone();
     take_over_a_reference_enrollment(config);
-    if let Some(token) = &config.join_token {
-        enroll_if_new(config, join_addr.as_deref(), token).await?;
+    let mut control_problem = None;
+    if let Some(token) = &config.join_token
+        && let Err(e) = enroll_if_new(config, join_addr.as_deref(), token).await
+    {
+        // A node that had joined (its record torn) has containers to keep
+        // running while control is away; a new one has nothing yet.
+        if !crate::link::identity::IdentityDir::new(&config.data_dir)
+            .state_path()
+            .exists()
+        {
+            return Err(e);
+        }
+        control_problem = Some(e);
     }
-    config.control = sync_target(config)?;
+    if control_problem.is_none() {
+        match sync_target(config) {
+            Ok(target) => config.control = target,
+            Err(e) => control_problem = Some(e),
+        }
+    }
     // Keys, logs, volumes, namespace files and the admin socket live under
     // these: no other host user may even look inside.
     for dir in [&config.data_dir, &config.run_dir] {
@@ -36,7 +60,11 @@ pub(super) async fn prepare(
             failed.line()
         );
     }
-    Ok((lock, join_addr))
+    Ok(Prepared {
+        lock,
+        join_addr,
+        control_problem,
+    })
 }
 
 /// A data dir moved from the reference agent: its enrollment becomes this
@@ -62,7 +90,11 @@ fn take_over_a_reference_enrollment(config: &Config) {
 /// enrolls first (what `join` would do); an enrolled node re-joins in the
 /// background instead ([`crate::control::renew`]), so a control plane that
 /// is away does not delay the start.
-async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) -> Result<()> {
+pub(super) async fn enroll_if_new(
+    config: &Config,
+    join_addr: Option<&str>,
+    token: &str,
+) -> Result<()> {
     let ids = crate::link::identity::IdentityDir::new(&config.data_dir);
     if ids.load_enrollment().is_ok() {
         return Ok(());
@@ -89,7 +121,7 @@ async fn enroll_if_new(config: &Config, join_addr: Option<&str>, token: &str) ->
 /// join stored, whether `--control` (the join address) is given or not; a
 /// node that joined runs under control with a bare `run`, unless it is
 /// pointed at manifests. `None`: standalone (or nothing to run).
-fn sync_target(config: &Config) -> Result<Option<String>> {
+pub(super) fn sync_target(config: &Config) -> Result<Option<String>> {
     let ids = crate::link::identity::IdentityDir::new(&config.data_dir);
     let enrolled = ids.state_path().exists();
     if !enrolled && config.control.is_none() {

@@ -408,7 +408,7 @@ mod tests {
         let mut df = format!("ARG A0={}\n", "x".repeat(300));
         for i in 1..40 {
             let prev = i - 1;
-            let _ = writeln!(df, "ARG A{i}=${{A{prev}}}${{A{prev}}}");
+            writeln!(df, "ARG A{i}=${{A{prev}}}${{A{prev}}}").unwrap();
         }
         df.push_str("FROM alpine:$A39\n");
         let started = std::time::Instant::now();
@@ -418,7 +418,7 @@ mod tests {
         // Many modest values stop at the total.
         let mut wide = String::new();
         for i in 0..200 {
-            let _ = writeln!(wide, "ARG B{i}={}", "y".repeat(30_000));
+            writeln!(wide, "ARG B{i}={}", "y".repeat(30_000)).unwrap();
         }
         let err = check(&(wide + "FROM alpine\n"), &BTreeMap::new(), false).unwrap_err();
         assert!(err.to_string().contains("in all"), "{err}");
