@@ -57,6 +57,15 @@ pub fn rename(from: &Path, to: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Removes `path` (absent is fine) and makes the removal durable.
+pub fn remove(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => sync_parent(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// fsync of the directory holding `path`: its entries (a rename, a new
 /// file, an unlink) are on disk when this returns.
 pub fn sync_parent(path: &Path) -> std::io::Result<()> {

@@ -24,6 +24,7 @@ const FLOORS: &[(&str, &[&str])] = &[
         "shared words",
         &[
             "proto", "status", "labels", "link", "beneath", "programs", "redact", "version",
+            "durable",
         ],
     ),
     (

@@ -120,3 +120,138 @@ async fn a_torn_enrollment_holds_back_no_container_and_control_follows_once_it_r
     })
     .await;
 }
+
+/// A broken release of the agent (examples/agent_that_cannot_run.rs), built
+/// beside the agent by `cargo test` and `cargo nextest`.
+fn broken_release() -> std::path::PathBuf {
+    let bin = std::path::Path::new(support::agent::BIN);
+    let example = bin.parent().unwrap().join("examples/agent_that_cannot_run");
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo build --example agent_that_cannot_run` (cargo test builds it)",
+        example.display()
+    );
+    example
+}
+
+fn sha256(path: &std::path::Path) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(std::fs::read(path).unwrap()))
+}
+
+/// 58.6: an upgrade to a release that answers `version --json` but fails in
+/// `run`. Before, systemd restarted the broken binary for ever, and control
+/// could no longer reach the node to send another. Now the broken release
+/// counts its starts, and the fourth start runs the previous binary again:
+/// the node syncs with its old version, `status` says what happened, and
+/// the container ran throughout. The test plays systemd's `Restart=always`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_that_cannot_run_is_rolled_back_after_three_starts() {
+    on_rig_with_image("cut-upgrade", |ctd, rig| async move {
+        let bins = tempfile::tempdir().unwrap();
+        let bin = bins.path().join("zattera-agent");
+        std::fs::copy(support::agent::run_bin(), &bin).unwrap();
+        let good = sha256(&bin);
+        let channel =
+            control_plane::ReleaseChannel::serve(&broken_release(), &["v9.9.9-broken"]).await;
+        let cp = control_plane::ControlPlane::start(&[SECRET]).await;
+        let run = ["--upgrade-base-url", channel.base.as_str()];
+        let mut agent = ControlledAgent::start_with(
+            &cp,
+            SECRET,
+            &rig,
+            ctd.namespace().as_str(),
+            "ztpb",
+            control_plane::AgentFlags {
+                run: &run,
+                binary: Some(&bin),
+                ..control_plane::AgentFlags::default()
+            },
+        )
+        .await;
+        let node = agent.node_id.clone();
+        let (a, rt) =
+            control_plane::assignment("svc", "01JCUTENVIRONMENT000000002", 213, "sleep 3600");
+        cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
+        let status = agent.wait_for("svc HEALTHY", |s| {
+            s["assignments"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|r| r["id"] == "svc" && r["state"] == "HEALTHY")
+        });
+        let cid = status["assignments"][0]["container_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let pid = running_pid(&ctd, &cid, &agent).await;
+
+        let mut api = agent.api_as(&cp, control_plane::CONTROL_NODE_ID).await;
+        api.upgrade_binary(zattera_agent::proto::cluster::AgentUpgradeRequest {
+            version: "v9.9.9-broken".into(),
+            url: String::new(),
+            sha256: String::new(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", agent.log()));
+        assert_eq!(
+            sha256(&bin),
+            channel.assets[0].2,
+            "the broken release is installed"
+        );
+
+        // systemd's part: a start that exits is started again.
+        let mut starts = 0;
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never settled; log:\n{}",
+                agent.log()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+            if agent.child.try_wait().unwrap().is_some() {
+                starts += 1;
+                assert!(
+                    starts <= 5,
+                    "still failing after {starts} starts:\n{}",
+                    agent.log()
+                );
+                agent.kill9_and_restart(&cp, &rig);
+                continue;
+            }
+            if sha256(&bin) == good && cp.with(|r| r.sessions_of(&node)) >= 2 {
+                break;
+            }
+        }
+        assert_eq!(
+            starts,
+            3,
+            "three failed starts of the broken release:\n{}",
+            agent.log()
+        );
+        let record = cp.node_record(&node).unwrap();
+        assert_eq!(record.binary_version, zattera_agent::version::tag());
+        let prev = bins.path().join("zattera-agent.prev");
+        assert!(
+            !prev.exists(),
+            "the previous binary is back in place, not beside it"
+        );
+        let status = agent.wait_for("the roll-back said", |s| {
+            s["notices"].to_string().contains("rolled back")
+        });
+        let said = status["notices"].to_string();
+        assert!(
+            said.contains("v9.9.9-broken") && said.contains("started 3 times"),
+            "{said}"
+        );
+        let log = agent.log();
+        assert!(log.contains("a key this release refuses"), "{log}");
+        assert_eq!(
+            running_pid(&ctd, &cid, &agent).await,
+            pid,
+            "the container ran throughout"
+        );
+    })
+    .await;
+}

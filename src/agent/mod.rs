@@ -120,6 +120,9 @@ struct Node {
     vip_shutdown: CancellationToken,
     /// Everything else, stopped last.
     core: Tasks,
+    /// A self-upgrade on trial or rolled back, for `status` (cleared by the
+    /// first sync session).
+    upgrade_notices: watch::Sender<Vec<String>>,
 }
 
 /// The stats store behind `Stats`, and its file (control only).
@@ -149,6 +152,9 @@ impl Node {
         Ok(Self {
             cgroup_parent: format!("/zattera/{}", config.namespace),
             config,
+            upgrade_notices: watch::Sender::new(
+                crate::upgrade::rollback::Records::beside(&agent_binary).notices(),
+            ),
             agent_binary,
             ctd,
             engine_up,
@@ -330,6 +336,7 @@ impl Node {
         notices.push(disk_notices_rx);
         notices.extend(control.map(|c| c.api_notices.clone()));
         notices.extend(extra);
+        notices.push(self.upgrade_notices.subscribe());
         let admin = admin::Admin {
             status: handle.status.clone(),
             notices,
@@ -438,6 +445,14 @@ impl Node {
         // snapshot (persisted, so served while control is away).
         let names = crate::control::routes::feed_dns(services.routes, Arc::clone(&self.dns));
         self.feeds.spawn("DNS from routes", names);
+        self.feeds.spawn(
+            "upgrade confirmation",
+            crate::upgrade::rollback::confirm_on_first_session(
+                crate::upgrade::rollback::Records::beside(&self.agent_binary),
+                sync.opened.subscribe(),
+                self.upgrade_notices.clone(),
+            ),
+        );
         let addr = sync.control_addr.clone();
         let stream =
             crate::control::sync::spawn(sync, handle.desired.clone(), batches_rx, samples.clone())

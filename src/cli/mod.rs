@@ -152,7 +152,12 @@ pub async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 println!("zattera-agent {version}");
             }
         }
-        Command::Run(args) => run::run(g.load(Some(&args))?).await?,
+        Command::Run(args) => {
+            // Before the config: a new binary that refuses it is a failed
+            // start like any other.
+            zattera_agent::upgrade::rollback::trial_at_start()?;
+            run::run(g.load(Some(&args))?).await?;
+        }
         Command::Status(args) => status::run(&g.load(None)?, &args).await?,
         Command::Image(cmd) => image::run(&g.load(None)?, cmd).await?,
         Command::Logs(args) => ops::logs(&g.load(None)?, &args).await?,

@@ -54,6 +54,9 @@ pub struct SyncConfig {
     pub queue_limits: (usize, usize),
     /// Control-plane node ids known from the enrollment.
     pub control_node_ids: Vec<String>,
+    /// Counts the sessions control accepted (an upgrade is confirmed by
+    /// the first).
+    pub opened: watch::Sender<u64>,
 }
 
 impl SyncConfig {
@@ -75,6 +78,7 @@ impl SyncConfig {
             heartbeat: HEARTBEAT,
             queue_limits: (super::queue::DEFAULT_BATCHES, super::queue::DEFAULT_ENTRIES),
             control_node_ids: enrollment.control_node_ids,
+            opened: watch::Sender::new(0),
         })
     }
 }
@@ -226,6 +230,7 @@ impl Session {
             .await?
             .into_inner();
         tracing::info!(control = %target, node_id = %self.cfg.node_id, "sync stream open");
+        self.cfg.opened.send_modify(|n| *n += 1);
 
         let mut renewals = self.cfg.tls.clone();
         let (ack_tx, ack_rx) = mpsc::channel::<u64>(OUTGOING);

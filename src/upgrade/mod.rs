@@ -23,12 +23,15 @@
 //! architecture whose `version --json` says so) before anything is
 //! swapped: a reference release (the Go `zattera`) or a script is refused,
 //! naming what it is. One upgrade runs at a time. The running binary is
-//! kept as `<binary>.prev` (UPG-5), the new file is renamed over the binary
+//! kept as `<binary>.prev` (UPG-5; a hard link, and the way back of
+//! [`rollback`]), the new file is renamed over the binary
 //! (atomic on one filesystem) and the directory synced, the reply goes out,
 //! and about 500 ms later the agent flushes its metrics store and
 //! re-executes itself with the same arguments: the same pid, so systemd sees
 //! no exit, and the containers, which belong to containerd's shims, keep
 //! running and are adopted by the new process.
+
+pub mod rollback;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -358,7 +361,7 @@ pub async fn upgrade(
             why,
         });
     }
-    if let Err(e) = install(&staged, &cfg.binary) {
+    if let Err(e) = install(&staged, &cfg.binary, &req.version) {
         let _ = std::fs::remove_file(&staged);
         return Err(UpgradeError::Local(format!(
             "installing the new binary: {e}"
@@ -379,21 +382,15 @@ pub async fn upgrade(
     })
 }
 
-/// Keeps the running binary as `<binary>.prev` (a copy: the binary stays in
-/// place if anything below fails), renames the staged file over it, and
-/// syncs the directory so the swap survives a power cut.
-#[allow(clippy::disallowed_methods)] // the directory is synced right after, and the staged file before
-fn install(staged: &Path, binary: &Path) -> std::io::Result<()> {
-    let mut prev = binary.as_os_str().to_owned();
-    prev.push(".prev");
+/// Keeps the running binary as `<binary>.prev` with the record of the
+/// trial ([`rollback`]: a binary that never reaches control is swapped
+/// back), renames the staged file over it, and syncs the directory so the
+/// swap survives a power cut.
+fn install(staged: &Path, binary: &Path, to: &str) -> std::io::Result<()> {
     if binary.exists() {
-        std::fs::copy(binary, &prev)?;
+        rollback::Records::beside(binary).keep_previous(crate::version::tag(), to)?;
     }
-    std::fs::rename(staged, binary)?;
-    if let Some(dir) = binary.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
+    crate::durable::rename(staged, binary)
 }
 
 fn staging_path(binary: &Path) -> PathBuf {
@@ -486,7 +483,7 @@ fn too_big(url: &str) -> UpgradeError {
 /// Replaces this process with `binary args…`, saying `why`. Every
 /// descriptor the agent opened is close-on-exec, so the new process binds
 /// its sockets and takes its lock again. Returns only when the exec failed.
-pub(crate) fn exec_self(binary: &Path, args: &[String], why: &str) {
+pub fn exec_self(binary: &Path, args: &[String], why: &str) {
     use std::ffi::CString;
     tracing::info!(binary = %binary.display(), "{why}");
     let Ok(path) = CString::new(binary.as_os_str().as_encoded_bytes()) else {
