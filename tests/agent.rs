@@ -645,10 +645,26 @@ async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
         assert_eq!(task_pids(&ctd, ids.values()).await, pids, "an agent restart leaves them running");
 
         agent.run_args = check("stopping");
+        // systemd's notify socket: the halt asks for its grace (5 s) and
+        // the kill wait (5 s) beyond the unit's TimeoutStopSec.
+        let notify_path = agent.dir.path().join("notify.sock");
+        let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+        notify.set_nonblocking(true).unwrap();
+        agent.env = vec![("NOTIFY_SOCKET".into(), notify_path.display().to_string())];
         agent.start();
         assert_eq!(agent.wait_all(2, "HEALTHY"), ids, "adopted");
         let status = agent.term().expect("the agent exits on SIGTERM");
         assert!(status.success(), "{status:?}");
+        agent.env.clear();
+        let mut told = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = notify.recv(&mut buf) {
+            told.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        assert!(
+            told.iter().any(|m| m.contains("EXTEND_TIMEOUT_USEC=10000000")),
+            "the stop timeout was not extended by the grace: {told:?}"
+        );
         for cid in ids.values() {
             assert_eq!(
                 containers::task_state(&ctd, cid).await.unwrap(),

@@ -545,7 +545,15 @@ impl Node {
             notify(&[sd_notify::NotifyState::Status(
                 "host shutting down: stopping instances",
             )]);
-            let stopped = halt.halt().await.unwrap_or(0);
+            // An instance's grace may be longer than the unit's
+            // TimeoutStopSec: systemd is asked to wait for this halt.
+            let stopped = halt
+                .halt(|bound| {
+                    let usec = u32::try_from(bound.as_micros()).unwrap_or(u32::MAX);
+                    notify(&[sd_notify::NotifyState::ExtendTimeoutUsec(usec)]);
+                })
+                .await
+                .unwrap_or(0);
             tracing::info!(
                 stopped,
                 "the host is going down: instances stopped, containers kept for the next boot"

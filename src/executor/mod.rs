@@ -128,16 +128,35 @@ pub struct ExecutorHandle {
     pub status: watch::Receiver<Arc<StatusSnapshot>>,
     /// The networks in use on this node (for the VIP rules).
     pub networks: watch::Receiver<Arc<Vec<LocalNetwork>>>,
-    halt: mpsc::Sender<oneshot::Sender<usize>>,
+    halt: mpsc::Sender<HaltRequest>,
+}
+
+/// A halt: told how long it may take (the longest grace and the kill
+/// wait) as it begins, and how many instances it stopped when done.
+struct HaltRequest {
+    bound: oneshot::Sender<Duration>,
+    done: oneshot::Sender<usize>,
 }
 
 impl ExecutorHandle {
     /// The host is going down: every instance is stopped with its grace
     /// (containers kept, so the next boot restarts them) and the executor
-    /// stops. Returns how many were stopped, `None` if it was gone already.
-    pub async fn halt(&self) -> Option<usize> {
-        let (tx, rx) = oneshot::channel();
-        self.halt.send(tx).await.ok()?;
+    /// stops. `bound` hears, as it begins, how long it may take (systemd's
+    /// stop timeout is extended by it). Returns how many were stopped,
+    /// `None` if it was gone already.
+    pub async fn halt(&self, bound: impl FnOnce(Duration)) -> Option<usize> {
+        let (bound_tx, bound_rx) = oneshot::channel();
+        let (done, rx) = oneshot::channel();
+        self.halt
+            .send(HaltRequest {
+                bound: bound_tx,
+                done,
+            })
+            .await
+            .ok()?;
+        if let Ok(d) = bound_rx.await {
+            bound(d);
+        }
         rx.await.ok()
     }
 }
@@ -198,7 +217,7 @@ pub struct Executor {
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
-    halt_rx: mpsc::Receiver<oneshot::Sender<usize>>,
+    halt_rx: mpsc::Receiver<HaltRequest>,
     /// Reconcile passes completed (shown in the status).
     passes: u64,
 }
@@ -352,8 +371,8 @@ impl Executor {
                     let mark = *self.host.applied.borrow_and_update();
                     self.alloc.retire_through(mark);
                 }
-                Some(reply) = self.halt_rx.recv() => {
-                    let _ = reply.send(self.halt_all().await);
+                Some(req) = self.halt_rx.recv() => {
+                    let _ = req.done.send(self.halt_all(req.bound).await);
                     break;
                 }
             }
@@ -368,13 +387,14 @@ impl Executor {
 
     /// Every worker stops its task with the container's grace and ends;
     /// waits for all (each bounded by its grace, plus the kill wait).
-    async fn halt_all(&mut self) -> usize {
+    async fn halt_all(&mut self, bound: oneshot::Sender<Duration>) -> usize {
         let longest = self
             .owned
             .values()
             .map(|o| o.stop_grace)
             .max()
             .unwrap_or_default();
+        let _ = bound.send(longest + HALT_SLACK);
         let acks: Vec<_> = self
             .workers
             .values()

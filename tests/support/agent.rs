@@ -91,6 +91,8 @@ pub struct AgentProc {
     pub run_args: Vec<String>,
     /// Run inside this network namespace (a path under /run/netns).
     pub netns: Option<PathBuf>,
+    /// Extra environment of `run`.
+    pub env: Vec<(String, String)>,
 }
 
 impl AgentProc {
@@ -106,6 +108,7 @@ impl AgentProc {
             dir,
             run_args: Vec::new(),
             netns: None,
+            env: Vec::new(),
         }
     }
 
@@ -175,6 +178,7 @@ impl AgentProc {
             ])
             .arg(self.manifests())
             .args(&self.run_args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(log)
