@@ -14,7 +14,7 @@ mod stop;
 mod tasks;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -27,7 +27,6 @@ use self::tasks::Tasks;
 use crate::admin;
 use crate::config::{Config, NodeAddresses};
 use crate::executor::{Executor, ExecutorConfig, ExecutorHandle};
-use crate::metrics::store::Store;
 use crate::runtime::Containerd;
 
 /// The instances' samples, as the sampler publishes them.
@@ -125,8 +124,8 @@ struct Node {
     upgrade_notices: watch::Sender<Vec<String>>,
 }
 
-/// The stats store behind `Stats`, and its file (control only).
-type StatsOnClose = Option<(Arc<Mutex<Store>>, PathBuf)>;
+/// The stats store behind `Stats`, and its files (control only).
+type StatsOnClose = Option<crate::metrics::persist::StoreFile>;
 
 impl Node {
     /// containerd (lazily), networking, DNS and metrics. The sync stream,
@@ -369,20 +368,16 @@ impl Node {
             controls,
             ..
         } = control;
-        let stats_path = crate::metrics::persist::path(&config.data_dir);
-        let stats = Arc::new(Mutex::new(crate::metrics::persist::load(&stats_path)));
-        self.core.spawn(
-            "stats persistence",
-            crate::metrics::persist::run(Arc::clone(&stats), stats_path.clone()),
-        );
-        let stats_on_close = Some((Arc::clone(&stats), stats_path));
+        let stats = crate::metrics::persist::StoreFile::open(&config.data_dir);
+        self.core.spawn("stats checkpoints", stats.clone().run());
+        let stats_on_close = Some(stats.clone());
         let (samples, sampler) = crate::metrics::Sampler {
             ctd: self.ctd.clone(),
             cgroup_parent: self.cgroup_parent.clone(),
             status: handle.status.clone(),
             every: crate::metrics::SAMPLE_EVERY,
             store: Some(crate::metrics::StoreFeed {
-                store: Arc::clone(&stats),
+                store: stats.clone(),
                 node_id: sync.node_id.clone(),
                 data_dir: config.data_dir.clone(),
             }),
@@ -404,7 +399,7 @@ impl Node {
             data_dir: config.data_dir.clone(),
             run_dir: config.run_dir.clone(),
             node_id: sync.node_id.clone(),
-            stats: Some(stats),
+            stats: Some(Arc::clone(&stats.store)),
             upgrade: crate::upgrade::UpgradeConfig {
                 base_url: config.upgrade_base_url.clone(),
                 // Resolved at start: once an upgrade renames a new file
@@ -562,8 +557,8 @@ impl Node {
             tracing::info!("stopping; containers keep running");
         }
         self.core.stop(STOP_WITHIN).await;
-        if let Some((stats, path)) = &stats {
-            crate::metrics::persist::flush_now(stats, path).await;
+        if let Some(stats) = &stats {
+            stats.checkpoint_now().await;
         }
         let _ = std::fs::remove_file(admin::socket_path(&self.config.run_dir));
     }

@@ -14,10 +14,11 @@
 pub mod host;
 pub mod persist;
 pub mod store;
+pub mod wal;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
@@ -55,7 +56,7 @@ pub struct Sampler {
 /// The store a sampler feeds, and what node-scope points need.
 #[derive(Debug, Clone)]
 pub struct StoreFeed {
-    pub store: Arc<Mutex<store::Store>>,
+    pub store: persist::StoreFile,
     pub node_id: String,
     pub data_dir: PathBuf,
 }
@@ -116,14 +117,18 @@ impl Sampler {
             // Baselines of containers that went away go with them.
             previous = current;
             if let Some(feed) = &self.store {
-                record(feed, cpu.sample(), &samples);
+                // The log's append is synced: off the runtime's threads.
+                let (feed, cpu, samples) = (feed.clone(), cpu.sample(), samples.clone());
+                let logged = tokio::task::spawn_blocking(move || record(&feed, cpu, &samples));
+                if let Err(e) = logged.await {
+                    tracing::warn!(error = %e, "a stats round was not recorded");
+                }
             }
             out.send_replace(Arc::new(samples));
         }
     }
 }
 
-/// Writes one round of samples: the node's now, and the instances'.
 /// Now, in the store's unix seconds.
 pub fn unix_now() -> u32 {
     SystemTime::now()
@@ -131,10 +136,12 @@ pub fn unix_now() -> u32 {
         .map_or(0, |d| u32::try_from(d.as_secs()).unwrap_or(u32::MAX))
 }
 
+/// Records one round of samples (the node's now, and the instances') in
+/// the store and its log.
 fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, InstanceSample>) {
     use crate::metrics::host;
     use store::Scope;
-    let at = unix_now();
+    use wal::{Point, Round};
     let (mem_used, mem_total) = host::memory();
     let (disk_used, disk_total) = host::disk(&feed.data_dir);
     let (rx, tx) = host::net_totals();
@@ -148,11 +155,20 @@ fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, Insta
         ("net_rx_bytes", rx as f64),
         ("net_tx_bytes", tx as f64),
     ];
-    let Ok(mut store) = feed.store.lock() else {
-        return;
+    let point = |scope, id: &str, metric: &str, value| Point {
+        scope,
+        id: id.to_owned(),
+        metric: metric.to_owned(),
+        value,
+    };
+    let mut round = Round {
+        at: unix_now(),
+        points: Vec::new(),
     };
     for (metric, value) in node {
-        store.record(at, Scope::Node, &feed.node_id, metric, value);
+        round
+            .points
+            .push(point(Scope::Node, &feed.node_id, metric, value));
     }
     for (id, s) in instances {
         #[allow(clippy::cast_precision_loss)]
@@ -163,8 +179,8 @@ fn record(feed: &StoreFeed, cpu_percent: f64, instances: &BTreeMap<String, Insta
             ("net_tx_bytes", s.net_tx_bytes as f64),
         ];
         for (metric, value) in points {
-            store.record(at, Scope::Instance, id, metric, value);
+            round.points.push(point(Scope::Instance, id, metric, value));
         }
     }
-    store.forget_stale(at);
+    feed.store.record(&round);
 }

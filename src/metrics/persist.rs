@@ -1,11 +1,15 @@
 //! The stats store on disk (dataplane.md TS-8, TS-9), so that a restart or
 //! a self-upgrade keeps the history `Stats` answers.
 //!
-//! `<data-dir>/metrics/tsdb.bin`, flushed every [`FLUSH_EVERY`] and when the
-//! agent stops: written to `tsdb.bin.tmp`, fsynced, renamed over the old
-//! file. Each flush first drops series with no raw point in [`GC_AFTER`].
-//! A missing file is an empty start; a corrupt one, a bad magic or another
-//! version is logged and the store starts empty (the next flush replaces it).
+//! `<data-dir>/metrics/tsdb.bin` is a checkpoint of the whole store,
+//! written every [`CHECKPOINT_EVERY`] and when the agent stops (durably:
+//! a temporary file, synced, renamed, the directory synced); each round of
+//! samples between two checkpoints is in the write-ahead log beside it
+//! ([`super::wal`]), replayed at start. Each checkpoint first drops series
+//! with no raw point in [`GC_AFTER`]. A missing file is an empty start; an
+//! unreadable one (a bad magic, another version, cut short) is set aside
+//! (`tsdb.bin.broken-<time>`), never overwritten, and the store starts from
+//! the log alone.
 //!
 //! Deviation: the reference writes fixed rings (about 186 KiB per series,
 //! TS-10); this writes the points there are, 8 bytes each, so an hour-old
@@ -16,7 +20,7 @@
 //! points, each a `u32` count of `(u32 unix seconds, f32 value)`.
 //!
 //! A reference agent's file (version 1) is read too, so a node moved from
-//! the reference keeps its history; the next flush writes version 2.
+//! the reference keeps its history; the next checkpoint writes version 2.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -24,31 +28,107 @@ use std::time::Duration;
 
 use super::store::Store;
 pub use super::store::{MAGIC, MAX_STRING, REFERENCE_VERSION, VERSION};
+use super::wal::{Round, Wal};
 
-pub const FLUSH_EVERY: Duration = Duration::from_secs(60);
+/// How often the whole store is written; the log holds the rounds between.
+pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(15 * 60);
 /// Series whose newest raw point is older than this are dropped on flush.
 pub const GC_AFTER: Duration = Duration::from_secs(48 * 3600);
 
-/// A store and the file it is kept in.
-pub type StoreFile = (Arc<Mutex<Store>>, PathBuf);
+/// The store, its checkpoint file and its log. Rounds and checkpoints take
+/// the log's lock first, then the store's: a checkpoint never misses a
+/// round that the log it resets held.
+#[derive(Debug, Clone)]
+pub struct StoreFile {
+    pub store: Arc<Mutex<Store>>,
+    pub path: PathBuf,
+    wal: Arc<Mutex<Wal>>,
+}
 
 /// `<data_dir>/metrics/tsdb.bin`.
 pub fn path(data_dir: &Path) -> PathBuf {
     data_dir.join("metrics").join("tsdb.bin")
 }
 
-/// The store kept at `path`, or an empty one (TS-9).
-pub fn load(path: &Path) -> Store {
-    match std::fs::read(path) {
-        Ok(bytes) => Store::decode(&bytes).unwrap_or_else(|e| {
-            tracing::warn!(path = %path.display(), error = %e, "stats store unreadable; starting empty");
-            Store::default()
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Store::default(),
-        Err(e) => {
-            tracing::warn!(path = %path.display(), error = %e, "stats store unreadable; starting empty");
-            Store::default()
+impl StoreFile {
+    /// The store of `data_dir`: its checkpoint, then every round of its log.
+    pub fn open(data_dir: &Path) -> Self {
+        let path = path(data_dir);
+        let mut store = load(&path);
+        let mut wal = Wal::new(super::wal::path(data_dir));
+        match wal.replay(&mut store) {
+            Ok(0) => {}
+            Ok(rounds) => tracing::info!(rounds, "stats rounds replayed from the log"),
+            Err(e) => {
+                tracing::warn!(error = %e, "the stats log could not be read; its rounds are lost");
+            }
         }
+        Self {
+            store: Arc::new(Mutex::new(store)),
+            path,
+            wal: Arc::new(Mutex::new(wal)),
+        }
+    }
+
+    /// Records one round in the store and appends it to the log, synced
+    /// (blocking: called off the runtime's threads).
+    pub fn record(&self, round: &Round) {
+        let Ok(mut wal) = self.wal.lock() else {
+            return;
+        };
+        if let Ok(mut store) = self.store.lock() {
+            round.apply(&mut store);
+        }
+        if let Err(e) = wal.append(round) {
+            tracing::warn!(error = %e, "a stats round was not logged; kept in memory until the next checkpoint");
+        }
+    }
+
+    /// Garbage-collects the store as of `now` (unix seconds), writes it,
+    /// and starts the log over.
+    pub fn checkpoint(&self, now: u32) -> std::io::Result<()> {
+        let mut wal = self
+            .wal
+            .lock()
+            .map_err(|_| std::io::Error::other("stats log poisoned"))?;
+        flush(&self.store, &self.path, now)?;
+        wal.reset()
+    }
+
+    /// Checkpoints every [`CHECKPOINT_EVERY`] until the task is dropped;
+    /// the agent checkpoints once more when it stops.
+    pub async fn run(self) {
+        let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            self.checkpoint_now().await;
+        }
+    }
+
+    /// One checkpoint off the runtime's threads, logged if it fails.
+    pub async fn checkpoint_now(&self) {
+        let this = self.clone();
+        let now = super::unix_now();
+        let done = tokio::task::spawn_blocking(move || this.checkpoint(now)).await;
+        if let Ok(Err(e)) = done {
+            tracing::warn!(path = %self.path.display(), error = %e, "stats store not saved; its rounds stay in the log");
+        }
+    }
+}
+
+/// The store kept at `path`, or an empty one (TS-9); an unreadable file is
+/// set aside.
+pub fn load(path: &Path) -> Store {
+    let unreadable = |e: &dyn std::fmt::Display| {
+        let aside = crate::durable::set_aside(path);
+        tracing::warn!(path = %path.display(), error = %e, aside = ?aside, "stats store unreadable; set aside, starting from the log");
+        Store::default()
+    };
+    match std::fs::read(path) {
+        Ok(bytes) => Store::decode(&bytes).unwrap_or_else(|e| unreadable(&e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Store::default(),
+        Err(e) => unreadable(&e),
     }
 }
 
@@ -62,32 +142,7 @@ pub fn flush(store: &Mutex<Store>, path: &Path, now: u32) -> std::io::Result<()>
         s.collect_garbage(now, GC_AFTER.as_secs() as u32);
         s.encode()
     };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
     crate::durable::write(path, &bytes, 0o600)
-}
-
-/// Flushes every [`FLUSH_EVERY`] until the task is dropped; the agent
-/// flushes once more when it stops.
-pub async fn run(store: Arc<Mutex<Store>>, path: PathBuf) {
-    let mut tick = tokio::time::interval(FLUSH_EVERY);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        flush_now(&store, &path).await;
-    }
-}
-
-/// One flush off the runtime's threads, logged if it fails.
-pub async fn flush_now(store: &Arc<Mutex<Store>>, path: &Path) {
-    let (store, path) = (Arc::clone(store), path.to_owned());
-    let now = super::unix_now();
-    let done =
-        tokio::task::spawn_blocking(move || flush(&store, &path, now).map_err(|e| (path, e))).await;
-    if let Ok(Err((path, e))) = done {
-        tracing::warn!(path = %path.display(), error = %e, "stats store not saved");
-    }
 }
 
 #[cfg(test)]
@@ -155,9 +210,50 @@ mod tests {
             std::fs::write(&p, bytes).unwrap();
             let mut s = load(&p);
             assert_eq!(s.newest(), None);
+            assert!(!p.exists(), "set aside, not left to be overwritten");
             s.record(105, Scope::Node, "n1", "m", 1.0);
             assert_eq!(s.newest(), Some(105), "usable");
         }
+    }
+
+    /// 58.10: the rounds after the last checkpoint come back from the log
+    /// (a cut lost everything since the last minute's rewrite before, and
+    /// each minute rewrote the whole store); a checkpoint starts it over.
+    #[test]
+    fn rounds_since_the_checkpoint_come_back_from_the_log() {
+        use crate::metrics::wal::{Point, Round};
+        let dir = tempfile::tempdir().unwrap();
+        let t0 = 1_790_000_000;
+        let round = |i: u32| Round {
+            at: t0 + i * 15,
+            points: vec![Point {
+                scope: Scope::Node,
+                id: "n1".into(),
+                metric: "cpu_percent".into(),
+                value: f64::from(i),
+            }],
+        };
+        let file = StoreFile::open(dir.path());
+        for i in 0..4 {
+            file.record(&round(i));
+        }
+        file.checkpoint(t0 + 60).unwrap();
+        for i in 4..10 {
+            file.record(&round(i));
+        }
+        let wal = crate::metrics::wal::path(dir.path());
+        let logged = std::fs::metadata(&wal).unwrap().len();
+        assert!(logged < 1024, "six rounds of one point: {logged} bytes");
+        // The cut: nothing more is written. The next start has every round.
+        let back = StoreFile::open(dir.path());
+        let now = i64::from(t0) + 150;
+        assert_eq!(points(&back.store.lock().unwrap(), now), 10);
+        back.checkpoint(t0 + 150).unwrap();
+        assert!(!wal.exists(), "the log starts over after a checkpoint");
+        assert_eq!(
+            points(&StoreFile::open(dir.path()).store.lock().unwrap(), now),
+            10
+        );
     }
 
     #[test]

@@ -38,13 +38,13 @@ pub enum Scope {
 }
 
 impl Scope {
-    fn from_label(label: &str) -> Option<Self> {
+    pub(super) fn from_label(label: &str) -> Option<Self> {
         [Scope::Node, Scope::Instance, Scope::Env]
             .into_iter()
             .find(|s| s.label() == label)
     }
 
-    fn label(self) -> &'static str {
+    pub(super) fn label(self) -> &'static str {
         match self {
             Scope::Node => "node",
             Scope::Instance => "instance",

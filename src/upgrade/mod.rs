@@ -371,8 +371,8 @@ pub async fn upgrade(
     let (binary, args, stats) = (cfg.binary.clone(), cfg.args.clone(), cfg.stats.clone());
     tokio::spawn(async move {
         tokio::time::sleep(RESTART_AFTER).await;
-        if let Some((store, path)) = &stats {
-            crate::metrics::persist::flush_now(store, path).await;
+        if let Some(stats) = &stats {
+            stats.checkpoint_now().await;
         }
         exec_self(&binary, &args, "restarting into the upgraded agent");
     });
