@@ -171,6 +171,10 @@ async fn a_simulated_reboot_is_recovered() {
             before,
             "the same containers, not new ones"
         );
+        // The SIGKILL left the run marker: status says the last run did not
+        // stop cleanly.
+        let notices = agent.status().unwrap()["notices"].to_string();
+        assert!(notices.contains("ended without a clean stop"), "{notices}");
         // Started again, not re-created (which would lose their writable
         // layers): the lane found every container re-created after a reboot.
         assert_eq!(
@@ -677,10 +681,12 @@ async fn a_host_shutdown_stops_instances_and_an_agent_restart_does_not() {
         assert_eq!(owned_count(&ctd).await, 2, "containers kept for the next boot");
         assert!(agent.log().contains("the host is going down"), "{}", agent.log());
 
-        // The next boot: the same containers run again.
+        // The next boot: the same containers run again, after a clean stop.
         agent.run_args = check("running");
         agent.start();
         assert_eq!(agent.wait_all(2, "HEALTHY"), ids);
+        let notices = agent.status().unwrap()["notices"].to_string();
+        assert!(!notices.contains("without a clean stop"), "{notices}");
     })
     .await;
 }

@@ -43,10 +43,18 @@ pub async fn run(mut config: Config, agent_binary: PathBuf) -> Result<()> {
         lock: _lock,
         join_addr,
         control_problem,
+        unclean_stop,
     } = start::prepare(&mut config).await?;
     let shutdown = stop::shutdown_signal();
     tokio::pin!(shutdown);
     let mut node = Node::new(config, agent_binary)?;
+    if let Some(last) = unclean_stop {
+        node.start_notices.send_modify(|n| {
+            n.push(format!(
+                "the last run ({last}) ended without a clean stop (a power cut, a SIGKILL or a crash); recovered at this start"
+            ));
+        });
+    }
     let control = match control_problem {
         None => {
             ControlLink::prepare(
@@ -122,6 +130,8 @@ struct Node {
     /// A self-upgrade on trial or rolled back, for `status` (cleared by the
     /// first sync session).
     upgrade_notices: watch::Sender<Vec<String>>,
+    /// What this start found (an unclean stop of the last run).
+    start_notices: watch::Sender<Vec<String>>,
 }
 
 /// The stats store behind `Stats`, and its files (control only).
@@ -165,6 +175,7 @@ impl Node {
             vips: Tasks::new(),
             vip_shutdown: CancellationToken::new(),
             core,
+            start_notices: watch::Sender::new(Vec::new()),
         })
     }
 
@@ -336,6 +347,7 @@ impl Node {
         notices.extend(control.map(|c| c.api_notices.clone()));
         notices.extend(extra);
         notices.push(self.upgrade_notices.subscribe());
+        notices.push(self.start_notices.subscribe());
         let admin = admin::Admin {
             status: handle.status.clone(),
             notices,
@@ -561,6 +573,9 @@ impl Node {
             stats.checkpoint_now().await;
         }
         let _ = std::fs::remove_file(admin::socket_path(&self.config.run_dir));
+        if let Err(e) = crate::durable::remove(&start::running_marker(&self.config.data_dir)) {
+            tracing::warn!(error = %e, "the run marker was not removed: the next start will report an unclean stop");
+        }
     }
 }
 

@@ -17,6 +17,9 @@ pub(super) struct Prepared {
     /// Why a node that joined cannot follow its control plane yet (its
     /// enrollment unreadable): the data plane comes up without it (58.9).
     pub control_problem: Option<anyhow::Error>,
+    /// The last run ended without a clean stop (a power cut, a SIGKILL, a
+    /// crash): what its marker said.
+    pub unclean_stop: Option<String>,
 }
 
 /// Readies the host for the agent with `config`, and settles where the
@@ -54,6 +57,7 @@ pub(super) async fn prepare(config: &mut Config) -> Result<Prepared> {
     }
     // Two agents on one namespace would remove each other's containers.
     let lock = lock_namespace(config.namespace.as_str())?;
+    let unclean_stop = mark_running(&config.data_dir);
     if let Err(failed) = crate::doctor::preflight(config) {
         anyhow::bail!(
             "preflight: {} (`zattera-agent doctor` runs every check)",
@@ -64,6 +68,7 @@ pub(super) async fn prepare(config: &mut Config) -> Result<Prepared> {
         lock,
         join_addr,
         control_problem,
+        unclean_stop,
     })
 }
 
@@ -151,6 +156,36 @@ pub(super) fn sync_target(config: &Config) -> Result<Option<String>> {
         tracing::info!(join = %given, sync = %target, "syncing with the address the join returned");
     }
     Ok(target)
+}
+
+/// `<data_dir>/running`: written at start, removed at a clean stop.
+pub(super) fn running_marker(data_dir: &std::path::Path) -> PathBuf {
+    data_dir.join("running")
+}
+
+/// Writes the marker of this run; what the last run's said when it did
+/// not stop cleanly. An exec in place (an upgrade, the control link made)
+/// keeps the pid and is no unclean stop. The recovery the marker stands
+/// for runs at every start anyway (a pending copy-up redone, torn log
+/// tails sealed, the stats log's torn tail cut, an upgrade's trial
+/// counted): the marker says that it had work to do.
+fn mark_running(data_dir: &std::path::Path) -> Option<String> {
+    let path = running_marker(data_dir);
+    let me = std::process::id();
+    let previous = std::fs::read_to_string(&path)
+        .ok()
+        .filter(|text| !text.starts_with(&format!("pid {me} ")));
+    let text = format!(
+        "pid {me} since {}\n",
+        humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+    );
+    if let Err(e) = crate::durable::write(&path, text.as_bytes(), 0o600) {
+        tracing::warn!(path = %path.display(), error = %e, "the run marker was not written");
+    }
+    let previous = previous?;
+    let said = previous.trim().to_owned();
+    tracing::warn!(last_run = %said, "the last run did not stop cleanly (a power cut, a SIGKILL or a crash); recovering");
+    Some(said)
 }
 
 /// Holds `<LOCK_DIR>/<namespace>.lock` for the agent's life: a second agent
