@@ -19,6 +19,13 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/zattera";
 pub const DEFAULT_RUN_DIR: &str = "/run/zattera";
 pub const DEFAULT_CONTAINERD_ADDRESS: &str = "/run/containerd/containerd.sock";
 pub const DEFAULT_NAMESPACE: &str = "zattera";
+/// Processes per container unless configured (`pids-limit`): contains a
+/// fork bomb, and far above what a service needs.
+pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
+/// Containers of one environment per runc shim unless configured
+/// (`shim-group-size`); bench/density and bench/results/2026-12-06.md say
+/// why this many.
+pub const DEFAULT_SHIM_GROUP_SIZE: usize = 8;
 pub const DEFAULT_HOST_IP: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 /// The node API (`AgentLocalService`) on every address, port 8444 (wire.md §0.4).
 pub const DEFAULT_NODE_API_LISTEN: SocketAddr =
@@ -63,7 +70,7 @@ pub struct Settings {
     #[serde(alias = "pids_limit")]
     pub pids_limit: Option<u32>,
     /// Containers of one environment per runc shim (default
-    /// [`crate::executor::DEFAULT_SHIM_GROUP_SIZE`]; 1 = a shim each).
+    /// [`DEFAULT_SHIM_GROUP_SIZE`]; 1 = a shim each).
     #[serde(alias = "shim_group_size")]
     pub shim_group_size: Option<u32>,
     /// Longest an image pull may take, as `90s`, `10m` (default 10m).
@@ -360,14 +367,10 @@ impl Settings {
                         })
                 })
                 .collect::<Result<_, _>>()?,
-            pids_limit: self
-                .pids_limit
-                .unwrap_or(crate::executor::DEFAULT_PIDS_LIMIT),
+            pids_limit: self.pids_limit.unwrap_or(DEFAULT_PIDS_LIMIT),
             shim_group_size: self
                 .shim_group_size
-                .map_or(crate::executor::DEFAULT_SHIM_GROUP_SIZE, |n| {
-                    n.max(1) as usize
-                }),
+                .map_or(DEFAULT_SHIM_GROUP_SIZE, |n| n.max(1) as usize),
             control_node_ids: self.control_node_ids.unwrap_or_default(),
             join_token: self.join_token.filter(|t| !t.trim().is_empty()),
             bridge_prefix: self.bridge_prefix,

@@ -13,6 +13,9 @@ use zattera_netns::{PublishedPort, Subnet};
 
 use crate::proto::v1::Assignment;
 
+/// Where a standalone manifest's `resources.pids` travels in the spec (a
+/// placement constraint: the wire has no field for it).
+pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
 pub const MANAGED: &str = "dev.zattera/managed";
 pub const ASSIGNMENT_ID: &str = "dev.zattera/assignment-id";
 pub const ENVIRONMENT_ID: &str = "dev.zattera/environment-id";
@@ -44,11 +47,9 @@ pub const EXIT_CODE: &str = "dev.zattera/exit-code";
 /// and kept across agent restarts).
 pub const RESTARTS: &str = "dev.zattera/restarts";
 /// The runc shim group the container's task runs in (the value of
-/// [`RUNC_GROUP_ANNOTATION`] in its spec), when it shares a shim.
+/// [`crate::runtime::spec::RUNC_GROUP_ANNOTATION`] in its spec), when it
+/// shares a shim.
 pub const SHIM_GROUP: &str = "dev.zattera/shim-group";
-/// containerd's runc shim serves every container whose spec carries the
-/// same value here from one process.
-pub const RUNC_GROUP_ANNOTATION: &str = "io.containerd.runc.v2.group";
 
 /// The E-2 filter: managed services.
 pub const OWNED_FILTER: [(&str, &str); 2] = [(MANAGED, "true"), (ROLE, ROLE_SERVICE)];

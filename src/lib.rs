@@ -17,6 +17,7 @@ pub mod executor;
 pub mod health;
 pub mod image_gc;
 pub mod labels;
+pub mod layout;
 pub mod link;
 pub mod logs;
 pub mod mesh;

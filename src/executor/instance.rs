@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 
 use zattera_netns::{NetNode, Subnet, network_name};
 
-use super::{ExecutorConfig, files};
-use crate::labels::{self, NamedPort, OwnedContainer};
-use crate::logs::{self, files::StreamMeta};
+use super::{ExecutorConfig, compose, files};
+use crate::labels::{NamedPort, OwnedContainer};
+use crate::logs;
 use crate::proto::cluster::AssignmentRuntime;
 use crate::proto::v1::Assignment;
 use crate::runtime::containers::{self, NewContainer};
 use crate::runtime::pull::{Credentials, ProgressFn, PullEvent, Puller};
-use crate::runtime::spec::{self, BindMount, ContainerSpec};
+use crate::runtime::spec;
 use crate::runtime::{Containerd, ImageRef, RuntimeError};
 use crate::status::{Observation, State};
 
@@ -28,6 +28,26 @@ pub struct Handles {
     pub puller: Puller,
     pub net: Option<Arc<NetNode>>,
     pub cfg: Arc<ExecutorConfig>,
+}
+
+impl Handles {
+    /// The node's directories.
+    pub fn layout(&self) -> crate::layout::Layout {
+        crate::layout::Layout::new(&self.cfg.data_dir, &self.cfg.run_dir)
+    }
+
+    /// What the node decides for every container it composes.
+    fn node_facts(&self) -> compose::NodeFacts {
+        compose::NodeFacts {
+            layout: self.layout(),
+            cgroup_parent: self.cfg.cgroup_parent.clone(),
+            cgroup_v2: spec::host_has_cgroup_v2(),
+            pids_limit: self.cfg.pids_limit,
+            standalone: self.cfg.standalone,
+            default_subnet: self.cfg.default_subnet,
+            networked: self.net.is_some(),
+        }
+    }
 }
 
 /// Where a bring-up sends its intermediate reports (PULLING, STARTING) as
@@ -70,7 +90,7 @@ impl Plan {
             .map_or(&self.assignment.environment_id, |v| v)
     }
 
-    fn is_job(&self) -> bool {
+    pub(super) fn is_job(&self) -> bool {
         !self.assignment.job_id.is_empty()
     }
 }
@@ -102,6 +122,14 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// A plan that cannot make a container: a volume's fault names it.
+    fn composing(e: compose::ComposeError) -> Self {
+        match e {
+            compose::ComposeError::Volume { name, error } => Self::of(Step::Volume, name, error),
+            e => Self::new(Step::Create, e),
+        }
+    }
+
     fn new(step: Step, reason: impl std::fmt::Display) -> Self {
         Self {
             step,
@@ -256,7 +284,10 @@ impl Phases {
     }
 }
 
-/// Brings one instance up. On failure nothing it made is left behind.
+/// Brings one instance up: the image, then what the container is made of
+/// (composed with no I/O), then small steps that each make one thing. On
+/// failure the undo list takes back, newest first, what they made: nothing
+/// is left behind.
 pub async fn bring_up(
     h: &Handles,
     plan: &Plan,
@@ -265,6 +296,55 @@ pub async fn bring_up(
     let id = plan.assignment_id().to_owned();
     let mut phases = Phases::start();
     progress(Observation::new(&id, State::Pulling));
+    let image = pull(h, plan).await?;
+    phases.pull_check = phases.lap();
+    let facts = compose::ImageFacts::of(&image);
+    let cfg = image.config.config().clone().unwrap_or_default();
+    let user = image_user(h, &image, cfg.user().as_deref().unwrap_or_default()).await?;
+    let netns = match &h.net {
+        Some(net) if plan.ip.is_some() => Some(
+            net.config()
+                .netns_path(&plan.container_id)
+                .map_err(|e| Failure::new(Step::Network, e))?,
+        ),
+        _ => None,
+    };
+    let composed =
+        compose::compose(plan, &facts, user, netns, &h.node_facts()).map_err(Failure::composing)?;
+    phases.spec = phases.lap();
+    let fresh = volumes(h, plan, &composed, progress)?;
+    phases.volumes = phases.lap();
+
+    let mut undo = Undo::new(h, &composed, plan.ip);
+    let made = async {
+        network(h, plan, &mut undo).await?;
+        phases.network = phases.lap();
+        write_files(plan, &composed)?;
+        create(h, &image, &composed, &mut undo).await?;
+        phases.create = phases.lap();
+        copy_up(h, &composed, &fresh).await?;
+        progress(Observation::new(&id, State::Starting).container(&composed.container_id));
+        start(h, &composed).await
+    }
+    .await;
+    if let Err(failure) = made {
+        undo.unwind().await;
+        return Err(failure);
+    }
+    phases.start = phases.lap();
+    phases.log(&composed.container_id);
+    let container = containerd_client::services::v1::Container {
+        id: composed.container_id.clone(),
+        labels: composed.labels.clone(),
+        ..Default::default()
+    };
+    OwnedContainer::from_container(&container)
+        .ok_or_else(|| Failure::new(Step::Create, "labels do not round-trip"))
+}
+
+/// The image of `plan`, present or pulled (bounded by `pull-timeout`);
+/// pulls that really happen are counted.
+async fn pull(h: &Handles, plan: &Plan) -> Result<crate::runtime::LocalImage, Failure> {
     let reference: ImageRef = plan
         .runtime
         .image_ref
@@ -272,15 +352,14 @@ pub async fn bring_up(
         .map_err(|e| Failure::of(Step::Pull, &plan.runtime.image_ref, e))?;
     // Counted only when a pull really happens (an image present is not one).
     let pulled = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let counted = {
+    let counted: ProgressFn = {
         let (pulled, metrics) = (Arc::clone(&pulled), Arc::clone(&h.cfg.metrics));
-        let progress: ProgressFn = Arc::new(move |event| {
+        Arc::new(move |event| {
             if let PullEvent::Resolved { bytes, .. } = event {
                 pulled.store(true, std::sync::atomic::Ordering::Relaxed);
                 metrics.pull_bytes.inc_by(bytes);
             }
-        });
-        progress
+        })
     };
     let pull = h
         .puller
@@ -298,7 +377,7 @@ pub async fn bring_up(
             .get_or_create(&crate::telemetry::ResultLabel { result })
             .inc();
     }
-    let image = image
+    image
         .map_err(|_| {
             Failure::of(
                 Step::Pull,
@@ -309,251 +388,216 @@ pub async fn bring_up(
                 ),
             )
         })?
-        .map_err(|e| Failure::pull(&reference, e))?;
-    phases.pull_check = phases.lap();
+        .map_err(|e| Failure::pull(&reference, e))
+}
 
-    let spec_input = plan.runtime.spec.clone().unwrap_or_default();
-    let cid = plan.container_id.clone();
-    // The whole container id (a DNS label holds 63): Docker's 12-character
-    // prefix of a random id is unique, a prefix of ours would not be (C-11).
-    let hostname = hostname_of(&cid);
+/// A volume that fills from the image at its first use (C-8, VOL-4).
+struct Fresh {
+    local: String,
+    mount_path: String,
+}
 
-    let mut mounts = Vec::new();
-    // A volume at its first use gets the image's content at its path (C-8,
-    // VOL-4); never again, even emptied.
-    let mut fresh_volumes = Vec::new();
-    for v in &spec_input.volumes {
-        let name = crate::volumes::ensure(
-            &h.cfg.data_dir,
-            &plan.assignment.environment_id,
-            &v.volume_name,
-        )
-        .map_err(|e| Failure::new(Step::Volume, e))?;
-        crate::volumes::check_mount_path(&v.mount_path)
-            .map_err(|e| Failure::of(Step::Volume, &name, e))?;
-        // A node moved from the reference agent: its Docker volume.
-        if let Some(adopted) = crate::volumes::adopt::adopt(
-            &h.cfg.docker_volumes,
-            &h.cfg.data_dir,
-            &plan.assignment.environment_id,
-            &v.volume_name,
-            &name,
-        )
-        .map_err(|e| Failure::of(Step::Volume, &name, e))?
+/// Each volume's directory (a Docker volume of a moved node taken over),
+/// and which of them are at their first use.
+fn volumes(
+    h: &Handles,
+    plan: &Plan,
+    composed: &compose::Composed,
+    progress: Progress<'_>,
+) -> Result<Vec<Fresh>, Failure> {
+    let env = &plan.assignment.environment_id;
+    let mut fresh = Vec::new();
+    for v in &composed.volumes {
+        let local = crate::volumes::ensure(&h.cfg.data_dir, env, &v.name)
+            .map_err(|e| Failure::new(Step::Volume, e))?;
+        let at = |e: &dyn std::fmt::Display| Failure::of(Step::Volume, &local, e);
+        let docker = &h.cfg.docker_volumes;
+        if let Some(adopted) =
+            crate::volumes::adopt::adopt(docker, &h.cfg.data_dir, env, &v.name, &local)
+                .map_err(|e| at(&e))?
         {
             progress(
-                Observation::new(&id, State::Pulling)
-                    .message(format!("volume {}: {adopted}", v.volume_name)),
+                Observation::new(plan.assignment_id(), State::Pulling)
+                    .message(format!("volume {}: {adopted}", v.name)),
             );
         }
-        let first = crate::volumes::first_use(&h.cfg.data_dir, &name)
-            .map_err(|e| Failure::of(Step::Volume, &name, e))?;
-        let dir = crate::volumes::volume_root(&h.cfg.data_dir, &name);
-        if first {
-            fresh_volumes.push((name.clone(), dir.clone(), v.mount_path.clone()));
-        }
-        mounts.push(BindMount {
-            source: dir,
-            destination: v.mount_path.clone(),
-            readonly: false,
-        });
-    }
-
-    phases.volumes = phases.lap();
-
-    // Network: bridge, then this container's namespace and veth.
-    let mut attachment = None;
-    if let (Some(net), Some(subnet), Some(ip)) = (&h.net, plan.subnet, plan.ip) {
-        let name = scope_of(
-            h,
-            subnet,
-            &plan.assignment.project_id,
-            &plan.assignment.environment_id,
-        );
-        net.ensure_network(&name, subnet)
-            .await
-            .map_err(|e| Failure::of(Step::Network, &name, e))?;
-        let att = net
-            .attach(&cid, subnet, ip)
-            .await
-            .map_err(|e| Failure::of(Step::Network, &name, format_args!("attach: {e}")))?;
-        attachment = Some(att);
-    }
-    phases.network = phases.lap();
-    let detach = || async {
-        if let (Some(net), Some(_)) = (&h.net, &attachment) {
-            let _ = net.detach(&cid, plan.ip).await;
-        }
-    };
-
-    let result = async {
-        // The gateway answers internal names on environment networks; on
-        // the default network the host's resolvers do (C-10).
-        let gateway = attachment
-            .as_ref()
-            .filter(|_| plan.subnet != h.cfg.default_subnet)
-            .map(|a| a.gateway);
-        let host_resolv = read_host_resolv();
-        let dir = h.cfg.run_dir.join("containers").join(&cid);
-        let written =
-            files::write(&dir, &hostname, plan.ip, gateway, &host_resolv).map_err(|e| {
-                Failure::new(Step::Create, format_args!("writing {}: {e}", dir.display()))
-            })?;
-        for (source, destination) in written {
-            mounts.push(BindMount {
-                source,
-                destination: destination.to_owned(),
-                readonly: false,
+        if crate::volumes::first_use(&h.cfg.data_dir, &local).map_err(|e| at(&e))? {
+            fresh.push(Fresh {
+                local,
+                mount_path: v.mount_path.clone(),
             });
         }
-
-        let cfg = image.config.config().clone().unwrap_or_default();
-        let entrypoint = cfg.entrypoint().clone().unwrap_or_default();
-        let cmd = cfg.cmd().clone().unwrap_or_default();
-        let args = spec::process_args(&entrypoint, &cmd, &spec_input.command, plan.is_job());
-        if args.is_empty() {
-            return Err(Failure::new(
-                Step::Create,
-                "the image has no command and none was given",
-            ));
-        }
-        let mut env_pairs: Vec<(&str, &str)> = plan
-            .runtime
-            .env
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        env_pairs.sort_unstable();
-        let env = spec::process_env(&hostname, &cfg.env().clone().unwrap_or_default(), env_pairs)
-            .map_err(|e| Failure::new(Step::Create, e))?;
-        let user = image_user(h, &image, cfg.user().as_deref().unwrap_or_default()).await?;
-        let stop_signal = spec::stop_signal(cfg.stop_signal().as_deref())
-            .map_err(|e| Failure::new(Step::Create, e))?;
-        let stop_grace = spec_input
-            .stop_grace
-            .and_then(|d| Duration::try_from(d).ok())
-            .filter(|d| !d.is_zero())
-            .unwrap_or(Duration::from_secs(10));
-        let resources = spec_input.resources.unwrap_or_default();
-        let container_spec = ContainerSpec {
-            hostname: hostname.clone(),
-            args,
-            env,
-            cwd: cfg.working_dir().clone().unwrap_or_default(),
-            user,
-            mounts: mounts.clone(),
-            cpu_millis: resources.cpu_millis,
-            memory_mb: resources.memory_mb,
-            pids_limit: i64::from(pids_limit(&h.cfg, &spec_input)),
-            netns: attachment.as_ref().map(|a| a.netns_path.clone()),
-            cgroups_path: PathBuf::from(&h.cfg.cgroup_parent).join(&cid),
-            image_architecture: image.config.architecture().to_string(),
-            cgroup_v2: spec::host_has_cgroup_v2(),
-            shim_group: plan.shim_group.clone(),
-        };
-        let oci = spec::build(&container_spec)
-            .map_err(|e| Failure::new(Step::Create, format_args!("spec: {e}")))?;
-        phases.spec = phases.lap();
-
-        let log_path = h.cfg.data_dir.join("logs").join(format!("{cid}.log"));
-        let mut labels = labels::ownership(&plan.assignment);
-        labels.insert(labels::NAME.into(), labels::display_name(&plan.assignment));
-        labels.insert(labels::APP_NAME.into(), plan.app_name().to_owned());
-        labels.insert(labels::ENV_NAME.into(), plan.environment_name().to_owned());
-        if let (Some(ip), Some(subnet)) = (plan.ip, plan.subnet) {
-            labels.insert(labels::IP.into(), ip.to_string());
-            labels.insert(labels::SUBNET.into(), subnet.to_string());
-        }
-        if !plan.ports.is_empty() {
-            labels.insert(labels::PORTS.into(), labels::encode_ports(&plan.ports));
-        }
-        labels.insert(labels::STOP_SIGNAL.into(), stop_signal.to_string());
-        labels.insert(
-            labels::STOP_GRACE_MS.into(),
-            stop_grace.as_millis().to_string(),
-        );
-        labels.insert(labels::LOG_PATH.into(), log_path.display().to_string());
-        if let Some(group) = &plan.shim_group {
-            labels.insert(labels::SHIM_GROUP.into(), group.clone());
-        }
-        labels.insert(
-            labels::RESTART.into(),
-            if plan.is_job() {
-                "no"
-            } else {
-                "unless-stopped"
-            }
-            .into(),
-        );
-
-        containers::create(
-            &h.ctd,
-            &NewContainer {
-                id: cid.clone(),
-                image: reference.to_string(),
-                chain_id: image.chain_id.clone(),
-                labels: labels.clone(),
-                spec: oci,
-            },
-        )
-        .await
-        .map_err(|e| Failure::new(Step::Create, e))?;
-        phases.create = phases.lap();
-
-        for (name, _dir, inside) in &fresh_volumes {
-            let scratch = h.cfg.run_dir.join("scratch");
-            // Into a staging directory, made the root only once whole and
-            // on disk: an interruption is redone, never taken for done.
-            let copied = async {
-                let staging = crate::volumes::copy_up_staging(&h.cfg.data_dir, name)
-                    .map_err(|e| e.to_string())?;
-                crate::runtime::rootfs::copy_up(&h.ctd, &cid, inside, &staging, &scratch)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                crate::volumes::finish_copy_up(&h.cfg.data_dir, name).map_err(|e| e.to_string())
-            }
-            .await;
-            if let Err(e) = copied {
-                let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-                return Err(Failure::of(Step::Volume, name, e));
-            }
-        }
-        progress(Observation::new(&id, State::Starting).container(&cid));
-        // Its output stays queryable by its assignment after it is gone.
-        let meta = StreamMeta {
-            assignment_id: id.clone(),
-            project_id: plan.assignment.project_id.clone(),
-            app_id: plan.assignment.app_id.clone(),
-            environment_id: plan.assignment.environment_id.clone(),
-            job_id: plan.assignment.job_id.clone(),
-        };
-        if let Err(e) = logs::files::write_meta(&log_path, &meta) {
-            let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-            return Err(Failure::new(Step::Create, format_args!("log meta: {e}")));
-        }
-        let uri = logs::shim::log_uri(&h.cfg.logger_binary, &log_path, h.cfg.log_retention);
-        if let Err(e) = containers::start(&h.ctd, &cid, &uri).await {
-            // Never leave a dead container to be adopted.
-            let _ = containers::remove(&h.ctd, &cid, stop_signal, Duration::from_secs(1)).await;
-            return Err(Failure::new(Step::Start, e));
-        }
-        phases.start = phases.lap();
-        phases.log(&cid);
-        let container = containerd_client::services::v1::Container {
-            id: cid.clone(),
-            labels,
-            ..Default::default()
-        };
-        OwnedContainer::from_container(&container)
-            .ok_or_else(|| Failure::new(Step::Create, "labels do not round-trip"))
     }
-    .await;
-    if result.is_err() {
-        detach().await;
-        let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&cid));
-    }
-    result
+    Ok(fresh)
 }
+
+/// The bridge, then this container's namespace and veth.
+async fn network(h: &Handles, plan: &Plan, undo: &mut Undo<'_>) -> Result<(), Failure> {
+    let (Some(net), Some(subnet), Some(ip)) = (&h.net, plan.subnet, plan.ip) else {
+        return Ok(());
+    };
+    let name = scope_of(
+        h,
+        subnet,
+        &plan.assignment.project_id,
+        &plan.assignment.environment_id,
+    );
+    net.ensure_network(&name, subnet)
+        .await
+        .map_err(|e| Failure::of(Step::Network, &name, e))?;
+    undo.made(Made::Attachment);
+    net.attach(&plan.container_id, subnet, ip)
+        .await
+        .map_err(|e| Failure::of(Step::Network, &name, format_args!("attach: {e}")))?;
+    Ok(())
+}
+
+/// The files over the image's `/etc`: resolv.conf (the gateway answers
+/// internal names on environment networks; on the default network the
+/// host's resolvers do, C-10), hosts, hostname.
+fn write_files(plan: &Plan, composed: &compose::Composed) -> Result<(), Failure> {
+    let dir = &composed.files_dir;
+    files::write(
+        dir,
+        &composed.hostname,
+        plan.ip,
+        composed.gateway,
+        &read_host_resolv(),
+    )
+    .map(|_| ())
+    .map_err(|e| Failure::new(Step::Create, format_args!("writing {}: {e}", dir.display())))
+}
+
+/// The container record, with its rootfs snapshot.
+async fn create(
+    h: &Handles,
+    image: &crate::runtime::LocalImage,
+    composed: &compose::Composed,
+    undo: &mut Undo<'_>,
+) -> Result<(), Failure> {
+    containers::create(
+        &h.ctd,
+        &NewContainer {
+            id: composed.container_id.clone(),
+            image: image.name.to_string(),
+            chain_id: image.chain_id.clone(),
+            labels: composed.labels.clone(),
+            spec: composed.spec.clone(),
+        },
+    )
+    .await
+    .map_err(|e| Failure::new(Step::Create, e))?;
+    undo.made(Made::Container);
+    Ok(())
+}
+
+/// The image's content into each volume at its first use: into a staging
+/// directory, made the root only once whole and on disk, so that an
+/// interruption is redone, never taken for done.
+async fn copy_up(
+    h: &Handles,
+    composed: &compose::Composed,
+    fresh: &[Fresh],
+) -> Result<(), Failure> {
+    let scratch = h.layout().scratch();
+    for v in fresh {
+        let copied = async {
+            let staging = crate::volumes::copy_up_staging(&h.cfg.data_dir, &v.local)
+                .map_err(|e| e.to_string())?;
+            crate::runtime::rootfs::copy_up(
+                &h.ctd,
+                &composed.container_id,
+                &v.mount_path,
+                &staging,
+                &scratch,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            crate::volumes::finish_copy_up(&h.cfg.data_dir, &v.local).map_err(|e| e.to_string())
+        }
+        .await;
+        copied.map_err(|e| Failure::of(Step::Volume, &v.local, e))?;
+    }
+    Ok(())
+}
+
+/// The log's metadata (its output stays queryable by its assignment after
+/// it is gone), then the task with its log shim.
+async fn start(h: &Handles, composed: &compose::Composed) -> Result<(), Failure> {
+    logs::files::write_meta(&composed.log_path, &composed.log_meta)
+        .map_err(|e| Failure::new(Step::Create, format_args!("log meta: {e}")))?;
+    let uri = logs::shim::log_uri(
+        &h.cfg.logger_binary,
+        &composed.log_path,
+        h.cfg.log_retention,
+    );
+    containers::start(&h.ctd, &composed.container_id, &uri)
+        .await
+        .map(|_| ())
+        .map_err(|e| Failure::new(Step::Start, e))
+}
+
+/// What a bring-up made so far, taken back newest first if it fails.
+enum Made {
+    /// The container's namespace and veth (and nothing else of the bridge).
+    Attachment,
+    /// The container record, its snapshot and any task.
+    Container,
+}
+
+/// The undo list of one bring-up.
+struct Undo<'a> {
+    h: &'a Handles,
+    container_id: String,
+    ip: Option<Ipv4Addr>,
+    stop_signal: u32,
+    files_dir: PathBuf,
+    made: Vec<Made>,
+}
+
+impl<'a> Undo<'a> {
+    fn new(h: &'a Handles, composed: &compose::Composed, ip: Option<Ipv4Addr>) -> Self {
+        Self {
+            h,
+            container_id: composed.container_id.clone(),
+            ip,
+            stop_signal: composed.stop_signal,
+            files_dir: composed.files_dir.clone(),
+            made: Vec::new(),
+        }
+    }
+
+    fn made(&mut self, m: Made) {
+        self.made.push(m);
+    }
+
+    /// Never leaves a dead container to be adopted, nor a namespace or a
+    /// veth to be found. What fails here is logged: the bring-up's own
+    /// failure is the one reported.
+    async fn unwind(self) {
+        let cid = &self.container_id;
+        for m in self.made.into_iter().rev() {
+            let undone = match m {
+                Made::Container => {
+                    containers::remove(&self.h.ctd, cid, self.stop_signal, UNDO_GRACE)
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+                Made::Attachment => match &self.h.net {
+                    Some(net) => net.detach(cid, self.ip).await.map_err(|e| e.to_string()),
+                    None => Ok(()),
+                },
+            };
+            if let Err(e) = undone {
+                tracing::warn!(container = %cid, error = %e, "a failed bring-up left something behind");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.files_dir);
+    }
+}
+
+/// How long the task of a failed bring-up gets before SIGKILL.
+const UNDO_GRACE: Duration = Duration::from_secs(1);
 
 /// Restarts the task of an existing container (crash or reboot), reusing its
 /// container, snapshot, IP, ports and log file (C-13). A network attachment
@@ -623,7 +667,7 @@ fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
         .map(Subnet::gateway);
     files::write(
         &dir,
-        &hostname_of(&owned.container_id),
+        &compose::hostname_of(&owned.container_id),
         owned.ip,
         gateway,
         &read_host_resolv(),
@@ -635,11 +679,6 @@ fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
             format_args!("writing {}: {e}", dir.display()),
         )
     })
-}
-
-/// A container's hostname: its id, cut to a DNS label's 63 characters.
-fn hostname_of(container_id: &str) -> String {
-    container_id.chars().take(63).collect()
 }
 
 /// Stops and removes an instance, then its network attachment (E-6).
@@ -659,30 +698,6 @@ pub async fn tear_down(h: &Handles, owned: &OwnedContainer) -> Result<(), String
     }
     let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&owned.container_id));
     Ok(())
-}
-
-/// The node's limit, or a standalone manifest's when it is lower: a
-/// manifest can ask for less, never for more.
-fn pids_limit(cfg: &ExecutorConfig, spec: &crate::proto::v1::ServiceSpec) -> u32 {
-    let asked = cfg
-        .standalone
-        .then(|| spec.placement_constraints.get(super::PIDS_LIMIT_KEY))
-        .flatten()
-        .and_then(|v| v.parse::<u32>().ok())
-        .filter(|n| *n > 0);
-    match (asked, cfg.pids_limit) {
-        (Some(a), 0) => a,
-        (Some(a), node) if a <= node => a,
-        (Some(a), node) => {
-            tracing::warn!(
-                asked = a,
-                node,
-                "a manifest asks for more processes than the node allows; the node's limit applies"
-            );
-            node
-        }
-        (None, node) => node,
-    }
 }
 
 /// The network scope of `subnet`: its environment's, or the default one.

@@ -25,6 +25,7 @@
 pub mod alloc;
 pub mod backoff;
 mod board;
+pub mod compose;
 pub mod diff;
 pub mod files;
 mod host;
@@ -71,15 +72,6 @@ use crate::status::{Observation, SourceError, State, StatusSnapshot};
 const TICK: Duration = Duration::from_secs(5);
 /// How long after the task event stream ended it is subscribed again.
 const RESUBSCRIBE: Duration = Duration::from_secs(1);
-/// Where a standalone manifest's `resources.pids` travels in the spec.
-pub const PIDS_LIMIT_KEY: &str = "zattera.dev/pids-limit";
-/// Processes per container unless configured (`pids-limit`): contains a
-/// fork bomb, and far above what a service needs.
-pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
-/// Containers of one environment per runc shim unless configured
-/// (`shim-group-size`); bench/density and bench/results/2026-12-06.md say
-/// why this many.
-pub const DEFAULT_SHIM_GROUP_SIZE: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct ExecutorConfig {

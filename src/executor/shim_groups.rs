@@ -1,6 +1,6 @@
 //! Which runc shim a container's task runs in. containerd's runc shim can
 //! serve several containers from one process (the spec annotation
-//! [`crate::labels::RUNC_GROUP_ANNOTATION`]); one shim per container costs the
+//! [`crate::runtime::spec::RUNC_GROUP_ANNOTATION`]); one shim per container costs the
 //! node about 2.4 MiB and a process start each. Containers share a shim
 //! only within their scope (a project's environment, the unit that already
 //! shares a bridge and DNS), and at most `size` of them, so that a shim

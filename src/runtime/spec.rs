@@ -63,6 +63,10 @@ pub struct ProcessUser {
     pub additional_gids: Vec<u32>,
 }
 
+/// containerd's runc shim serves every container whose spec carries the
+/// same value here from one process.
+pub const RUNC_GROUP_ANNOTATION: &str = "io.containerd.runc.v2.group";
+
 /// Everything that shapes one container's spec, already resolved.
 #[derive(Debug, Clone, Default)]
 pub struct ContainerSpec {
@@ -92,6 +96,9 @@ pub struct ContainerSpec {
     /// The runc shim group the task joins (one shim serves them all);
     /// `None`: a shim of its own.
     pub shim_group: Option<String>,
+    /// The image's filesystem is mounted read-only (Docker's `--read-only`):
+    /// only volumes and the files over `/etc` can be written.
+    pub read_only_rootfs: bool,
 }
 
 /// Whether this host mounts the unified (v2) cgroup hierarchy.
@@ -311,18 +318,14 @@ pub fn build(c: &ContainerSpec) -> Result<Spec, OciSpecError> {
     spec.set_root(Some(
         RootBuilder::default()
             .path("rootfs")
-            .readonly(false)
+            .readonly(c.read_only_rootfs)
             .build()?,
     ));
     spec.set_mounts(Some(mounts));
     spec.set_linux(Some(linux));
     if let Some(group) = &c.shim_group {
         spec.set_annotations(Some(
-            [(
-                crate::labels::RUNC_GROUP_ANNOTATION.to_owned(),
-                group.clone(),
-            )]
-            .into(),
+            [(RUNC_GROUP_ANNOTATION.to_owned(), group.clone())].into(),
         ));
     }
     Ok(spec)

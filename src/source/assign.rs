@@ -207,13 +207,14 @@ pub fn service_spec(spec: &EnvSpec, m: &AppManifest) -> ServiceSpec {
         // (no scheduler reads it), and only standalone executors honour it.
         placement_constraints: if spec.resources.pids > 0 {
             BTreeMap::from([(
-                crate::executor::PIDS_LIMIT_KEY.to_owned(),
+                crate::labels::PIDS_LIMIT_KEY.to_owned(),
                 spec.resources.pids.to_string(),
             )])
         } else {
             BTreeMap::new()
         },
         rate_limit: None,
+        read_only_rootfs: spec.read_only_rootfs,
     }
 }
 

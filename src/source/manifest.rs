@@ -73,6 +73,8 @@ pub struct EnvSpec {
     pub variables: BTreeMap<String, String>,
     /// Unique names and mount paths.
     pub volumes: Vec<VolumeDecl>,
+    /// The image's filesystem read-only (only volumes are written).
+    pub read_only_rootfs: bool,
 }
 
 /// Limits; 0 means unlimited (runtime.md C-6), or for `pids` the node's
@@ -287,6 +289,8 @@ struct RawEnv {
     variables: BTreeMap<VarName, String>,
     #[serde(default)]
     volumes: Vec<RawVolume>,
+    #[serde(default)]
+    read_only_rootfs: bool,
 }
 
 #[derive(Deserialize, Default)]
@@ -491,6 +495,7 @@ fn validate(raw: RawManifest, file: &Path) -> Result<AppManifest, ManifestError>
             ports,
             variables,
             volumes,
+            read_only_rootfs: env.read_only_rootfs,
         };
         envs.insert(env_name, spec);
     }
@@ -765,6 +770,18 @@ image = "busybox"
             )
         );
         assert!(parse_ok(MINIMAL).healthcheck.is_none());
+    }
+
+    /// The example of a new ServiceSpec field (issue 55): the manifest key,
+    /// carried into the spec the executor composes.
+    #[test]
+    fn read_only_rootfs_reaches_the_service_spec() {
+        let m = parse_ok(&format!("{MINIMAL}read_only_rootfs = true\n"));
+        let env = &m.envs[&name("production")];
+        assert!(env.read_only_rootfs);
+        assert!(crate::source::assign::service_spec(env, &m).read_only_rootfs);
+        let plain = parse_ok(MINIMAL);
+        assert!(!plain.envs[&name("production")].read_only_rootfs);
     }
 
     #[test]
