@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::build::settings::{BuildBackendKind, BuildSettings};
+pub use crate::mesh::settings::MeshSettings;
 use crate::runtime::Namespace;
 
 /// Where the config file is looked for when `--config` is not given.
@@ -641,32 +642,6 @@ impl Config {
             _ => vec![self.node_api_listen],
         };
         Ok(NodeAddresses { host_ip, node_api })
-    }
-}
-
-/// The node's side of the WireGuard mesh, resolved.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MeshSettings {
-    pub interface: String,
-    pub listen_port: u16,
-    /// What the join advertises; empty: nothing but what autodetection finds.
-    pub endpoints: Vec<SocketAddr>,
-    /// `mesh-endpoints = ["auto"]`: also the default route's address at
-    /// join time, if globally routable (two such workers get direct /32
-    /// routes to each other, which a firewall dropping UDP 51820 cuts off).
-    pub autodetect_endpoint: bool,
-    pub backend: zattera_mesh::BackendKind,
-}
-
-impl Default for MeshSettings {
-    fn default() -> Self {
-        Self {
-            interface: "zt0".into(),
-            listen_port: zattera_mesh::DEFAULT_PORT,
-            endpoints: Vec::new(),
-            autodetect_endpoint: false,
-            backend: zattera_mesh::BackendKind::Auto,
-        }
     }
 }
 

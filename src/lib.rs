@@ -4,6 +4,18 @@
 //! standalone), running containers through containerd's gRPC API, with
 //! networks from [`zattera_netns`] and internal DNS from [`zattera_dns`].
 //! See the README for the architecture.
+//!
+//! The modules stand on floors; a module imports from its own floor and the
+//! floors below, never above (`tests/layers.rs` holds this table for every
+//! module, nested ones included, and finds no cycle):
+//!
+//! | floor | modules |
+//! |---|---|
+//! | shared words | `proto` `status` `labels` `link` `beneath` `programs` `redact` `version` `durable` `layout` |
+//! | operations | `runtime` `logs` `volumes` `upgrade` `build` `snapshot` `mesh` `health` `metrics` `telemetry` `image_gc` |
+//! | executor and sources | `executor` `source` `control` `config` |
+//! | doors | `node_api` `admin` `doctor` |
+//! | wiring | `agent`, and the binaries (`cli`, `bin`) |
 
 pub mod admin;
 pub mod agent;

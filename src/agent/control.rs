@@ -86,8 +86,15 @@ impl ControlLink {
             tls: sync.tls.clone(),
         };
         let mut mesh_ip = None;
-        if let Some(mesh) =
-            crate::mesh::start::start(config, &enrollment, link, device_binary, feed).await?
+        if let Some(mesh) = crate::mesh::start::start(
+            &config.mesh,
+            &crate::layout::Layout::new(&config.data_dir, &config.run_dir),
+            &enrollment,
+            link,
+            device_binary,
+            feed,
+        )
+        .await?
         {
             sync.targets = mesh.targets;
             mesh_ip = Some(mesh.mesh_ip);

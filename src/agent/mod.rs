@@ -429,15 +429,16 @@ impl Node {
                 build_net,
             ),
         };
-        let services = crate::control::services::spawn(
-            &sync,
+        let doors = crate::node_api::spawn_servers(
             &addresses.node_api,
+            sync.tls.clone(),
             node,
             controls,
             Arc::clone(&self.metrics),
         )
         .await;
-        for (name, task) in services.tasks {
+        let services = crate::control::services::spawn(&sync);
+        for (name, task) in doors.into_iter().chain(services.tasks) {
             self.feeds.adopt(name, task);
         }
         let proxy = crate::control::vip::run(

@@ -136,7 +136,7 @@ impl Default for MeshJoin {
 }
 
 impl MeshJoin {
-    pub fn from_settings(s: &crate::config::MeshSettings) -> Self {
+    pub fn from_settings(s: &crate::mesh::settings::MeshSettings) -> Self {
         Self {
             listen_port: s.listen_port,
             endpoints: s.endpoints.clone(),

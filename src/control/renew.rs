@@ -15,8 +15,8 @@ use tokio::sync::watch;
 
 use super::join::{self, JoinError, JoinOptions};
 use crate::link::identity::IdentityDir;
+use crate::link::registry::ClusterRegistry;
 use crate::link::tls::{self, NodeTls};
-use crate::runtime::pull::ClusterRegistry;
 
 /// Without a token, warnings start this long before the certificate ends.
 pub const WARN_BEFORE: Duration = Duration::from_secs(30 * 86_400);

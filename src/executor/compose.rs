@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use zattera_netns::Subnet;
 
-use super::instance::Plan;
+use super::plan::Plan;
 use crate::labels;
 use crate::layout::Layout;
 use crate::logs::files::StreamMeta;

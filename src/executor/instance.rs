@@ -10,11 +10,10 @@ use std::time::{Duration, Instant};
 
 use zattera_netns::{NetNode, Subnet, network_name};
 
+pub use super::plan::Plan;
 use super::{ExecutorConfig, compose, files};
-use crate::labels::{NamedPort, OwnedContainer};
+use crate::labels::OwnedContainer;
 use crate::logs;
-use crate::proto::cluster::AssignmentRuntime;
-use crate::proto::v1::Assignment;
 use crate::runtime::containers::{self, NewContainer};
 use crate::runtime::pull::{Credentials, ProgressFn, PullEvent, Puller};
 use crate::runtime::spec;
@@ -54,46 +53,6 @@ impl Handles {
 /// they happen (E-8): the worker's own channel, so they stay in order with
 /// what the worker says afterwards.
 pub type Progress<'a> = &'a (dyn Fn(Observation) + Send + Sync);
-
-/// Everything decided before a bring-up starts: addresses and ports are
-/// allocated by the executor, which owns IPAM.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    pub assignment: Assignment,
-    pub runtime: AssignmentRuntime,
-    pub container_id: String,
-    pub subnet: Option<Subnet>,
-    pub ip: Option<Ipv4Addr>,
-    pub ports: Vec<NamedPort>,
-    /// The runc shim it shares with others of its scope, if any.
-    pub shim_group: Option<String>,
-}
-
-impl Plan {
-    pub fn assignment_id(&self) -> &str {
-        self.assignment.meta.as_ref().map_or("", |m| m.id.as_str())
-    }
-
-    /// The app's name: what control injects as ZATTERA_APP, else its id.
-    pub fn app_name(&self) -> &str {
-        self.runtime
-            .env
-            .get("ZATTERA_APP")
-            .map_or(&self.assignment.app_id, |v| v)
-    }
-
-    /// The environment's name (ZATTERA_ENV), else its id.
-    pub fn environment_name(&self) -> &str {
-        self.runtime
-            .env
-            .get("ZATTERA_ENV")
-            .map_or(&self.assignment.environment_id, |v| v)
-    }
-
-    pub(super) fn is_job(&self) -> bool {
-        !self.assignment.job_id.is_empty()
-    }
-}
 
 /// The step of a bring-up (or a restart) that failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

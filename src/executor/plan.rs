@@ -8,10 +8,49 @@ use zattera_netns::{Proto, Subnet, SubnetError};
 
 use super::alloc::{Alloc, AllocError, Allocation, WantedPort};
 use super::diff;
-use super::instance::Plan;
-use crate::labels;
+use crate::labels::{self, NamedPort};
 use crate::proto::cluster::AssignmentRuntime;
 use crate::proto::v1::{Assignment, Protocol};
+
+/// Everything decided before a bring-up starts: addresses and ports are
+/// allocated by the executor, which owns IPAM.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub assignment: Assignment,
+    pub runtime: AssignmentRuntime,
+    pub container_id: String,
+    pub subnet: Option<Subnet>,
+    pub ip: Option<Ipv4Addr>,
+    pub ports: Vec<NamedPort>,
+    /// The runc shim it shares with others of its scope, if any.
+    pub shim_group: Option<String>,
+}
+
+impl Plan {
+    pub fn assignment_id(&self) -> &str {
+        self.assignment.meta.as_ref().map_or("", |m| m.id.as_str())
+    }
+
+    /// The app's name: what control injects as ZATTERA_APP, else its id.
+    pub fn app_name(&self) -> &str {
+        self.runtime
+            .env
+            .get("ZATTERA_APP")
+            .map_or(&self.assignment.app_id, |v| v)
+    }
+
+    /// The environment's name (ZATTERA_ENV), else its id.
+    pub fn environment_name(&self) -> &str {
+        self.runtime
+            .env
+            .get("ZATTERA_ENV")
+            .map_or(&self.assignment.environment_id, |v| v)
+    }
+
+    pub(super) fn is_job(&self) -> bool {
+        !self.assignment.job_id.is_empty()
+    }
+}
 
 /// Where this node places instances.
 #[derive(Debug, Clone, Copy)]

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::registry::{ClusterRegistry, Credentials};
 use super::tls::NodeTls;
-use crate::runtime::pull::{ClusterRegistry, Credentials};
 
 /// Everything `node.json` records.
 #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

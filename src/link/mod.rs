@@ -7,6 +7,8 @@
 //!   as it is now ([`tls::CurrentTls`]), peer identities.
 //! - [`identity`]: the enrollment on disk (key, certificate, CA, registry
 //!   credential), written atomically.
+//! - [`registry`]: what the enrollment grants pulls (credentials, the
+//!   cluster's embedded registry).
 //! - [`target`]: where to dial, following the leader of each peer set.
 //! - [`follow`]: a stream that follows the target, re-dialing with
 //!   [`backoff`].
@@ -14,5 +16,6 @@
 pub mod backoff;
 pub mod follow;
 pub mod identity;
+pub mod registry;
 pub mod target;
 pub mod tls;

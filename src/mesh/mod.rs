@@ -8,6 +8,7 @@
 //! The interface itself, kernel or userspace, is `zattera-mesh`'s.
 
 pub mod peers;
+pub mod settings;
 pub mod start;
 pub mod status;
 pub mod watch;

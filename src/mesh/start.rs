@@ -10,7 +10,6 @@ use tokio::sync::watch;
 
 use super::MeshError;
 use super::watch::{ControlFeed, MeshTask};
-use crate::config::Config;
 use crate::link::identity::Enrollment;
 use crate::link::target::Targets;
 use crate::link::tls::CurrentTls;
@@ -36,9 +35,11 @@ pub struct Link {
 }
 
 /// With an enrollment that has the mesh: brings the interface up from the
-/// last peer set and keeps WatchPeers open. `None` without the mesh.
+/// last peer set and keeps WatchPeers open. `None` without the mesh. Its
+/// key and peer set live in `layout`'s data dir, its status in the run dir.
 pub async fn start(
-    config: &Config,
+    settings: &super::settings::MeshSettings,
+    layout: &crate::layout::Layout,
     enrollment: &Enrollment,
     link: Link,
     device_binary: &Path,
@@ -54,15 +55,15 @@ pub async fn start(
     let node = super::NodeMesh {
         node_id: link.node_id,
         mesh_ip,
-        key: super::load_or_create_key(&config.data_dir)?,
-        interface: config.mesh.interface.clone(),
-        listen_port: config.mesh.listen_port,
+        key: super::load_or_create_key(&layout.data_dir)?,
+        interface: settings.interface.clone(),
+        listen_port: settings.listen_port,
     };
     let backend = zattera_mesh::Backend::detect(
-        config.mesh.backend,
+        settings.backend,
         &node.interface,
         device_binary.to_owned(),
-        config.run_dir.join(format!("mesh-{}.log", node.interface)),
+        layout.run_dir.join(format!("mesh-{}.log", node.interface)),
     )
     .await;
     let (targets, targets_rx) = watch::channel(Targets::initial(&link.control_addr));
@@ -72,8 +73,8 @@ pub async fn start(
         control_addr: link.control_addr,
         tls: link.tls,
         targets,
-        state_file: super::peers::path(&config.data_dir),
-        status_file: zattera_mesh::status_path(&config.run_dir),
+        state_file: super::peers::path(&layout.data_dir),
+        status_file: zattera_mesh::status_path(&layout.run_dir),
         controls,
     };
     task.restore().await;

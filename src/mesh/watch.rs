@@ -45,7 +45,7 @@ pub struct ControlFeed {
     pub configured: BTreeSet<String>,
     /// The cluster registry's grant: it holds at every control peer's mesh
     /// IP, on the join registry's port.
-    pub registry: Option<crate::runtime::pull::ClusterRegistryFeed>,
+    pub registry: Option<crate::link::registry::ClusterRegistryFeed>,
 }
 
 impl ControlFeed {
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn the_registry_grant_follows_the_control_peers_addresses() {
-        use crate::runtime::pull::{ClusterRegistry, Credentials};
+        use crate::link::registry::{ClusterRegistry, Credentials};
         let grant = ClusterRegistry {
             addr: "10.90.0.1:5000".into(),
             ca_pem: Vec::new(),

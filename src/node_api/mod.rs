@@ -120,6 +120,37 @@ pub struct NodeApi {
     metrics: Arc<crate::telemetry::AgentMetrics>,
 }
 
+/// Serves the node API on each of `listen` (serving `node`, callers
+/// presenting `tls`'s CA and named in `controls`); the server tasks, for
+/// the agent to own. A listener that cannot bind is logged: the sync
+/// stream matters more than this door.
+pub async fn spawn_servers(
+    listen: &[SocketAddr],
+    tls: CurrentTls,
+    node: NodeContext,
+    controls: ControlIds,
+    metrics: Arc<crate::telemetry::AgentMetrics>,
+) -> Vec<(&'static str, tokio::task::JoinHandle<()>)> {
+    let mut tasks = Vec::new();
+    for &listen in listen {
+        match NodeApi::bind_current(listen, tls.clone(), Some(node.clone()), controls.clone()).await
+        {
+            Ok(api) => {
+                let api = api.with_metrics(Arc::clone(&metrics));
+                tracing::info!(%listen, "node API listening");
+                let server = tokio::spawn(async move {
+                    if let Err(e) = api.serve().await {
+                        tracing::error!(error = %e, "node API stopped");
+                    }
+                });
+                tasks.push(("node API", server));
+            }
+            Err(e) => tracing::error!(error = %e, "node API unavailable"),
+        }
+    }
+    tasks
+}
+
 impl NodeApi {
     /// Calls are counted into `metrics` (by method and code).
     #[must_use]
