@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::build::settings::{BuildBackendKind, BuildSettings};
+use crate::image_build::settings::{BuildBackendKind, BuildSettings};
 pub use crate::mesh::settings::MeshSettings;
 use crate::runtime::Namespace;
 

@@ -490,16 +490,16 @@ fn wireguard(pref: zattera_mesh::BackendKind) -> Check {
 /// Whether builds run here, and with what: a node with a builder joins
 /// with `builder=true`, which is what a reference control plane places
 /// builds by.
-fn builder(build: &crate::build::settings::BuildSettings) -> Check {
-    match crate::build::available_backend(build) {
-        Ok(crate::build::Available::BuildKit) => Check::pass(
+fn builder(build: &crate::image_build::settings::BuildSettings) -> Check {
+    match crate::image_build::available_backend(build) {
+        Ok(crate::image_build::Available::BuildKit) => Check::pass(
             "builder",
             format!(
                 "BuildKit ({}); joins label this node builder=true",
                 build.buildkitd.display()
             ),
         ),
-        Ok(crate::build::Available::Buildah) => {
+        Ok(crate::image_build::Available::Buildah) => {
             Check::pass("builder", "buildah; joins label this node builder=true")
         }
         Err(why) => Check::warn(
@@ -513,7 +513,7 @@ fn builder(build: &crate::build::settings::BuildSettings) -> Check {
 /// Which platforms builds on this node can target (BLD-7): its own, and
 /// those qemu emulates through binfmt_misc. Only native is no fault.
 fn build_platforms(binfmt_misc: &Path) -> Check {
-    let platforms = crate::build::strategy::serveable_platforms(binfmt_misc);
+    let platforms = crate::image_build::strategy::serveable_platforms(binfmt_misc);
     let detail = if platforms.len() == 1 {
         format!(
             "{} only (others need an emulator: apt install qemu-user-static, which registers its binfmt handlers)",

@@ -12,7 +12,7 @@
 //! | floor | modules |
 //! |---|---|
 //! | shared words | `proto` `status` `labels` `link` `beneath` `programs` `redact` `version` `durable` `layout` |
-//! | operations | `runtime` `logs` `volumes` `upgrade` `build` `snapshot` `mesh` `health` `metrics` `telemetry` `image_gc` |
+//! | operations | `runtime` `logs` `volumes` `upgrade` `image_build` `snapshot` `mesh` `health` `metrics` `telemetry` `image_gc` |
 //! | executor and sources | `executor` `source` `control` `config` |
 //! | doors | `node_api` `admin` `doctor` |
 //! | wiring | `agent`, and the binaries (`cli`, `bin`) |
@@ -20,13 +20,13 @@
 pub mod admin;
 pub mod agent;
 pub mod beneath;
-pub mod build;
 pub mod config;
 pub mod control;
 pub mod doctor;
 pub mod durable;
 pub mod executor;
 pub mod health;
+pub mod image_build;
 pub mod image_gc;
 pub mod labels;
 pub mod layout;

@@ -229,7 +229,7 @@ async fn a_tarball_build_is_pushed_and_deployed_healthy() {
         );
         assert_eq!(
             end.platforms,
-            vec![zattera_agent::build::strategy::native_platform()]
+            vec![zattera_agent::image_build::strategy::native_platform()]
         );
         assert!(lines.iter().any(|l| l == "starting build"), "{lines:?}");
         assert!(
@@ -705,9 +705,11 @@ async fn buildkit_steps_run_in_a_network_of_their_own() {
                 );
                 let worker = zattera_agent::runtime::Containerd::connect(
                     &rig.socket,
-                    zattera_agent::build::buildkit::worker_namespace(ctd.namespace().as_str())
-                        .parse()
-                        .unwrap(),
+                    zattera_agent::image_build::buildkit::worker_namespace(
+                        ctd.namespace().as_str(),
+                    )
+                    .parse()
+                    .unwrap(),
                 )
                 .await
                 .unwrap();
@@ -943,7 +945,7 @@ async fn the_planner_runs_under_the_packaged_layout() {
 #[tokio::test]
 async fn nixpacks_plans_a_node_app_without_a_dockerfile() {
     let binary = std::env::var("ZATTERA_TEST_NIXPACKS")
-        .unwrap_or_else(|_| zattera_agent::build::plan::DEFAULT_NIXPACKS_BINARY.into());
+        .unwrap_or_else(|_| zattera_agent::image_build::plan::DEFAULT_NIXPACKS_BINARY.into());
     if !zattera_testkit::require(&if std::path::Path::new(&binary).exists() {
         vec![]
     } else {
@@ -964,10 +966,10 @@ async fn nixpacks_plans_a_node_app_without_a_dockerfile() {
     )
     .unwrap();
     assert_eq!(
-        zattera_agent::build::strategy::Strategy::detect(&ctx),
-        zattera_agent::build::strategy::Strategy::Nixpacks
+        zattera_agent::image_build::strategy::Strategy::detect(&ctx),
+        zattera_agent::image_build::strategy::Strategy::Nixpacks
     );
-    let planner = zattera_agent::build::plan::Planner {
+    let planner = zattera_agent::image_build::plan::Planner {
         binary: binary.into(),
         ..Default::default()
     };

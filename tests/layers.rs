@@ -34,7 +34,7 @@ const FLOORS: &[(&str, &[&str])] = &[
             "logs",
             "volumes",
             "upgrade",
-            "build",
+            "image_build",
             "snapshot",
             "mesh",
             "health",

@@ -396,7 +396,7 @@ impl Node {
         }
         .spawn();
         self.core.adopt("sampler", sampler);
-        let build_net = crate::build::network::BuildNet::new(
+        let build_net = crate::image_build::network::BuildNet::new(
             Arc::clone(&self.net),
             config.build.subnet,
             &self.dns.upstreams(),
@@ -678,9 +678,9 @@ fn builder(
     ctd: &Containerd,
     tls: crate::link::tls::CurrentTls,
     registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
-    sandbox: crate::build::network::BuildNet,
+    sandbox: crate::image_build::network::BuildNet,
 ) -> Result<crate::node_api::build::Builder, String> {
-    let backend = crate::build::choose_backend(&crate::build::Host {
+    let backend = crate::image_build::choose_backend(&crate::image_build::Host {
         settings: &config.build,
         ctd: Some(ctd.clone()),
         containerd_address: &config.containerd_address,
@@ -692,14 +692,14 @@ fn builder(
         Ok(b) => tracing::info!(backend = b.name(), "builds enabled"),
         Err(why) => tracing::info!(%why, "no builds on this node"),
     }
-    let mut pipeline = crate::build::PipelineConfig::new(&config.data_dir);
+    let mut pipeline = crate::image_build::PipelineConfig::new(&config.data_dir);
     pipeline.node_tls = Some(tls);
     pipeline.cluster_registry = registry;
     pipeline.custom_frontends = config.build.custom_frontends;
     pipeline.planner.binary.clone_from(&config.build.nixpacks);
     pipeline.network = config.build.network;
     pipeline.sandbox = Some(Arc::new(sandbox));
-    if config.build.network == crate::build::buildah::BuildNetwork::None
+    if config.build.network == crate::image_build::buildah::BuildNetwork::None
         && backend.as_ref().is_ok_and(|b| b.attaches_steps_itself())
     {
         tracing::warn!(
@@ -707,10 +707,12 @@ fn builder(
         );
     }
     Ok(crate::node_api::build::Builder {
-        pipeline: crate::build::Pipeline {
+        pipeline: crate::image_build::Pipeline {
             config: pipeline,
             backend: backend?,
         },
-        builds: Arc::new(crate::build::Builds::with_limit(config.build.max_builds)),
+        builds: Arc::new(crate::image_build::Builds::with_limit(
+            config.build.max_builds,
+        )),
     })
 }

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use zattera_agent::build::pipeline::Source;
-use zattera_agent::build::{BuildRequest, Event, Phase, Pipeline, PipelineConfig};
 use zattera_agent::config::Config;
+use zattera_agent::image_build::pipeline::Source;
+use zattera_agent::image_build::{BuildRequest, Event, Phase, Pipeline, PipelineConfig};
 use zattera_agent::runtime::Containerd;
 
 #[derive(Debug, Args)]
@@ -47,7 +47,7 @@ pub async fn run(config: &Config, args: BuildArgs) -> Result<()> {
         bail!("{}: not a directory", args.dir.display());
     }
     let ctd = Containerd::connect(&config.containerd_address, config.namespace.clone()).await?;
-    let backend = zattera_agent::build::choose_backend(&zattera_agent::build::Host {
+    let backend = zattera_agent::image_build::choose_backend(&zattera_agent::image_build::Host {
         settings: &config.build,
         ctd: Some(ctd),
         containerd_address: &config.containerd_address,

@@ -188,13 +188,13 @@ pub const OS_ARCH_LABEL: &str = "zattera.dev/os-arch";
 /// `builder=true` when a build backend is there (what doctor's `builder`
 /// check says), so that control's dispatcher sends it builds.
 pub fn node_labels(
-    build: &crate::build::settings::BuildSettings,
+    build: &crate::image_build::settings::BuildSettings,
 ) -> std::collections::BTreeMap<String, String> {
     let mut labels = std::collections::BTreeMap::from([(
         OS_ARCH_LABEL.to_owned(),
         format!("linux/{}", crate::runtime::descriptor::host_architecture()),
     )]);
-    if crate::build::available_backend(build).is_ok() {
+    if crate::image_build::available_backend(build).is_ok() {
         labels.insert(BUILDER_LABEL.to_owned(), "true".to_owned());
     }
     labels

@@ -1,5 +1,5 @@
 //! `RunBuild` and `CancelBuild` (dataplane.md BLD-1, BLD-12) on the
-//! pipeline of [`crate::build`]: the request becomes a [`BuildRequest`],
+//! pipeline of [`crate::image_build`]: the request becomes a [`BuildRequest`],
 //! events become `BuildEvent` log frames, and the end is one terminal
 //! frame. Failures are in-band; the RPC ends OK (wire.md §3.5).
 
@@ -9,9 +9,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::build::pipeline::Source;
-use crate::build::source::GitSource;
-use crate::build::{BuildError, BuildRequest, Builds, Event, Pipeline};
+use crate::image_build::pipeline::Source;
+use crate::image_build::source::GitSource;
+use crate::image_build::{BuildError, BuildRequest, Builds, Event, Pipeline};
 use crate::proto::cluster::{BuildEvent, CancelBuildRequest, CancelBuildResponse, RunBuildRequest};
 use crate::proto::v1::{BuildStatus, LogLine};
 

@@ -170,7 +170,7 @@ impl ControlledAgent {
 
     /// What stops this agent's buildkitd and removes its namespaces.
     pub fn buildkitd_cleanup(&self, socket: &std::path::Path) -> BuildkitdCleanup {
-        let worker = zattera_agent::build::buildkit::worker_namespace(&self.namespace);
+        let worker = zattera_agent::image_build::buildkit::worker_namespace(&self.namespace);
         BuildkitdCleanup {
             pid_file: self.dir.path().join("run/buildkit/buildkitd.pid"),
             socket: socket.to_owned(),

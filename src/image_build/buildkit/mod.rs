@@ -4,7 +4,7 @@
 //! tenants pulled into the agent's namespace, and BuildKit's fallback to
 //! its local store finds no image record, as each is removed once the
 //! build hands it over). `RUN` steps join the build bridge through CNI
-//! (45.1, [`crate::build::network::cni_config`]). Driven by a native client of its control API
+//! (45.1, [`crate::image_build::network::cni_config`]). Driven by a native client of its control API
 //! (types from `bollard-buildkit-proto`): `Info` for the version pin,
 //! `Solve` with the Dockerfile frontend (BLD-8) and the image exporter
 //! (BLD-9), `Status` mapped to log lines (BLD-10), the exporter response's
@@ -30,9 +30,9 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::build::network::StepNetwork;
-use crate::build::progress::{SolveStatus, Vertex, status_lines};
-use crate::build::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, say};
+use crate::image_build::network::StepNetwork;
+use crate::image_build::progress::{SolveStatus, Vertex, status_lines};
+use crate::image_build::{Backend, BuildError, BuildSpec, Built, Events, Output, Phase, say};
 use crate::runtime::{Containerd, ImageRef};
 
 /// The release buildkitd must report.
@@ -297,7 +297,8 @@ impl BuildKit {
                 std::fs::create_dir_all(&dir)
                     .map_err(|e| BuildError::Provision(format!("{}: {e}", dir.display())))?;
                 let config = dir.join(format!("{name}-{}.conf", subnet.slot()));
-                let text = crate::build::network::cni_config(name, *subnet, &dir.join("ipam"));
+                let text =
+                    crate::image_build::network::cni_config(name, *subnet, &dir.join("ipam"));
                 if std::fs::read_to_string(&config).ok().as_deref() != Some(text.as_str()) {
                     std::fs::write(&config, text)
                         .map_err(|e| BuildError::Provision(format!("{}: {e}", config.display())))?;
@@ -651,7 +652,7 @@ mod tests {
             },
             registries: Vec::new(),
             scratch: PathBuf::from("/s"),
-            network: crate::build::network::StepNetwork::Host,
+            network: crate::image_build::network::StepNetwork::Host,
         };
         let req = solve_request(&spec, "r1", "s1");
         assert_eq!(req.frontend, "dockerfile.v0");

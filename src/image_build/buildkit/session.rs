@@ -32,7 +32,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::filesync::{Filter, Sender};
-use crate::build::RegistryAuth;
+use crate::image_build::RegistryAuth;
 
 /// What this session exposes, announced in the call's headers.
 const METHODS: [&str; 6] = [

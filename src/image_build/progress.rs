@@ -168,7 +168,7 @@ mod tests {
             Duration::from_millis(200),
         ));
         in_tx
-            .send(Event::log(crate::build::Phase::Build, "step".into()))
+            .send(Event::log(crate::image_build::Phase::Build, "step".into()))
             .await
             .unwrap();
         assert_eq!(out_rx.recv().await.unwrap().line(), Some("step"));
