@@ -175,10 +175,20 @@ pub fn open(path: &Path) -> io::Result<Box<dyn BufRead + Send>> {
 /// Compresses the rotated file `raw` into `<raw>.zst` (through `.zst.tmp`,
 /// keeping its modification time), then removes `raw`. Returns the new
 /// file's path and size.
+///
+/// A `<raw>.zst` already there is whole (it is synced before it is named):
+/// `raw` is what a power cut left after the compression finished, its
+/// removal never on disk, and perhaps its data neither. It is removed, and
+/// the segment kept; compressing it again wrote an empty segment over a
+/// full one (the VM lane's power cut found it).
 pub fn compress(raw: &Path) -> io::Result<(PathBuf, u64)> {
     use std::os::unix::fs::OpenOptionsExt;
     let done = PathBuf::from(format!("{}.zst", raw.display()));
     let tmp = PathBuf::from(format!("{}.zst.tmp", raw.display()));
+    if let Ok(meta) = fs::symlink_metadata(&done) {
+        crate::durable::remove(raw)?;
+        return Ok((done, meta.len()));
+    }
     let mut input = File::open(raw)?;
     let modified = input.metadata()?.modified()?;
     let out = fs::OpenOptions::new()
@@ -201,7 +211,7 @@ pub fn compress(raw: &Path) -> io::Result<(PathBuf, u64)> {
     })();
     match result {
         Ok(size) => {
-            fs::remove_file(raw)?;
+            crate::durable::remove(raw)?;
             Ok((done, size))
         }
         Err(e) => {

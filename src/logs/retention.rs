@@ -208,6 +208,35 @@ mod tests {
         n
     }
 
+    /// The VM lane's power cut: the segment compressed and named on disk,
+    /// the raw file's removal lost and its data too (0 bytes). The sweep
+    /// compressed the empty raw file over the whole segment; it keeps the
+    /// segment and drops the raw file.
+    #[test]
+    fn a_raw_file_left_beside_its_segment_never_replaces_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let live = d.join("c.log");
+        fs::write(&live, b"").unwrap();
+        let lines = "2026-12-07T00:00:00Z stdout F line\n".repeat(1000);
+        fs::write(d.join("c.log.1"), &lines).unwrap();
+        files::compress(&d.join("c.log.1")).unwrap();
+        let whole = fs::read(d.join("c.log.1.zst")).unwrap();
+        put(d, "c.log.1", 0, 11 * MIN);
+        let caps = Retention {
+            max_age: 7 * DAY,
+            max_stream_bytes: 1 << 30,
+        };
+        let running = BTreeSet::from(["c".to_owned()]);
+        sweep(d, caps, &running, SystemTime::now()).unwrap();
+        assert_eq!(names(d), ["c.log", "c.log.1.zst"]);
+        assert_eq!(fs::read(d.join("c.log.1.zst")).unwrap(), whole);
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut files::open(&d.join("c.log.1.zst")).unwrap(), &mut text)
+            .unwrap();
+        assert_eq!(text, lines);
+    }
+
     #[test]
     fn the_caps_take_the_old_then_the_oldest_over_the_budget() {
         let dir = tempfile::tempdir().unwrap();
