@@ -9,6 +9,8 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // Before any TLS client exists (reqwest's use the process's provider).
+    zattera_agent::link::tls::install_process_provider();
     // Started by containerd's runc shim as a container's logger: no CLI, no async.
     let args: Vec<String> = std::env::args().collect();
     if let Some(shim) = zattera_agent::logs::shim::invoked_as_shim(&args) {

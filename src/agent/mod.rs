@@ -679,7 +679,7 @@ fn builder(
     tls: crate::link::tls::CurrentTls,
     registry: Option<crate::runtime::pull::ClusterRegistryWatch>,
     sandbox: crate::image_build::network::BuildNet,
-) -> Result<crate::node_api::build::Builder, String> {
+) -> Result<crate::node_api::build::Builder, crate::image_build::NoBuilder> {
     let backend = crate::image_build::choose_backend(&crate::image_build::Host {
         settings: &config.build,
         ctd: Some(ctd.clone()),

@@ -640,20 +640,29 @@ fn restore_files(h: &Handles, owned: &OwnedContainer) -> Result<(), Failure> {
     })
 }
 
+/// Why a removal did not finish; the container is left as it is and the
+/// next pass asks again.
+#[derive(Debug, thiserror::Error)]
+pub enum TeardownError {
+    /// containerd did not stop or delete it.
+    #[error("stop and remove: {0}")]
+    Container(#[from] RuntimeError),
+    /// Its network namespace or veth is still there.
+    #[error("detach from the network: {0}")]
+    Network(#[from] zattera_netns::Error),
+}
+
 /// Stops and removes an instance, then its network attachment (E-6).
-pub async fn tear_down(h: &Handles, owned: &OwnedContainer) -> Result<(), String> {
+pub async fn tear_down(h: &Handles, owned: &OwnedContainer) -> Result<(), TeardownError> {
     containers::remove(
         &h.ctd,
         &owned.container_id,
         owned.stop_signal,
         owned.stop_grace,
     )
-    .await
-    .map_err(|e| e.to_string())?;
+    .await?;
     if let Some(net) = &h.net {
-        net.detach(&owned.container_id, owned.ip)
-            .await
-            .map_err(|e| e.to_string())?;
+        net.detach(&owned.container_id, owned.ip).await?;
     }
     let _ = std::fs::remove_dir_all(h.cfg.run_dir.join("containers").join(&owned.container_id));
     Ok(())

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::instance::{self, Failure, Handles, Plan, Progress, RestartFailure};
+use super::instance::{self, Failure, Handles, Plan, Progress, RestartFailure, TeardownError};
 use crate::health::ExecContext;
 use crate::labels::OwnedContainer;
 use crate::runtime::RuntimeError;
@@ -26,7 +26,7 @@ pub(super) trait Instances: Send + Sync + std::fmt::Debug {
     async fn restart(&self, owned: &OwnedContainer) -> Result<(), RestartFailure>;
 
     /// Stops and removes the container and what it had (network, files).
-    async fn tear_down(&self, owned: &OwnedContainer) -> Result<(), String>;
+    async fn tear_down(&self, owned: &OwnedContainer) -> Result<(), TeardownError>;
 
     async fn task_state(&self, container_id: &str) -> Result<TaskState, RuntimeError>;
 
@@ -73,7 +73,7 @@ impl Instances for Containerd {
         instance::restart(&self.h, owned).await
     }
 
-    async fn tear_down(&self, owned: &OwnedContainer) -> Result<(), String> {
+    async fn tear_down(&self, owned: &OwnedContainer) -> Result<(), TeardownError> {
         instance::tear_down(&self.h, owned).await
     }
 

@@ -18,7 +18,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 
 use super::backoff;
-use super::instance::{Failure, Plan, RestartFailure};
+use super::instance::{Failure, Plan, RestartFailure, TeardownError};
 use super::instances::Instances;
 use super::leases::NetworkLeases;
 use crate::health::{self, HealthUpdate, Monitor};
@@ -77,7 +77,7 @@ pub(super) enum Event {
     /// again).
     StopFailed {
         owned: OwnedContainer,
-        error: String,
+        error: TeardownError,
     },
     /// It could not be restarted (damaged rootfs or record) and was removed,
     /// so that the next pass makes it afresh.
@@ -762,7 +762,7 @@ mod tests {
             self.set(&o.container_id, TaskState::Running { pid: 2 });
             Ok(())
         }
-        async fn tear_down(&self, o: &OwnedContainer) -> Result<(), String> {
+        async fn tear_down(&self, o: &OwnedContainer) -> Result<(), TeardownError> {
             self.call(format!("tear_down {}", o.container_id));
             self.tasks.lock().unwrap().remove(&o.container_id);
             Ok(())

@@ -272,33 +272,38 @@ pub enum Available {
     Buildah,
 }
 
+/// Why a node has no builder (RunBuild answers UNIMPLEMENTED with it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoBuilder {
+    #[error("builds are off on this node (build-backend = \"off\")")]
+    Off,
+    #[error("build-backend is buildkit, but {} is not installed (buildkitd-binary)", .0.display())]
+    NoBuildkitd(std::path::PathBuf),
+    #[error("build-backend is buildah, but buildah is not installed (apt install buildah)")]
+    NoBuildah,
+    #[error("this node has no builder: neither buildkitd ({}) nor buildah is installed", .0.display())]
+    Neither(std::path::PathBuf),
+}
+
 /// Which backend builds here, or why none does. What `doctor` reports and
 /// what the join's `builder` label says.
-pub fn available_backend(s: &settings::BuildSettings) -> Result<Available, String> {
+pub fn available_backend(s: &settings::BuildSettings) -> Result<Available, NoBuilder> {
     use self::settings::BuildBackendKind as Kind;
     match s.backend {
-        Kind::Off => Err("builds are off on this node (build-backend = \"off\")".into()),
+        Kind::Off => Err(NoBuilder::Off),
         Kind::BuildKit | Kind::Auto if installed(&s.buildkitd) => Ok(Available::BuildKit),
-        Kind::BuildKit => Err(format!(
-            "build-backend is buildkit, but {} is not installed (buildkitd-binary)",
-            s.buildkitd.display()
-        )),
+        Kind::BuildKit => Err(NoBuilder::NoBuildkitd(s.buildkitd.clone())),
         Kind::Buildah | Kind::Auto if installed(std::path::Path::new("buildah")) => {
             Ok(Available::Buildah)
         }
-        Kind::Buildah => Err(
-            "build-backend is buildah, but buildah is not installed (apt install buildah)".into(),
-        ),
-        Kind::Auto => Err(format!(
-            "this node has no builder: neither buildkitd ({}) nor buildah is installed",
-            s.buildkitd.display()
-        )),
+        Kind::Buildah => Err(NoBuilder::NoBuildah),
+        Kind::Auto => Err(NoBuilder::Neither(s.buildkitd.clone())),
     }
 }
 
 /// The configured backend; `Err` says why there is none (a node without a
 /// builder answers UNIMPLEMENTED with it).
-pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, String> {
+pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, NoBuilder> {
     let s = host.settings;
     let buildkit = || {
         let mut bk = buildkit::BuildKit::new(

@@ -57,6 +57,16 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// Installs ring as the process's rustls provider, which reqwest's clients
+/// use (the agent's own TLS configurations name theirs). `main` does it
+/// first of all, so that no client is built before it; the constructors
+/// that build such clients call it too, for the library's other users
+/// (tests, benches). Idempotent.
+pub fn install_process_provider() {
+    // Err: one is installed already, which is the point.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// Lowercase hex SHA-256 of a DER certificate: the join token's CA pin.
 pub fn pin_of(der: &[u8]) -> String {
     hex::encode(Sha256::digest(der))

@@ -107,7 +107,7 @@ pub struct NodeContext {
     pub stats: Option<Arc<std::sync::Mutex<crate::metrics::store::Store>>>,
     pub upgrade: crate::upgrade::UpgradeConfig,
     /// The builder, or why this node has none (UNIMPLEMENTED).
-    pub builder: Result<build::Builder, String>,
+    pub builder: Result<build::Builder, crate::image_build::NoBuilder>,
 }
 
 /// A bound node API server; [`Self::serve`] runs it.

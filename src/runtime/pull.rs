@@ -94,8 +94,7 @@ impl std::fmt::Debug for Puller {
 
 impl Puller {
     pub fn new(ctd: Containerd, insecure: Vec<String>) -> Self {
-        // reqwest's rustls needs a process-wide crypto provider; ring is ours.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        crate::link::tls::install_process_provider();
         Self {
             ctd,
             insecure,

@@ -114,8 +114,7 @@ impl Store {
         };
         let bucket = Bucket::new(url, style, cfg.bucket.clone(), region)
             .map_err(|e| SnapshotError::BadTarget(format!("endpoint {:?}: {e}", cfg.endpoint)))?;
-        // reqwest's rustls needs a process-wide crypto provider; ring is ours.
-        let _ = rustls::crypto::ring::default_provider().install_default();
+        crate::link::tls::install_process_provider();
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(REQUEST_TIMEOUT)

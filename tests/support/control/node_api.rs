@@ -42,7 +42,7 @@ pub fn node_context(
             busy: Arc::default(),
             stats: None,
         },
-        builder: Err("no builder in this test".into()),
+        builder: Err(zattera_agent::image_build::NoBuilder::Off),
     }
 }
 
