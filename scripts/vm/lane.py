@@ -41,12 +41,14 @@ install and restart on trixie; install and reboot on forky):
               the seed is printed): a manifest on the image's own 4 MiB
               layer runs, the layer whole; at the first log rotation of a
               fast writer: every rotated segment decodes (zstd, on the
-              host), `logs` works; right after a copy-up into a fresh
-              volume (the instance RUNNING): the volume holds the image's
-              files whole; right after an upgrade: the package's files
-              match their sums. After each: every service HEALTHY, `status`
-              works and says the last run ended without a clean stop.
-              No job cut: standalone manifests have no jobs (control's only)
+              host), `logs` works, and the log janitor's sweep past its
+              grace leaves each segment holding what it did; right after a
+              copy-up into a fresh volume (the instance RUNNING): the
+              volume holds the image's files whole; right after an
+              upgrade: the package's files match their sums. After each:
+              every service HEALTHY, `status` works and says the last run
+              ended without a clean stop. No job cut: standalone manifests
+              have no jobs (only control assigns them)
 
 As root, after scripts/package.sh. A failed case keeps its guest's console
 log and journal under the run's directory, which the output names.
@@ -80,7 +82,7 @@ from guest import CaseFailed, expect  # noqa: E402
 HERE = Path(__file__).resolve().parents[2]
 HOST_TOOLS = ["qemu-system-x86", "qemu-utils", "mmdebstrap", "e2fsprogs", "openssh-client",
               "iproute2", "busybox-static", "procps", "tcpdump", "zstd"]
-DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster", "docker"],
+DEFAULT_CASES = {"bookworm": ["install", "cgroup", "restart", "reboot", "cluster", "docker", "powercut"],
                  "trixie": ["install", "restart"],
                  "forky": ["install", "reboot"]}
 # The guest disk's qemu cache mode, by case (guest.Guest): "unsafe" unless a
