@@ -275,10 +275,20 @@ def expect(cond, what):
 
 class Guest:
     """One booted guest, on an overlay of its image (the image is never
-    written), with its console log in `self.dir`."""
+    written), with its console log in `self.dir`.
 
-    def __init__(self, image, net, name, index, accel, artifacts):
+    `cache` is qemu's cache mode of the guest's disk. "unsafe" (the default)
+    ignores the guest's flushes: fast, and a kill of qemu may lose what the
+    guest had synced. "writeback" honours them (qcow2's metadata written,
+    the file fdatasync'd), so after a SIGKILL of qemu (see `cut`) the disk
+    holds what the guest flushed, and what was only in the guest's page
+    cache is gone; a write the guest sent but never flushed may or may not
+    be there (in qemu's qcow2 cache, lost; in the host's page cache, kept),
+    as with a real disk's volatile cache."""
+
+    def __init__(self, image, net, name, index, accel, artifacts, cache="unsafe"):
         self.image = image
+        self.cache = cache
         self.net = net
         self.name = name
         self.ip = f"{NET_PREFIX}.{10 + index}"
@@ -307,7 +317,7 @@ class Guest:
                 "-m", os.environ.get("ZATTERA_VM_MEMORY", "1536"),
                 "-nodefaults", "-no-user-config", "-display", "none",
                 "-kernel", str(image.kernel), "-initrd", str(image.initrd), "-append", append,
-                "-drive", f"file={self.disk},if=virtio,format=qcow2,cache=unsafe",
+                "-drive", f"file={self.disk},if=virtio,format=qcow2,cache={self.cache}",
                 "-netdev", f"tap,id=n0,ifname={self.tap},script=no,downscript=no",
                 "-device", f"virtio-net-pci,netdev=n0,mac=52:54:00:7a:00:{10 + index:02x}",
                 "-device", "virtio-rng-pci",
@@ -319,6 +329,15 @@ class Guest:
         with open(self.dir / "qemu.log", "ab") as log:
             self.proc = subprocess.Popen(net.exec(argv), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+
+    def cut(self):
+        """Cuts the power: qemu is SIGKILLed, nothing is flushed or synced
+        (the guest's page cache is lost); the disk is kept for `power_on`.
+        The time of the cut."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        t = time.time()
+        self.proc.wait()
+        return t
 
     def ssh_argv(self, command):
         return self.net.exec([
@@ -353,6 +372,14 @@ class Guest:
                                  capture_output=True, timeout=300)
         if out.returncode != 0:
             raise GuestError(f"{self.name}: copying {local} to {remote}: {out.stderr.decode()}")
+
+    def read_bytes(self, remote):
+        """A guest file's bytes, as they are."""
+        out = subprocess.run(self.ssh_argv(f"cat {shlex.quote(remote)}"), capture_output=True,
+                             timeout=300)
+        if out.returncode != 0:
+            raise GuestError(f"{self.name}: reading {remote}: {out.stderr.decode()}")
+        return out.stdout
 
     def write(self, remote, text):
         out = subprocess.run(self.ssh_argv(f"mkdir -p $(dirname {shlex.quote(remote)}) && "
