@@ -84,13 +84,16 @@ pub async fn exec(
                         },
                         frame = inbound.message(), if input_open && room.is_some() => match frame {
                             Ok(Some(f)) => {
+                                // The resize first, and done: the stdin of
+                                // the same frame may make the process read
+                                // its terminal's size at once.
+                                if let Some(size) = f.resize {
+                                    session.resize(size.cols, size.rows).await;
+                                }
                                 if !f.stdin.is_empty()
                                     && let Some(p) = room.take()
                                 {
                                     p.send(f.stdin);
-                                }
-                                if let Some(size) = f.resize {
-                                    session.resize(size.cols, size.rows).await;
                                 }
                             }
                             Ok(None) => {
