@@ -937,3 +937,47 @@ async fn tcp_probes_pass_on_an_open_port_and_fail_on_a_closed_one() {
     })
     .await;
 }
+
+/// 59.1 (wake): an app that answers 0.3 s after its start is HEALTHY long
+/// before its first interval (10 s) has passed: the startup phase probes
+/// every 100-250 ms until the first pass. With the interval schedule alone
+/// HEALTHY came one interval after RUNNING at the earliest.
+#[tokio::test]
+async fn an_app_with_a_ten_second_interval_is_healthy_before_half_of_it() {
+    on_rig("exec-wake", |ctd, rig| async move {
+        import(&ctd, &rig).await;
+        let mut agent = Agent::start(&ctd, "ztxm");
+        // web() with its server answering 0.3 s after the start and the
+        // default interval's 10 s.
+        let (a, mut rt) = web("wake-0", 219, "h1");
+        let spec = rt.spec.as_mut().unwrap();
+        spec.command = "sh -c 'sleep 0.3; exec httpd -f -p 80 -h /var/www'".into();
+        let check = spec.healthcheck.as_mut().unwrap();
+        check.interval = Some(prost_types::Duration {
+            seconds: 10,
+            nanos: 0,
+        });
+        check.timeout = None;
+        agent.push(set(vec![(a, rt)]));
+        agent
+            .wait_for("wake RUNNING", |s| {
+                matches!(state_of(s, "wake-0"), Some(State::Running | State::Healthy))
+            })
+            .await;
+        let running = std::time::Instant::now();
+        agent
+            .wait_for("wake HEALTHY", |s| {
+                state_of(s, "wake-0") == Some(State::Healthy)
+            })
+            .await;
+        let took = running.elapsed();
+        // Half the interval: a wide margin for a loaded CI machine, and
+        // still half of what the interval schedule could do.
+        assert!(
+            took < Duration::from_secs(5),
+            "HEALTHY {took:?} after RUNNING"
+        );
+        agent.finish().await;
+    })
+    .await;
+}

@@ -1,10 +1,14 @@
 //! Health probing (runtime.md §10): one monitor task per live assignment,
 //! probing from the host to the instance IP (HTTP, TCP) or inside the
-//! container (exec), and reporting only changes to the executor.
+//! container (exec), fast until the first pass ([`schedule`]), and
+//! reporting only changes to the executor.
 
+mod schedule;
+
+use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -13,6 +17,8 @@ use crate::proto::v1::{HealthCheckType, ServiceSpec};
 use crate::runtime::Containerd;
 use crate::runtime::exec::{ExecRequest, exec};
 use crate::status::State;
+
+pub use schedule::{STARTUP_FIRST, STARTUP_LONGEST, Schedule};
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -220,35 +226,56 @@ pub fn spawn(
             let _ = send(State::Healthy);
             return;
         }
-        let started = Instant::now();
-        let mut verdicts = Verdicts::new(timing);
         let http = reqwest::Client::builder()
             .no_proxy()
             .redirect(same_instance_redirects(&task_probe))
             .timeout(timing.timeout)
             .build();
-        loop {
-            tokio::time::sleep(timing.interval).await;
+        let probe_once = || {
             // Each kind bounds itself: an exec probe must run to its own
             // timeout, which kills the process and removes its FIFOs;
             // dropping it half-way would leak both (and two threads). The
             // outer bound only catches a stuck containerd.
-            let passed = tokio::time::timeout(
+            let bounded = tokio::time::timeout(
                 timing.timeout + EXEC_CLEANUP_GRACE,
                 run_probe(&task_probe, http.as_ref().ok(), &exec_ctx, timing.timeout),
-            )
-            .await
-            .unwrap_or(false);
-            if let Some(state) = verdicts.record(passed, started.elapsed()) {
-                tracing::info!(assignment = %assignment_id, state = state.name(), "health changed");
-                let _ = send(state);
-            }
-        }
+            );
+            async move { bounded.await.unwrap_or(false) }
+        };
+        probe_loop(timing, probe_once, |state| {
+            tracing::info!(assignment = %assignment_id, state = state.name(), "health changed");
+            let _ = send(state);
+        })
+        .await;
     });
     Monitor {
         probe,
         container_id,
         task,
+    }
+}
+
+/// Probes on the [`Schedule`] for ever, one probe at a time, and hands
+/// every change of state to `changed`. Apart from what a probe is, so that
+/// its rules can be tested in paused time.
+async fn probe_loop<P, F>(timing: Timing, mut probe: P, mut changed: impl FnMut(State))
+where
+    P: FnMut() -> F,
+    F: Future<Output = bool>,
+{
+    let started = tokio::time::Instant::now();
+    let mut schedule = Schedule::new(&timing);
+    let mut verdicts = Verdicts::new(timing);
+    loop {
+        tokio::time::sleep(schedule.next_wait(started.elapsed())).await;
+        let began = started.elapsed();
+        let passed = probe().await;
+        if !schedule.counts(passed, began) {
+            continue;
+        }
+        if let Some(state) = verdicts.record(passed, started.elapsed()) {
+            changed(state);
+        }
     }
 }
 
@@ -353,6 +380,112 @@ mod tests {
             v.record(false, t(67)),
             Some(State::Unhealthy),
             "threshold after a pass"
+        );
+    }
+
+    type Log<T> = std::sync::Arc<std::sync::Mutex<Vec<T>>>;
+
+    /// Runs `probe_loop` for `run` of paused time with a probe that takes
+    /// 40 ms and passes from `answers_at` on; returns each probe's (began,
+    /// ended) and each change with its moment.
+    async fn run_loop(
+        timing: Timing,
+        answers_at: Option<Duration>,
+        run: Duration,
+    ) -> (Vec<(Duration, Duration)>, Vec<(Duration, State)>) {
+        let t0 = tokio::time::Instant::now();
+        let calls: Log<(Duration, Duration)> = Log::default();
+        let changes: Log<(Duration, State)> = Log::default();
+        let in_flight = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let c = calls.clone();
+        let probe = move || {
+            let c = c.clone();
+            let in_flight = in_flight.clone();
+            async move {
+                assert!(
+                    !in_flight.swap(true, std::sync::atomic::Ordering::SeqCst),
+                    "two probes at once"
+                );
+                let began = t0.elapsed();
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                c.lock().unwrap().push((began, t0.elapsed()));
+                in_flight.store(false, std::sync::atomic::Ordering::SeqCst);
+                answers_at.is_some_and(|at| began >= at)
+            }
+        };
+        let ch = changes.clone();
+        let task = tokio::spawn(probe_loop(timing, probe, move |state| {
+            ch.lock().unwrap().push((t0.elapsed(), state));
+        }));
+        tokio::time::sleep(run).await;
+        task.abort();
+        let calls = calls.lock().unwrap().clone();
+        let changes = changes.lock().unwrap().clone();
+        (calls, changes)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn probes_are_fast_until_the_first_pass_then_at_the_interval() {
+        let t = Timing {
+            interval: Duration::from_secs(10),
+            timeout: Duration::from_secs(5),
+            grace: Duration::from_secs(60),
+            threshold: 3,
+        };
+        let ready = Duration::from_millis(1_300);
+        let (calls, changes) = run_loop(t, Some(ready), Duration::from_secs(35)).await;
+        // HEALTHY within one startup step of the app's readiness, where the
+        // interval schedule said it at 10 s; the startup failures (more
+        // than the threshold) never made it UNHEALTHY.
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let (at, state) = changes[0];
+        assert_eq!(state, State::Healthy);
+        assert!(
+            at <= ready + STARTUP_LONGEST + Duration::from_millis(40),
+            "{at:?}"
+        );
+        let before: Vec<_> = calls.iter().filter(|(b, _)| *b < ready).collect();
+        assert!(before.len() > 3, "{calls:?}");
+        assert!(calls[0].0 <= STARTUP_FIRST, "{calls:?}");
+        for pair in calls.windows(2) {
+            let ((_, ended), (next, _)) = (pair[0], pair[1]);
+            assert!(next >= ended, "overlap: {calls:?}");
+            let wait = next.saturating_sub(ended);
+            if ended < at {
+                assert!(wait <= STARTUP_LONGEST, "{wait:?} in the startup phase");
+            } else {
+                assert_eq!(wait, t.interval, "after the first pass: {calls:?}");
+            }
+        }
+        assert_eq!(
+            calls.iter().filter(|(b, _)| *b > at).count(),
+            3,
+            "{calls:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn startup_failures_never_count_toward_the_threshold() {
+        let t = Timing {
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            grace: Duration::from_secs(2),
+            threshold: 3,
+        };
+        let (calls, changes) = run_loop(t, None, Duration::from_secs(6)).await;
+        assert!(
+            calls.iter().filter(|(b, _)| *b < t.grace).count() > 5,
+            "{calls:?}"
+        );
+        // Three failures at the interval after the grace period, not the
+        // first failure after it (which the startup phase's many would have
+        // made the third).
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        let (at, state) = changes[0];
+        assert_eq!(state, State::Unhealthy);
+        assert!(
+            at >= t.grace + 2 * t.interval && at < t.grace + 3 * t.interval,
+            "{at:?}"
         );
     }
 
