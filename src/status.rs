@@ -69,6 +69,14 @@ pub struct Observation {
 }
 
 impl Observation {
+    /// Whether `other` says the same as this one, but for when it was made.
+    pub fn shows_as(&self, other: &Self) -> bool {
+        Self {
+            updated_at: other.updated_at,
+            ..self.clone()
+        } == *other
+    }
+
     pub fn new(assignment_id: &str, state: State) -> Self {
         Self {
             assignment_id: assignment_id.to_owned(),

@@ -659,12 +659,12 @@ impl Executor {
             self.listing.changed(&container_id);
             self.settled = None;
         }
+        // A status snapshot is all rows: built only when one changed.
+        let mut publish = true;
         match event {
             Event::Observed(obs) => {
                 // A report of a container no longer ours comes too late.
-                if self.workers.contains_key(&container_id) {
-                    self.board.emit(vec![obs]);
-                }
+                publish = self.workers.contains_key(&container_id) && self.board.emit(vec![obs]);
             }
             Event::Up(owned) => {
                 if let Some(w) = self.workers.get_mut(&container_id)
@@ -730,7 +730,9 @@ impl Executor {
                 tracing::debug!(container = %owned.container_id, %error, "removal left for the next pass");
             }
         }
-        self.publish_status();
+        if publish {
+            self.publish_status();
+        }
     }
 
     fn placement(&self) -> plan::Placement {
