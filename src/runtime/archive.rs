@@ -298,12 +298,7 @@ impl ImageArchive {
 
             let manifest = ImageManifest::from_reader(&self.read_blob(&manifest_desc)?[..])
                 .map_err(|e| self.fail(format!("manifest {}: {e}", manifest_desc.digest)))?;
-            let config_desc = Descriptor::from_oci(manifest.config())?;
-            let layers = manifest
-                .layers()
-                .iter()
-                .map(Descriptor::from_oci)
-                .collect::<Result<Vec<_>, _>>()?;
+            let (config_desc, layers) = Descriptor::parts_of(&manifest)?;
             let diff_ids = self.diff_ids(&config_desc)?;
             for layer in &layers {
                 if self.entry(&blob_path(&layer.digest)).is_none() {

@@ -1,7 +1,7 @@
 //! Content descriptors, media types and platform selection: the parts of the
 //! OCI image spec (and Docker's schema 2) the runtime reasons about.
 
-use oci_spec::image::{Descriptor as OciDescriptor, ImageIndex};
+use oci_spec::image::{Descriptor as OciDescriptor, ImageIndex, ImageManifest};
 
 use super::digest::Digest;
 use super::error::RuntimeError;
@@ -34,6 +34,17 @@ pub struct Descriptor {
 }
 
 impl Descriptor {
+    /// A manifest's config and layers, in order.
+    pub fn parts_of(manifest: &ImageManifest) -> Result<(Self, Vec<Self>), RuntimeError> {
+        let config = Self::from_oci(manifest.config())?;
+        let layers = manifest
+            .layers()
+            .iter()
+            .map(Self::from_oci)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((config, layers))
+    }
+
     pub fn from_oci(d: &OciDescriptor) -> Result<Self, RuntimeError> {
         let digest = d
             .digest()

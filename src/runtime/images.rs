@@ -242,6 +242,33 @@ pub async fn get_target(
     }))
 }
 
+/// The manifest an image record points at for this platform: the target
+/// itself, or the host's entry of the index it names. Its descriptor, its
+/// bytes and the manifest; `bad` words what is malformed or missing.
+pub(super) async fn platform_manifest(
+    ctd: &Containerd,
+    target: &Descriptor,
+    bad: &impl Fn(String) -> RuntimeError,
+) -> Result<(Descriptor, Vec<u8>, ImageManifest), RuntimeError> {
+    let desc = if media::is_index(&target.media_type) {
+        let index = ImageIndex::from_reader(&content::read_blob(ctd, &target.digest).await?[..])
+            .map_err(|e| bad(format!("index {}: {e}", target.digest)))?;
+        let chosen = select_manifest(&index).ok_or_else(|| {
+            bad(format!(
+                "no manifest for linux/{}",
+                super::descriptor::host_architecture()
+            ))
+        })?;
+        Descriptor::from_oci(chosen)?
+    } else {
+        target.clone()
+    };
+    let bytes = content::read_blob(ctd, &desc.digest).await?;
+    let manifest = ImageManifest::from_reader(&bytes[..])
+        .map_err(|e| bad(format!("manifest {}: {e}", desc.digest)))?;
+    Ok((desc, bytes, manifest))
+}
+
 /// Looks an image up by name; `None` when there is no record.
 pub async fn get_local(
     ctd: &Containerd,
@@ -251,22 +278,7 @@ pub async fn get_local(
         return Ok(None);
     };
     let bad = |what: String| RuntimeError::Invalid(format!("image {name}: {what}"));
-    let manifest_digest = if media::is_index(&target.media_type) {
-        let index = ImageIndex::from_reader(&content::read_blob(ctd, &target.digest).await?[..])
-            .map_err(|e| bad(format!("index {}: {e}", target.digest)))?;
-        let chosen = select_manifest(&index).ok_or_else(|| {
-            bad(format!(
-                "no manifest for linux/{}",
-                super::descriptor::host_architecture()
-            ))
-        })?;
-        Descriptor::from_oci(chosen)?.digest
-    } else {
-        target.digest.clone()
-    };
-    let manifest =
-        ImageManifest::from_reader(&content::read_blob(ctd, &manifest_digest).await?[..])
-            .map_err(|e| bad(format!("manifest {manifest_digest}: {e}")))?;
+    let (_, _, manifest) = platform_manifest(ctd, &target, &bad).await?;
     let config_digest = Descriptor::from_oci(manifest.config())?.digest;
     let config =
         ImageConfiguration::from_reader(&content::read_blob(ctd, &config_digest).await?[..])

@@ -338,12 +338,7 @@ impl Puller {
                 &format!("manifest {}: {e}", manifest_desc.digest),
             )
         })?;
-        let config_desc = Descriptor::from_oci(manifest.config())?;
-        let layers = manifest
-            .layers()
-            .iter()
-            .map(Descriptor::from_oci)
-            .collect::<Result<Vec<_>, _>>()?;
+        let (config_desc, layers) = Descriptor::parts_of(&manifest)?;
         if let Some(p) = &progress {
             p(PullEvent::Resolved {
                 manifest: manifest_desc.digest.clone(),

@@ -10,14 +10,14 @@ use std::collections::HashMap;
 use std::io::Cursor;
 use std::time::Duration;
 
-use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
+use oci_spec::image::ImageConfiguration;
 
 use super::connection::Containerd;
 use super::content;
-use super::descriptor::{Descriptor, media, select_manifest};
+use super::descriptor::Descriptor;
 use super::digest::Digest;
 use super::error::RuntimeError;
-use super::images::{ImportedImage, get_target, put_image_record};
+use super::images::{ImportedImage, get_target, platform_manifest, put_image_record};
 use super::lease::Lease;
 use super::reference::ImageRef;
 use super::unpack::{self, LABEL_GC_SNAPSHOT};
@@ -36,33 +36,11 @@ pub async fn copy_image(
     let target = get_target(from, name)
         .await?
         .ok_or_else(|| bad(format!("no such image in namespace {}", from.namespace())))?;
-    let (manifest_desc, manifest_bytes) = if media::is_index(&target.media_type) {
-        let index = ImageIndex::from_reader(&content::read_blob(from, &target.digest).await?[..])
-            .map_err(|e| bad(format!("index {}: {e}", target.digest)))?;
-        let chosen = select_manifest(&index).ok_or_else(|| {
-            bad(format!(
-                "no manifest for linux/{}",
-                super::descriptor::host_architecture()
-            ))
-        })?;
-        let desc = Descriptor::from_oci(chosen)?;
-        let bytes = content::read_blob(from, &desc.digest).await?;
-        (desc, bytes)
-    } else {
-        let bytes = content::read_blob(from, &target.digest).await?;
-        (target, bytes)
-    };
-    let manifest = ImageManifest::from_reader(&manifest_bytes[..])
-        .map_err(|e| bad(format!("manifest {}: {e}", manifest_desc.digest)))?;
-    let config_desc = Descriptor::from_oci(manifest.config())?;
+    let (manifest_desc, manifest_bytes, manifest) = platform_manifest(from, &target, &bad).await?;
+    let (config_desc, layers) = Descriptor::parts_of(&manifest)?;
     let config_bytes = content::read_blob(from, &config_desc.digest).await?;
     let config = ImageConfiguration::from_reader(&config_bytes[..])
         .map_err(|e| bad(format!("config {}: {e}", config_desc.digest)))?;
-    let layers = manifest
-        .layers()
-        .iter()
-        .map(Descriptor::from_oci)
-        .collect::<Result<Vec<_>, _>>()?;
     let diff_ids = config
         .rootfs()
         .diff_ids()
