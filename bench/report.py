@@ -38,6 +38,8 @@ BENCHES = {
     "metrics": ({"INSTANCES": "100", "SCRAPES": "50"}, 900),
     "mesh": ({"SECS": "10", "COUNT": "200"}, 600),
     "vm": ({"MIB": "32", "PINGS": "30"}, 2400),
+    "wake": ({"ROUNDS": "5"}, 600),
+    "scale": ({"COUNT": "1000"}, 3000),
 }
 # Plots: file name, title, y label, curves drawn on it.
 PLOTS = [
