@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use zattera_agent::build::unpack::{Limits, unpack};
+use zattera_agent::image_build::unpack::{Limits, unpack};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(base) = tempfile::tempdir() else {

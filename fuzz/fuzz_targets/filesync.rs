@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use bollard_buildkit_proto::fsutil::types::{Packet, packet::PacketType};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use zattera_agent::build::buildkit::filesync::{Filter, Sender};
+use zattera_agent::image_build::buildkit::filesync::{Filter, Sender};
 
 /// A small context: a Dockerfile, an ignore file, files in nested dirs.
 fn context() -> &'static PathBuf {
