@@ -516,12 +516,7 @@ fn child_blobs(
 /// The uncompressed layer digests (`rootfs.diff_ids`) of an image config.
 pub(super) fn parse_diff_ids(config: &[u8]) -> Result<Vec<Digest>, String> {
     let config = ImageConfiguration::from_reader(config).map_err(|e| e.to_string())?;
-    config
-        .rootfs()
-        .diff_ids()
-        .iter()
-        .map(|d| d.parse::<Digest>().map_err(|e| e.to_string()))
-        .collect()
+    super::unpack::diff_ids(&config).map_err(|e| e.to_string())
 }
 
 fn descriptor_json(d: &Descriptor) -> serde_json::Value {

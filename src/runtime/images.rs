@@ -283,13 +283,7 @@ pub async fn get_local(
     let config =
         ImageConfiguration::from_reader(&content::read_blob(ctd, &config_digest).await?[..])
             .map_err(|e| bad(format!("config {config_digest}: {e}")))?;
-    let diff_ids = config
-        .rootfs()
-        .diff_ids()
-        .iter()
-        .map(|d| d.parse::<Digest>())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(e.to_string()))?;
+    let diff_ids = unpack::diff_ids(&config).map_err(|e| bad(e.to_string()))?;
     let chain_id = unpack::chain_ids(&diff_ids)
         .pop()
         .ok_or_else(|| bad("image has no layers".into()))?;

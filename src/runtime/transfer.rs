@@ -15,7 +15,6 @@ use oci_spec::image::ImageConfiguration;
 use super::connection::Containerd;
 use super::content;
 use super::descriptor::Descriptor;
-use super::digest::Digest;
 use super::error::RuntimeError;
 use super::images::{ImportedImage, get_target, platform_manifest, put_image_record};
 use super::lease::Lease;
@@ -41,13 +40,7 @@ pub async fn copy_image(
     let config_bytes = content::read_blob(from, &config_desc.digest).await?;
     let config = ImageConfiguration::from_reader(&config_bytes[..])
         .map_err(|e| bad(format!("config {}: {e}", config_desc.digest)))?;
-    let diff_ids = config
-        .rootfs()
-        .diff_ids()
-        .iter()
-        .map(|d| d.parse::<Digest>())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| bad(e.to_string()))?;
+    let diff_ids = unpack::diff_ids(&config).map_err(|e| bad(e.to_string()))?;
 
     let lease = Lease::create(to, "copy", COPY_LEASE_TTL).await?;
     let result = async {

@@ -31,6 +31,18 @@ pub const SNAPSHOTTER: &str = "overlayfs";
 pub const LABEL_UNCOMPRESSED: &str = "containerd.io/uncompressed";
 pub const LABEL_GC_SNAPSHOT: &str = "containerd.io/gc.ref.snapshot.overlayfs";
 
+/// The uncompressed layer digests (`rootfs.diff_ids`) of an image config.
+pub fn diff_ids(
+    config: &oci_spec::image::ImageConfiguration,
+) -> Result<Vec<Digest>, super::digest::InvalidDigest> {
+    config
+        .rootfs()
+        .diff_ids()
+        .iter()
+        .map(|d| d.parse())
+        .collect()
+}
+
 /// Chain ids of a layer stack: `chain₀ = diff₀`, `chainᵢ = sha256(chainᵢ₋₁ + " " + diffᵢ)`.
 pub fn chain_ids(diff_ids: &[Digest]) -> Vec<Digest> {
     let mut out: Vec<Digest> = Vec::with_capacity(diff_ids.len());
