@@ -744,7 +744,12 @@ async fn an_agent_restart_never_reports_a_failing_check_healthy() {
             agent.wait_for(&format!("good HEALTHY after a {how} restart"), |s| {
                 state(s, "good").as_deref() == Some("HEALTHY")
             });
-            assert_eq!(task_pids(&ctd, ids.values()).await, pids, "after a {how} restart: no task restarted");
+            assert_eq!(
+                task_pids(&ctd, ids.values()).await,
+                pids,
+                "after a {how} restart: no task restarted; agent log:\n{}",
+                agent.log()
+            );
         }
     })
     .await;

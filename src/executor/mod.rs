@@ -430,9 +430,13 @@ impl Executor {
             self.h.cfg.run_dir.join("exec"),
         );
         tokio::spawn(async move {
+            // First the shims blocked on a FIFO an earlier agent never
+            // opened: they answer nothing else until it is.
+            let held = crate::runtime::exec_orphans::open_fifos(&fifos, started);
             for id in ids {
                 crate::runtime::exec_orphans::end(&ctd, &id, started).await;
             }
+            drop(held);
             crate::runtime::exec_orphans::remove_fifo_dirs(&fifos, started);
         });
         let live: BTreeSet<String> = owned.iter().map(|o| o.container_id.clone()).collect();

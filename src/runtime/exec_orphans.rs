@@ -41,6 +41,36 @@ pub fn is_ours_before(exec_id: &str, before: SystemTime) -> bool {
     })
 }
 
+/// Opens, for reading, every FIFO of the exec processes started before
+/// `before`, and keeps them open while held. An agent killed between an
+/// exec's start and its readers' open leaves the shim blocked opening the
+/// process's output for writing, and a blocked shim answers nothing more
+/// for that container (its task reads time out). A reader lets the open
+/// finish; the writes after it fail once the files are dropped.
+pub fn open_fifos(fifo_dir: &Path, before: SystemTime) -> Vec<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(list) = std::fs::read_dir(fifo_dir) else {
+        return Vec::new();
+    };
+    list.flatten()
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_str()
+                .is_some_and(|n| is_ours_before(n, before))
+        })
+        .filter_map(|entry| std::fs::read_dir(entry.path()).ok())
+        .flat_map(Iterator::flatten)
+        .filter_map(|fifo| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(nix::libc::O_NONBLOCK)
+                .open(fifo.path())
+                .ok()
+        })
+        .collect()
+}
+
 /// Removes the FIFO directories (named by exec id) of exec processes
 /// started before `before`.
 pub fn remove_fifo_dirs(fifo_dir: &Path, before: SystemTime) {
