@@ -57,26 +57,36 @@ async fn reboot(ctd: &Containerd, agent: &mut ControlledAgent, cids: &[String]) 
 /// with every container of the node down. Now the containers come back
 /// first, `status` says why control is not followed, and once the record
 /// reads again the agent follows control without restarting them.
+/// Pushes one sleeping service `svc` in environment `env` (subnet slot
+/// `slot`) and waits for it HEALTHY; its container id.
+fn svc_healthy(
+    cp: &control_plane::ControlPlane,
+    agent: &mut ControlledAgent,
+    env: &str,
+    slot: u8,
+) -> String {
+    let (a, rt) = control_plane::assignment("svc", env, slot, "sleep 3600");
+    cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
+    let status = agent.wait_for("svc HEALTHY", |s| {
+        s["assignments"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["id"] == "svc" && r["state"] == "HEALTHY")
+    });
+    status["assignments"][0]["container_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_torn_enrollment_holds_back_no_container_and_control_follows_once_it_reads() {
     on_rig_with_image("cut-enroll", |ctd, rig| async move {
         let (cp, mut agent) =
             control_plane::controlled_agent(SECRET, &rig, &ctd, "ztpa", &[]).await;
         let node = agent.node_id.clone();
-        let (a, rt) =
-            control_plane::assignment("svc", "01JCUTENVIRONMENT000000001", 212, "sleep 3600");
-        cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
-        let status = agent.wait_for("svc HEALTHY", |s| {
-            s["assignments"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|r| r["id"] == "svc" && r["state"] == "HEALTHY")
-        });
-        let cid = status["assignments"][0]["container_id"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let cid = svc_healthy(&cp, &mut agent, "01JCUTENVIRONMENT000000001", 212);
         cp.wait_for("the first session", WAIT, |r| {
             (r.sessions_of(&node) == 1).then_some(())
         })
@@ -170,20 +180,7 @@ async fn an_upgrade_that_cannot_run_is_rolled_back_after_three_starts() {
         )
         .await;
         let node = agent.node_id.clone();
-        let (a, rt) =
-            control_plane::assignment("svc", "01JCUTENVIRONMENT000000002", 213, "sleep 3600");
-        cp.push_set(control_plane::set_of(1, vec![(a, rt)]));
-        let status = agent.wait_for("svc HEALTHY", |s| {
-            s["assignments"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|r| r["id"] == "svc" && r["state"] == "HEALTHY")
-        });
-        let cid = status["assignments"][0]["container_id"]
-            .as_str()
-            .unwrap()
-            .to_owned();
+        let cid = svc_healthy(&cp, &mut agent, "01JCUTENVIRONMENT000000002", 213);
         let pid = running_pid(&ctd, &cid, &agent).await;
 
         let mut api = agent.api_as(&cp, control_plane::CONTROL_NODE_ID).await;
