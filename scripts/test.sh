@@ -13,9 +13,15 @@ export ZATTERA_TEST_SKIPS=${ZATTERA_TEST_SKIPS:-${CARGO_TARGET_DIR:-$PWD/target}
 mkdir -p "$(dirname "$ZATTERA_TEST_SKIPS")"
 : > "$ZATTERA_TEST_SKIPS"
 
+# What failed, and what failed once and passed when run again, with
+# their messages (.config/nextest.toml): listed last.
+export ZATTERA_TEST_JUNIT=${ZATTERA_TEST_JUNIT:-${CARGO_TARGET_DIR:-$PWD/target}/nextest/default/junit.xml}
+rm -f "$ZATTERA_TEST_JUNIT"
+
 rc=0
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast || rc=$?
+  python3 scripts/test-report.py "$ZATTERA_TEST_JUNIT"
 else
   cargo test --workspace --no-fail-fast || rc=$?
 fi
