@@ -304,6 +304,7 @@ async fn agent_once(
             chain_id: image.chain_id,
             labels,
             spec: spec::build(&c).unwrap(),
+            runtime: zattera_agent::runtime::oci_runtime::OciRuntime::Runc,
         },
     )
     .await

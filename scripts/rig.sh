@@ -24,7 +24,7 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 # --- packages --------------------------------------------------------------
-PACKAGES=(containerd runc protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
+PACKAGES=(containerd runc crun protobuf-compiler nftables busybox-static dnsutils iproute2 dnsmasq-base
           docker-registry skopeo python3 ca-certificates procps curl gcc libc6-dev
           libzstd-dev zstd pkg-config python3-venv tmux tcpdump iperf3 buildah)
 missing=()

@@ -27,6 +27,8 @@ pub const DEFAULT_PIDS_LIMIT: u32 = 4096;
 /// (`shim-group-size`); bench/density and bench/results/2026-12-06.md say
 /// why this many.
 pub const DEFAULT_SHIM_GROUP_SIZE: usize = 8;
+/// The OCI runtime when the config names none.
+pub const DEFAULT_OCI_RUNTIME: &str = "runc";
 pub const DEFAULT_HOST_IP: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 /// The node API (`AgentLocalService`) on every address, port 8444 (wire.md §0.4).
 pub const DEFAULT_NODE_API_LISTEN: SocketAddr =
@@ -74,6 +76,10 @@ pub struct Settings {
     /// [`DEFAULT_SHIM_GROUP_SIZE`]; 1 = a shim each).
     #[serde(alias = "shim_group_size")]
     pub shim_group_size: Option<u32>,
+    /// The OCI runtime containers run with: `runc` (default), `crun`,
+    /// `auto` (crun when installed) or an absolute path.
+    #[serde(alias = "oci_runtime")]
+    pub oci_runtime: Option<String>,
     /// Longest an image pull may take, as `90s`, `10m` (default 10m).
     #[serde(alias = "pull_timeout")]
     pub pull_timeout: Option<String>,
@@ -227,6 +233,7 @@ impl Settings {
             host_port_range: top.host_port_range.or(self.host_port_range),
             pids_limit: top.pids_limit.or(self.pids_limit),
             shim_group_size: top.shim_group_size.or(self.shim_group_size),
+            oci_runtime: top.oci_runtime.or(self.oci_runtime),
             pull_timeout: top.pull_timeout.or(self.pull_timeout),
             control_node_ids: top.control_node_ids.or(self.control_node_ids),
             join_token: top.join_token.or(self.join_token),
@@ -372,6 +379,14 @@ impl Settings {
             shim_group_size: self
                 .shim_group_size
                 .map_or(DEFAULT_SHIM_GROUP_SIZE, |n| n.max(1) as usize),
+            oci_runtime: crate::runtime::oci_runtime::OciRuntime::resolve(
+                self.oci_runtime.as_deref().unwrap_or(DEFAULT_OCI_RUNTIME),
+                &crate::runtime::oci_runtime::Host::this_one(),
+            )
+            .map_err(|message| ConfigError::Invalid {
+                key: "oci-runtime",
+                message,
+            })?,
             control_node_ids: self.control_node_ids.unwrap_or_default(),
             join_token: self.join_token.filter(|t| !t.trim().is_empty()),
             bridge_prefix: self.bridge_prefix,
@@ -579,6 +594,7 @@ pub struct Config {
     pub pids_limit: u32,
     /// Containers of one environment per runc shim; 1: a shim each.
     pub shim_group_size: usize,
+    pub oci_runtime: crate::runtime::oci_runtime::OciRuntime,
     pub pull_timeout: std::time::Duration,
     pub control_node_ids: Vec<String>,
     pub join_token: Option<String>,

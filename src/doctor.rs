@@ -203,6 +203,7 @@ fn host(config: &Config) -> Vec<Check> {
     vec![
         root(),
         runc(),
+        oci_runtime(&config.oci_runtime),
         overlayfs(),
         cgroups(),
         nftables(),
@@ -337,6 +338,31 @@ fn runc() -> Check {
     match first_line(&path, &["--version"]) {
         Ok(v) => Check::pass("runc", format!("{v} ({})", path.display())),
         Err(e) => Check::fail("runc", format!("{} --version: {e}", path.display()), fix),
+    }
+}
+
+/// Which runtime the node's containers run with (`oci-runtime`).
+fn oci_runtime(runtime: &crate::runtime::oci_runtime::OciRuntime) -> Check {
+    let Some(path) = runtime.binary() else {
+        return Check::pass(
+            "oci runtime",
+            "runc (oci-runtime = crun or auto runs crun where the host's cgroups are v2 only)",
+        );
+    };
+    match first_line(path, &["--version"]) {
+        Ok(v) => Check::pass(
+            "oci runtime",
+            format!(
+                "{} runs the containers: {v} ({})",
+                runtime.name(),
+                path.display()
+            ),
+        ),
+        Err(e) => Check::fail(
+            "oci runtime",
+            format!("{} --version: {e}", path.display()),
+            "install it, or set oci-runtime = runc",
+        ),
     }
 }
 

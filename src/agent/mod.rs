@@ -88,6 +88,7 @@ pub async fn run(mut config: Config, agent_binary: PathBuf) -> Result<()> {
         namespace = %node.config.namespace,
         run_dir = %node.config.run_dir.display(),
         data_dir = %node.config.data_dir.display(),
+        oci_runtime = node.config.oci_runtime.name(),
         "agent running"
     );
     let status = handle.status.clone();
@@ -207,6 +208,7 @@ impl Node {
             host_port_range: config.host_port_range,
             pids_limit: config.pids_limit,
             shim_group_size: config.shim_group_size,
+            oci_runtime: config.oci_runtime.clone(),
             pull_timeout: config.pull_timeout,
             standalone: control.is_none(),
             source,

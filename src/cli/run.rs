@@ -41,6 +41,10 @@ pub struct RunArgs {
     /// per container [default: 8]
     #[arg(long, value_name = "N")]
     shim_group_size: Option<u32>,
+    /// The OCI runtime containers run with: runc, crun, auto (crun when
+    /// installed) or an absolute path [default: runc]
+    #[arg(long, value_name = "RUNTIME")]
+    oci_runtime: Option<String>,
     /// Longest an image pull may take [default: 10m]
     #[arg(long, value_name = "DURATION")]
     pull_timeout: Option<String>,
@@ -142,6 +146,7 @@ impl RunArgs {
             host_port_range: self.host_port_range.clone(),
             pids_limit: self.pids_limit,
             shim_group_size: self.shim_group_size,
+            oci_runtime: self.oci_runtime.clone(),
             pull_timeout: self.pull_timeout.clone(),
             join_token: self.join_token.clone(),
             default_subnet: self.default_subnet.clone(),

@@ -442,6 +442,7 @@ async fn create(
             chain_id: image.chain_id.clone(),
             labels: composed.labels.clone(),
             spec: composed.spec.clone(),
+            runtime: h.cfg.oci_runtime.clone(),
         },
     )
     .await

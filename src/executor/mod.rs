@@ -92,6 +92,8 @@ pub struct ExecutorConfig {
     /// Containers of one scope that share a runc shim (see
     /// [`shim_groups`]); 1: a shim each.
     pub shim_group_size: usize,
+    /// The OCI runtime containers are created with (runc or crun).
+    pub oci_runtime: crate::runtime::oci_runtime::OciRuntime,
     /// Longest one pull may take before the bring-up fails.
     pub pull_timeout: Duration,
     /// Standalone: requested host ports come from the desired

@@ -43,6 +43,8 @@ pub struct NewContainer {
     pub chain_id: Digest,
     pub labels: HashMap<String, String>,
     pub spec: oci_spec::runtime::Spec,
+    /// The OCI runtime the shim runs it with.
+    pub runtime: super::oci_runtime::OciRuntime,
 }
 
 /// A task's state as the supervisor sees it (L-4).
@@ -96,7 +98,7 @@ pub async fn create(ctd: &Containerd, c: &NewContainer) -> Result<(), RuntimeErr
             image: c.image.clone(),
             runtime: Some(Runtime {
                 name: RUNC_RUNTIME.into(),
-                options: None,
+                options: c.runtime.shim_options(),
             }),
             spec: Some(prost_types::Any {
                 type_url: SPEC_TYPE_URL.into(),

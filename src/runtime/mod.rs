@@ -22,6 +22,7 @@ pub mod images;
 pub mod lease;
 pub mod manifest_get;
 mod names;
+pub mod oci_runtime;
 pub mod oom;
 pub mod pull;
 pub mod reference;

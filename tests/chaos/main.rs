@@ -523,6 +523,7 @@ async fn start_foreign(ctd: &Containerd, dir: &Path) -> (String, u32) {
             chain_id: image.chain_id,
             labels: HashMap::new(),
             spec: spec::build(&c).unwrap(),
+            runtime: zattera_agent::runtime::oci_runtime::OciRuntime::Runc,
         },
     )
     .await

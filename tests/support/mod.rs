@@ -431,6 +431,7 @@ pub fn executor_config(
         host_port_range: zattera_netns::PortRange::DEFAULT,
         pids_limit: zattera_agent::config::DEFAULT_PIDS_LIMIT,
         shim_group_size: zattera_agent::config::DEFAULT_SHIM_GROUP_SIZE,
+        oci_runtime: zattera_agent::runtime::oci_runtime::OciRuntime::Runc,
         pull_timeout: zattera_agent::config::DEFAULT_PULL_TIMEOUT,
         standalone: true,
         source: "test".into(),
@@ -466,6 +467,7 @@ pub async fn create_and_start(
             chain_id,
             labels,
             spec: zattera_agent::runtime::spec::build(spec).unwrap(),
+            runtime: zattera_agent::runtime::oci_runtime::OciRuntime::Runc,
         },
     )
     .await
