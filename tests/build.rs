@@ -184,12 +184,17 @@ fn buildah_processes(storage: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
+/// The buildah storage of builds that name no project.
+fn local_storage(agent: &ControlledAgent) -> std::path::PathBuf {
+    agent.data_dir().join("buildah/projects/_local/storage")
+}
+
 fn buildah_containers(agent: &ControlledAgent) -> String {
     let out = std::process::Command::new("buildah")
         .arg("--root")
-        .arg(agent.data_dir().join("buildah/storage"))
+        .arg(local_storage(agent))
         .arg("--runroot")
-        .arg(agent.dir.path().join("run/buildah"))
+        .arg(agent.dir.path().join("run/buildah/_local"))
         .args(["--storage-driver", "overlay", "containers", "--quiet"])
         .output()
         .unwrap();
@@ -303,6 +308,68 @@ async fn a_rebuild_of_the_same_steps_uses_the_layer_cache() {
             // COPY and RUN: FROM is no step of its own.
             assert_eq!(hits, if cached { 2 } else { 0 }, "{id}: {lines:#?}");
         }
+    })
+    .await;
+}
+
+/// Attack (issue 56.3): tenant A fills a `RUN --mount=type=cache` of id
+/// `shared` (Go, pip, cargo caches are mounted this way), and tenant B's
+/// build mounts the same id. With one buildah state for the node, B read
+/// A's file (and could have poisoned it); each project now has its own
+/// storage and cache directories, so B finds the cache empty. A's second
+/// build still finds its own file: the cache works within a project.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_cache_mount_is_never_shared_between_projects() {
+    on_rig("build-cache-mount", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgv").await;
+        let dockerfile = |step: &str| {
+            format!(
+                "FROM {}\nRUN --mount=type=cache,id=shared,target=/cache {step}\n",
+                c.base
+            )
+        };
+        let write = c.blobs.put(context(&[(
+            "Dockerfile",
+            dockerfile("echo tenant-a-secret > /cache/s").as_bytes(),
+        )]));
+        let read = c.blobs.put(context(&[(
+            "Dockerfile",
+            dockerfile("echo \"cache holds: $(cat /cache/s 2>/dev/null || echo nothing)\"")
+                .as_bytes(),
+        )]));
+        let in_project = |id: &str, url: &str, project: &str| {
+            let mut req = build_request(id, url, "");
+            req.build.as_mut().unwrap().project_id = project.into();
+            req
+        };
+        let (lines, end) = run_build(&c.agent, &c.cp, in_project("bld-m1", &write, "proj-a")).await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Succeeded as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        let (lines, end) = run_build(&c.agent, &c.cp, in_project("bld-m2", &read, "proj-b")).await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Succeeded as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains("cache holds: nothing")),
+            "project B's build read project A's cache mount: {lines:#?}"
+        );
+        let (lines, end) = run_build(&c.agent, &c.cp, in_project("bld-m3", &read, "proj-a")).await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Succeeded as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("cache holds: tenant-a-secret")),
+            "project A's own cache mount is kept: {lines:#?}"
+        );
     })
     .await;
 }
@@ -443,7 +510,7 @@ async fn cancel_build_stops_buildah_and_its_container() {
             BuildStatus::Canceled as i32,
             "{terminal:?} {lines:?}"
         );
-        let storage = c.agent.data_dir().join("buildah/storage");
+        let storage = local_storage(&c.agent);
         assert!(
             buildah_processes(&storage).is_empty(),
             "{:?}",

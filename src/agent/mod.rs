@@ -689,6 +689,7 @@ fn builder(
         namespace: config.namespace.as_str(),
         data_dir: &config.data_dir,
         run_dir: &config.run_dir,
+        oci_runtime: &config.oci_runtime,
     });
     match &backend {
         Ok(b) => tracing::info!(backend = b.name(), "builds enabled"),

@@ -54,6 +54,7 @@ pub async fn run(config: &Config, args: BuildArgs) -> Result<()> {
         namespace: config.namespace.as_str(),
         data_dir: &config.data_dir,
         run_dir: &config.run_dir,
+        oci_runtime: &config.oci_runtime,
     })
     .map_err(anyhow::Error::msg)?;
     let mut pipeline_config = PipelineConfig::new(&config.data_dir);
@@ -86,6 +87,7 @@ pub async fn run(config: &Config, args: BuildArgs) -> Result<()> {
         .unwrap_or_else(|| format!("zattera.local/builds/{name}:latest"));
     let req = BuildRequest {
         id: format!("local-{name}"),
+        project: String::new(),
         source: Source::Dir(args.dir.clone()),
         platforms: args.platform.clone(),
         push_ref: args.push.then(|| tag.clone()),

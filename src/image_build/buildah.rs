@@ -4,7 +4,10 @@
 //! importer.
 //!
 //! Storage is the agent's own (`<data-dir>/buildah`), so nothing here ever
-//! touches an operator's buildah or podman images. Each step runs in its
+//! touches an operator's buildah or podman images, and each project has its
+//! own ([`Store`]): images, layer cache, working containers and the
+//! `RUN --mount=type=cache` directories, so that no tenant reads or
+//! poisons another's. Each step runs in its
 //! own process group; a cancel sends buildah SIGTERM (it stops its `RUN`
 //! container and removes its working container), then SIGKILL after a
 //! grace.
@@ -51,9 +54,14 @@ const STOP_GRACE: Duration = Duration::from_secs(15);
 #[derive(Debug, Clone)]
 pub struct Buildah {
     pub binary: PathBuf,
-    /// containers/storage root and run root, the agent's own.
+    /// Where each project's [`Store`] is: `<root>/<key>/` and
+    /// `<runroot>/<key>/`.
     pub root: PathBuf,
     pub runroot: PathBuf,
+    /// What runs `RUN` steps: the node's runtime, never buildah's own
+    /// choice (it takes crun wherever crun is installed, which fails on a
+    /// host with hybrid cgroups).
+    pub oci_runtime: crate::runtime::oci_runtime::OciRuntime,
     /// Where [`Output::Load`] images go.
     pub ctd: Option<Containerd>,
     /// Builds running now. Storage is the agent's alone, so while none
@@ -65,20 +73,35 @@ impl Buildah {
     pub fn new(data_dir: &Path, run_dir: &Path, ctd: Option<Containerd>) -> Self {
         Self {
             binary: PathBuf::from("buildah"),
-            root: data_dir.join("buildah/storage"),
+            root: data_dir.join("buildah/projects"),
             runroot: run_dir.join("buildah"),
+            oci_runtime: crate::runtime::oci_runtime::OciRuntime::Runc,
             ctd,
             active: std::sync::Arc::default(),
         }
     }
 
-    fn command(&self) -> tokio::process::Command {
+    /// The state of `project`'s builds.
+    pub fn store(&self, project: &str) -> Store {
+        let key = project_key(project);
+        let dir = self.root.join(&key);
+        Store {
+            storage: dir.join("storage"),
+            runroot: self.runroot.join(&key),
+            tmp: dir.join("tmp"),
+        }
+    }
+
+    fn command(&self, store: &Store) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.binary);
         cmd.arg("--root")
-            .arg(&self.root)
+            .arg(&store.storage)
             .arg("--runroot")
-            .arg(&self.runroot)
+            .arg(&store.runroot)
             .args(["--storage-driver", "overlay"])
+            // buildah keeps `RUN --mount=type=cache` directories under
+            // TMPDIR (`buildah-cache-<uid>`), by their id alone.
+            .env("TMPDIR", &store.tmp)
             // The operator's registries.conf may carry unqualified-search
             // registries; builds name their images in full.
             .env("BUILDAH_ISOLATION", "oci")
@@ -149,10 +172,10 @@ impl Buildah {
     /// Removes every working container when no other build runs (one
     /// cancelled with `--layers` can leave its `RUN` container behind),
     /// then adds `delta` to the builds running, all under the one lock.
-    async fn sweep_if_alone(&self, running_here: usize, delta: isize) {
+    async fn sweep_if_alone(&self, store: &Store, running_here: usize, delta: isize) {
         let mut active = self.active.lock().await;
         if *active == running_here {
-            let mut cmd = self.command();
+            let mut cmd = self.command(store);
             cmd.args(["rm", "--all"]);
             let _ = cmd.output().await;
         }
@@ -165,26 +188,26 @@ impl Buildah {
     /// the intermediate images no other cached build shares. `rmi` of a
     /// build's only name would delete its intermediate images, and every
     /// later build of the same steps would run them all again.
-    async fn keep_as_cache(&self, tag: &str, build_id: &str) {
+    async fn keep_as_cache(&self, store: &Store, tag: &str, build_id: &str) {
         let cached = format!("{CACHE_REPO}:{}", cache_name(build_id));
-        let mut cmd = self.command();
+        let mut cmd = self.command(store);
         cmd.args(["tag", tag, &cached]);
         if !cmd.output().await.is_ok_and(|o| o.status.success()) {
-            self.remove_local(tag, false).await;
+            self.remove_local(store, tag, false).await;
             return;
         }
-        self.remove_local(tag, false).await;
-        let mut list = self.command();
+        self.remove_local(store, tag, false).await;
+        let mut list = self.command(store);
         list.args(["images", "--json", "--filter"])
             .arg(format!("reference={CACHE_REPO}"));
         let Ok(out) = list.output().await else { return };
         for old in beyond_cache(&out.stdout, CACHED_BUILDS) {
-            self.remove_local(&old, false).await;
+            self.remove_local(store, &old, false).await;
         }
     }
 
-    async fn remove_local(&self, tag: &str, manifest: bool) {
-        let mut cmd = self.command();
+    async fn remove_local(&self, store: &Store, tag: &str, manifest: bool) {
+        let mut cmd = self.command(store);
         if manifest {
             cmd.args(["manifest", "rm", tag]);
         } else {
@@ -197,6 +220,51 @@ impl Buildah {
 enum StepError {
     Failed(String),
     Canceled,
+}
+
+/// One project's builder state ([`Buildah::store`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Store {
+    /// containers/storage: images, layer cache, working containers.
+    pub storage: PathBuf,
+    pub runroot: PathBuf,
+    /// The TMPDIR buildah runs with, its cache mounts beneath.
+    pub tmp: PathBuf,
+}
+
+impl Store {
+    fn make(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
+        for dir in [&self.storage, &self.runroot, &self.tmp] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
+        Ok(())
+    }
+}
+
+/// A directory name for `project`: the id itself when it is a plain name,
+/// else a digest of it (no id can name another's directory, or climb out).
+fn project_key(project: &str) -> String {
+    let plain = !project.is_empty()
+        && project.len() <= 64
+        && !project.starts_with('.')
+        && project
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.');
+    if project.is_empty() {
+        "_local".to_owned()
+    } else if plain {
+        format!("p-{project}")
+    } else {
+        use sha2::Digest as _;
+        format!(
+            "h-{}",
+            &hex::encode(sha2::Sha256::digest(project.as_bytes()))[..32]
+        )
+    }
 }
 
 /// Where built images stay as layer cache ([`Buildah::keep_as_cache`]).
@@ -269,14 +337,16 @@ impl Backend for Buildah {
         events: &Events,
         cancel: &CancellationToken,
     ) -> Result<Built, BuildError> {
-        self.sweep_if_alone(0, 1).await;
-        let result = self.build_counted(spec, events, cancel).await;
+        let store = self.store(&spec.project);
+        store.make().map_err(BuildError::Scratch)?;
+        self.sweep_if_alone(&store, 0, 1).await;
+        let result = self.build_counted(&store, spec, events, cancel).await;
         let alone = if matches!(result, Err(BuildError::Canceled)) {
             1
         } else {
             usize::MAX
         };
-        self.sweep_if_alone(alone, -1).await;
+        self.sweep_if_alone(&store, alone, -1).await;
         result
     }
 }
@@ -284,6 +354,7 @@ impl Backend for Buildah {
 impl Buildah {
     async fn build_counted(
         &self,
+        store: &Store,
         spec: &BuildSpec,
         events: &Events,
         cancel: &CancellationToken,
@@ -292,9 +363,15 @@ impl Buildah {
             RegistryFiles::write(&spec.scratch, &spec.registries).map_err(BuildError::Scratch)?;
         let tag = local_tag(&spec.id);
         let several = spec.platforms.len() > 1;
-        let mut bud = self.command();
+        let mut bud = self.command(store);
         bud.arg("bud")
             .args(["--isolation", "oci"])
+            .arg("--runtime")
+            .arg(
+                self.oci_runtime
+                    .binary()
+                    .unwrap_or_else(|| Path::new("runc")),
+            )
             .args(spec.network.buildah_args())
             .arg("--layers")
             .arg("--file")
@@ -313,27 +390,29 @@ impl Buildah {
         bud.arg(&spec.context);
         let result = self.step(bud, events, cancel).await;
         if let Err(e) = result {
-            self.remove_local(&tag, several).await;
+            self.remove_local(store, &tag, several).await;
             return Err(match e {
                 StepError::Canceled => BuildError::Canceled,
                 StepError::Failed(text) => BuildError::Solve(text),
             });
         }
         let outcome = self
-            .export(spec, &tag, several, &files, events, cancel)
+            .export(store, spec, &tag, several, &files, events, cancel)
             .await;
         if outcome.is_ok() && !several {
-            self.keep_as_cache(&tag, &spec.id).await;
+            self.keep_as_cache(store, &tag, &spec.id).await;
         } else {
-            self.remove_local(&tag, several).await;
+            self.remove_local(store, &tag, several).await;
         }
         outcome
     }
 }
 
 impl Buildah {
+    #[allow(clippy::too_many_arguments)]
     async fn export(
         &self,
+        store: &Store,
         spec: &BuildSpec,
         tag: &str,
         several: bool,
@@ -341,7 +420,7 @@ impl Buildah {
         events: &Events,
         cancel: &CancellationToken,
     ) -> Result<Built, BuildError> {
-        let mut push = self.command();
+        let mut push = self.command(store);
         if several {
             push.args(["manifest", "push", "--all"]);
         } else {
@@ -411,6 +490,39 @@ impl Buildah {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::disallowed_methods)]
     use super::*;
+
+    #[test]
+    fn each_project_has_a_store_of_its_own_that_no_id_can_leave() {
+        let b = Buildah::new(Path::new("/d"), Path::new("/r"), None);
+        let a = b.store("proj-a");
+        assert_eq!(a.storage, Path::new("/d/buildah/projects/p-proj-a/storage"));
+        assert_eq!(a.tmp, Path::new("/d/buildah/projects/p-proj-a/tmp"));
+        assert_eq!(a.runroot, Path::new("/r/buildah/p-proj-a"));
+        assert_ne!(b.store("proj-b"), a);
+        assert_eq!(
+            b.store("").storage,
+            Path::new("/d/buildah/projects/_local/storage")
+        );
+        for hostile in ["../proj-a", "..", "a/b", ".hidden", &"x".repeat(65)] {
+            let s = b.store(hostile);
+            let key = s
+                .storage
+                .parent()
+                .unwrap()
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap();
+            assert!(
+                key.starts_with("h-") && key.len() == 34,
+                "{hostile:?} -> {key}"
+            );
+            assert_eq!(
+                s.storage.parent().unwrap().parent().unwrap(),
+                Path::new("/d/buildah/projects")
+            );
+        }
+    }
 
     #[test]
     fn the_oldest_cached_builds_beyond_the_budget_are_named_for_removal() {

@@ -97,6 +97,8 @@ pub enum Output {
 #[derive(Debug, Clone)]
 pub struct BuildSpec {
     pub id: String,
+    /// Whose build it is: a backend keeps each project's state apart.
+    pub project: String,
     pub context: PathBuf,
     /// Relative to `context`.
     pub dockerfile: PathBuf,
@@ -263,6 +265,8 @@ pub struct Host<'a> {
     pub namespace: &'a str,
     pub data_dir: &'a std::path::Path,
     pub run_dir: &'a std::path::Path,
+    /// The node's OCI runtime, which buildah's `RUN` steps use too.
+    pub oci_runtime: &'a crate::runtime::oci_runtime::OciRuntime,
 }
 
 /// A backend the settings name and this node has installed.
@@ -317,7 +321,8 @@ pub fn choose_backend(host: &Host<'_>) -> Result<std::sync::Arc<dyn Backend>, No
         std::sync::Arc::new(bk) as std::sync::Arc<dyn Backend>
     };
     let buildah = || {
-        let b = buildah::Buildah::new(host.data_dir, host.run_dir, host.ctd.clone());
+        let mut b = buildah::Buildah::new(host.data_dir, host.run_dir, host.ctd.clone());
+        b.oci_runtime = host.oci_runtime.clone();
         std::sync::Arc::new(b) as std::sync::Arc<dyn Backend>
     };
     Ok(match available_backend(s)? {

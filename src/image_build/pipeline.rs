@@ -39,6 +39,9 @@ pub enum Source {
 #[derive(Clone)]
 pub struct BuildRequest {
     pub id: String,
+    /// The project the build is for (`Build.project_id`; empty for a
+    /// local build): the builder state it may read and write.
+    pub project: String,
     pub source: Source,
     pub platforms: Vec<String>,
     /// Pushed there; `None`: loaded into containerd as `load_name`.
@@ -55,6 +58,7 @@ impl std::fmt::Debug for BuildRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BuildRequest")
             .field("id", &self.id)
+            .field("project", &self.project)
             .field("source", &self.source)
             .field("platforms", &self.platforms)
             .field("push_ref", &self.push_ref)
@@ -295,6 +299,7 @@ impl Pipeline {
         let platforms = &platforms;
         let spec = BuildSpec {
             id: req.id.clone(),
+            project: req.project.clone(),
             context: context.clone(),
             dockerfile: strategy.dockerfile(),
             platforms: platforms.clone(),

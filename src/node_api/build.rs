@@ -28,6 +28,7 @@ pub struct Builder {
 pub fn request(r: RunBuildRequest) -> Result<BuildRequest, Status> {
     let build = r.build.unwrap_or_default();
     let id = build.meta.map(|m| m.id).unwrap_or_default();
+    let project = build.project_id;
     if id.is_empty() {
         return Err(Status::invalid_argument("RunBuild: build.meta.id is empty"));
     }
@@ -49,6 +50,7 @@ pub fn request(r: RunBuildRequest) -> Result<BuildRequest, Status> {
     Ok(BuildRequest {
         load_name: format!("zattera.local/builds/{}:latest", id.to_ascii_lowercase()),
         id,
+        project,
         source,
         platforms: build.platforms,
         push_ref: (!r.push_image_ref.is_empty()).then_some(r.push_image_ref),

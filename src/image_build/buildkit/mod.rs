@@ -643,6 +643,7 @@ mod tests {
     fn the_solve_names_the_frontend_the_platforms_and_the_exporter() {
         let spec = BuildSpec {
             id: "b".into(),
+            project: "p".into(),
             context: PathBuf::from("/ctx"),
             dockerfile: PathBuf::from(".nixpacks/Dockerfile"),
             platforms: vec!["linux/amd64".into(), "linux/arm64".into()],
