@@ -47,7 +47,7 @@ DOCKERFILE
 
 store=$work/buildah
 bud() { buildah --root "$store/root" --runroot "$store/run" --storage-driver overlay \
-  bud --isolation oci --network host --layers -t localhost/bench/app:1 "$ctx" >/dev/null 2>&1; }
+  bud --isolation oci --runtime runc --network host --layers -t localhost/bench/app:1 "$ctx" >/dev/null 2>&1; }
 # The same end to end by hand: bud, export, containerd's own import.
 bud_load() { bud && buildah --root "$store/root" --runroot "$store/run" --storage-driver overlay \
   push --disable-compression localhost/bench/app:1 "oci-archive:$work/by-hand.tar:zattera.local/bench/hand:1" >/dev/null 2>&1 &&
