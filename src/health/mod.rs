@@ -18,7 +18,7 @@ use crate::runtime::Containerd;
 use crate::runtime::exec::{ExecRequest, exec};
 use crate::status::State;
 
-pub use schedule::{STARTUP_FIRST, STARTUP_LONGEST, Schedule};
+pub use schedule::{STARTUP_FIRST, STARTUP_LONGEST, STARTUP_LONGEST_EXEC, Schedule};
 
 pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -242,7 +242,11 @@ pub fn spawn(
             );
             async move { bounded.await.unwrap_or(false) }
         };
-        probe_loop(timing, probe_once, |state| {
+        let longest = match task_probe {
+            Probe::Exec { .. } => STARTUP_LONGEST_EXEC,
+            _ => STARTUP_LONGEST,
+        };
+        probe_loop(timing, longest, probe_once, |state| {
             tracing::info!(assignment = %assignment_id, state = state.name(), "health changed");
             let _ = send(state);
         })
@@ -258,13 +262,17 @@ pub fn spawn(
 /// Probes on the [`Schedule`] for ever, one probe at a time, and hands
 /// every change of state to `changed`. Apart from what a probe is, so that
 /// its rules can be tested in paused time.
-async fn probe_loop<P, F>(timing: Timing, mut probe: P, mut changed: impl FnMut(State))
-where
+async fn probe_loop<P, F>(
+    timing: Timing,
+    longest: Duration,
+    mut probe: P,
+    mut changed: impl FnMut(State),
+) where
     P: FnMut() -> F,
     F: Future<Output = bool>,
 {
     let started = tokio::time::Instant::now();
-    let mut schedule = Schedule::new(&timing);
+    let mut schedule = Schedule::new(&timing, longest);
     let mut verdicts = Verdicts::new(timing);
     loop {
         tokio::time::sleep(schedule.next_wait(started.elapsed())).await;
@@ -414,7 +422,7 @@ mod tests {
             }
         };
         let ch = changes.clone();
-        let task = tokio::spawn(probe_loop(timing, probe, move |state| {
+        let task = tokio::spawn(probe_loop(timing, STARTUP_LONGEST, probe, move |state| {
             ch.lock().unwrap().push((t0.elapsed(), state));
         }));
         tokio::time::sleep(run).await;

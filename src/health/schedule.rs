@@ -5,7 +5,9 @@
 //! interval (10 s by default) for its first probe, so every cold start cost
 //! at least that, though the app answered in a few hundred milliseconds.
 //! The startup phase probes every 100 ms, then every 150 and 225, then
-//! every 250 ms, until the first pass or the end of the grace period. Its
+//! every 250 ms (an exec probe, which costs a runtime exec and a process
+//! each, steps on up to one a second), until the first pass or the end of
+//! the grace period. Its
 //! failures never count toward the unhealthy threshold (an app that is still
 //! starting is not failing); after the grace period a check that never
 //! passed is judged at the interval, as before. Probes never overlap: the
@@ -20,6 +22,10 @@ pub const STARTUP_FIRST: Duration = Duration::from_millis(100);
 /// The longest wait of the startup phase: a slow app costs a few cheap
 /// probes a second, not a delay.
 pub const STARTUP_LONGEST: Duration = Duration::from_millis(250);
+/// The same for an exec probe: each is a `runc exec` (a process, FIFOs,
+/// about 20 ms of CPU), so a check that keeps failing through a long grace
+/// period costs one a second, not four.
+pub const STARTUP_LONGEST_EXEC: Duration = Duration::from_secs(1);
 
 /// The probing schedule of one monitor, apart from any clock.
 #[derive(Debug, Clone)]
@@ -27,15 +33,19 @@ pub struct Schedule {
     interval: Duration,
     grace: Duration,
     step: Duration,
+    longest: Duration,
     passed: bool,
 }
 
 impl Schedule {
-    pub fn new(timing: &Timing) -> Self {
+    /// The startup phase steps up to `longest` ([`STARTUP_LONGEST`], or
+    /// [`STARTUP_LONGEST_EXEC`] for an exec probe).
+    pub fn new(timing: &Timing, longest: Duration) -> Self {
         Self {
             interval: timing.interval,
             grace: timing.grace,
             step: STARTUP_FIRST,
+            longest,
             passed: false,
         }
     }
@@ -53,7 +63,7 @@ impl Schedule {
             return self.interval;
         }
         let wait = self.step.min(self.interval);
-        self.step = (self.step * 3 / 2).min(STARTUP_LONGEST);
+        self.step = (self.step * 3 / 2).min(self.longest);
         // The phase ends with the grace period: no fast probe after it.
         wait.min(self.grace.saturating_sub(elapsed))
             .max(Duration::from_millis(1))
@@ -86,7 +96,7 @@ mod tests {
 
     #[test]
     fn the_startup_phase_steps_up_to_a_quarter_second() {
-        let mut s = Schedule::new(&timing(10, 60));
+        let mut s = Schedule::new(&timing(10, 60), STARTUP_LONGEST);
         let mut at = Duration::ZERO;
         let mut waits = Vec::new();
         for _ in 0..6 {
@@ -98,8 +108,28 @@ mod tests {
     }
 
     #[test]
+    fn an_exec_probe_steps_on_to_one_a_second() {
+        let mut s = Schedule::new(&timing(10, 60), STARTUP_LONGEST_EXEC);
+        let mut at = Duration::ZERO;
+        let mut waits = Vec::new();
+        for _ in 0..9 {
+            let w = s.next_wait(at);
+            waits.push(w.as_millis());
+            at += w;
+        }
+        assert_eq!(waits, [100, 150, 225, 337, 506, 759, 1000, 1000, 1000]);
+        // Sixty seconds of a failing check: about 60 execs, not 240.
+        let mut probes = 0;
+        while at < Duration::from_secs(60) {
+            at += s.next_wait(at);
+            probes += 1;
+        }
+        assert!(probes <= 60, "{probes} probes");
+    }
+
+    #[test]
     fn the_interval_follows_the_first_pass() {
-        let mut s = Schedule::new(&timing(10, 60));
+        let mut s = Schedule::new(&timing(10, 60), STARTUP_LONGEST);
         let t = Duration::from_millis(350);
         assert!(!s.counts(false, Duration::from_millis(100)));
         assert!(s.counts(true, t));
@@ -110,7 +140,7 @@ mod tests {
 
     #[test]
     fn the_phase_ends_with_the_grace_period() {
-        let mut s = Schedule::new(&timing(10, 2));
+        let mut s = Schedule::new(&timing(10, 2), STARTUP_LONGEST);
         assert!(!s.counts(false, Duration::from_millis(1_900)));
         assert_eq!(
             s.next_wait(Duration::from_millis(1_900)),
@@ -123,7 +153,7 @@ mod tests {
 
     #[test]
     fn a_short_interval_bounds_the_startup_step() {
-        let mut s = Schedule::new(&timing(0, 60));
+        let mut s = Schedule::new(&timing(0, 60), STARTUP_LONGEST);
         s.interval = Duration::from_millis(120);
         let mut at = Duration::ZERO;
         for _ in 0..5 {
