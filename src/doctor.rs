@@ -210,7 +210,78 @@ fn host(config: &Config) -> Vec<Check> {
         network_namespaces(),
         ip_forwarding(),
         disk(&config.data_dir),
+        node_limits(
+            config.subnet_pool,
+            config.host_port_range,
+            &NodeKernel::read(),
+        ),
     ]
+}
+
+/// Instances one environment (a /24 with its gateway) holds.
+const INSTANCES_PER_SUBNET: u64 = 253;
+
+/// The kernel's tables that grow with the instances.
+#[derive(Debug, Clone, Copy, Default)]
+struct NodeKernel {
+    /// `net.ipv4.neigh.default.gc_thresh3`: the hard cap on the host's
+    /// neighbour (ARP) entries; the host has one for every instance it
+    /// talks to (DNS answers, probes, the VIP proxies).
+    neigh_max: Option<u64>,
+    /// `net.netfilter.nf_conntrack_max`, once the module is loaded.
+    conntrack_max: Option<u64>,
+}
+
+impl NodeKernel {
+    fn read() -> Self {
+        let num = |path: &str| {
+            std::fs::read_to_string(path)
+                .ok()
+                .and_then(|t| t.trim().parse().ok())
+        };
+        Self {
+            neigh_max: num("/proc/sys/net/ipv4/neigh/default/gc_thresh3"),
+            conntrack_max: num("/proc/sys/net/netfilter/nf_conntrack_max"),
+        }
+    }
+}
+
+/// Where the node's limits are (issue 59.2): how many instances the
+/// standalone subnet pool holds, how many host ports there are to publish,
+/// the kernel tables that grow with the instances, and which of them binds
+/// first. Said, not judged: a node runs fine below its limits.
+fn node_limits(pool: (u8, u8), ports: zattera_netns::PortRange, kernel: &NodeKernel) -> Check {
+    use std::fmt::Write as _;
+    let environments = u64::from(pool.1.saturating_sub(pool.0)) + 1;
+    let by_pool = environments * INSTANCES_PER_SUBNET;
+    let host_ports = u64::from(ports.hi.saturating_sub(ports.lo)) + 1;
+    let mut detail = format!(
+        "standalone: {environments} environments × {INSTANCES_PER_SUBNET} = {by_pool} instances \
+         (subnet-pool {}-{}); {host_ports} host ports to publish ({}-{})",
+        pool.0, pool.1, ports.lo, ports.hi
+    );
+    if let Some(n) = kernel.conntrack_max {
+        let _ = write!(detail, "; {n} tracked connections");
+    }
+    match kernel.neigh_max {
+        Some(n) if n < by_pool => {
+            let want = by_pool.min(16_384).saturating_mul(2).next_power_of_two();
+            let _ = write!(
+                detail,
+                "; at most about {n} instances: the host keeps a neighbour entry for each one \
+                 it talks to (DNS answers, probes, the VIP proxies), and past \
+                 net.ipv4.neigh.default.gc_thresh3 = {n} it drops packets (\"neighbour table \
+                 overflow\"); to go further: sysctl -w net.ipv4.neigh.default.gc_thresh3={want} \
+                 net.ipv4.neigh.default.gc_thresh2={}",
+                want / 2
+            );
+        }
+        Some(n) => {
+            let _ = write!(detail, "; neighbour table {n} entries");
+        }
+        None => {}
+    }
+    Check::pass("node limits", detail)
 }
 
 async fn containerd(address: &Path, namespace: &Namespace) -> Check {
@@ -608,6 +679,45 @@ fn human(bytes: u64) -> String {
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_node_limits_name_the_pool_the_ports_and_a_small_neighbour_table() {
+        let ports = zattera_netns::PortRange {
+            lo: 30000,
+            hi: 32767,
+        };
+        let roomy = NodeKernel {
+            neigh_max: Some(8192),
+            conntrack_max: Some(262_144),
+        };
+        let c = node_limits((150, 153), ports, &roomy);
+        assert!(
+            c.detail.contains("4 environments × 253 = 1012 instances")
+                && c.detail.contains("2768 host ports")
+                && c.detail.contains("262144 tracked connections")
+                && c.detail.contains("neighbour table 8192 entries"),
+            "{}",
+            c.line()
+        );
+        // Debian's default gc_thresh3 (1024) binds before five environments.
+        let debian = NodeKernel {
+            neigh_max: Some(1024),
+            conntrack_max: None,
+        };
+        let c = node_limits((150, 154), ports, &debian);
+        assert_eq!(c.verdict, Verdict::Pass, "said, not judged");
+        assert!(
+            c.detail.contains("at most about 1024 instances")
+                && c.detail.contains("gc_thresh3=4096"),
+            "{}",
+            c.line()
+        );
+        assert!(
+            !node_limits((150, 150), ports, &debian)
+                .detail
+                .contains("at most")
+        );
+    }
 
     #[test]
     fn versions_parse_as_containerd_prints_them() {
