@@ -374,6 +374,83 @@ async fn a_build_cache_mount_is_never_shared_between_projects() {
     .await;
 }
 
+/// Attack (issue 56.6): the reference pushes project P's builds to
+/// `<cluster registry>/<P's id>/<app>`, and the node's credential pulls
+/// anything there. A tenant of project A names project B's image, in an
+/// assignment or in a Dockerfile's `FROM`; before, the node pulled it
+/// with its credential and ran it (or built on it). Now both fail naming
+/// the project, and B's own assignment of the image still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_project_never_runs_or_builds_on_another_project_s_image() {
+    const A: &str = "01HZXK5V9P7W3Q2R8T6Y4M1N0B";
+    const B: &str = "01HZXK6A2B3C4D5E6F7G8H9J0K";
+    on_rig("build-other-project", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgw").await;
+        let theirs = c.registry.push(
+            &rig.oci_archive(),
+            None,
+            &format!("{}/app:1", B.to_ascii_lowercase()),
+        );
+        let deploy = |id: &str, project: &str, slot: u8| {
+            let (mut a, mut rt) = assignment(id, "env", slot, "sleep 3600");
+            a.project_id = project.into();
+            rt.image_ref = theirs.clone();
+            (a, rt)
+        };
+        c.cp.push_set(set_of(
+            1,
+            vec![deploy("stolen", A, 114), deploy("own", B, 115)],
+        ));
+        let failed = InstanceState::Failed as i32;
+        let healthy = InstanceState::Healthy as i32;
+        let done = tokio::time::timeout(
+            Duration::from_secs(120),
+            c.cp.wait_for(
+                "stolen FAILED, own HEALTHY",
+                Duration::from_secs(150),
+                |r| {
+                    let stolen = r.latest_of("stolen").filter(|o| o.state == failed)?;
+                    r.latest_of("own").filter(|o| o.state == healthy)?;
+                    Some(stolen)
+                },
+            ),
+        )
+        .await;
+        let stolen = done.unwrap_or_else(|_| {
+            panic!(
+                "stolen: {:?}, own: {:?}; agent log:\n{}",
+                c.cp.with(|r| r.latest_of("stolen")),
+                c.cp.with(|r| r.latest_of("own")),
+                c.agent.log()
+            )
+        });
+        assert!(
+            stolen
+                .message
+                .contains(&format!("holds project {B}'s images")),
+            "{stolen:?}"
+        );
+
+        let url = c.blobs.put(context(&[(
+            "Dockerfile",
+            format!("FROM {theirs}\nRUN true\n").as_bytes(),
+        )]));
+        let mut req = build_request("bld-p1", &url, "");
+        req.build.as_mut().unwrap().project_id = A.into();
+        let (lines, end) = run_build(&c.agent, &c.cp, req).await;
+        assert_eq!(
+            end.status,
+            BuildStatus::Failed as i32,
+            "{end:?}\n{lines:#?}"
+        );
+        assert!(
+            end.error.contains(&format!("holds project {B}'s images")),
+            "{end:?}"
+        );
+    })
+    .await;
+}
+
 /// Attack: a tenant's Dockerfile names an image on the node itself
 /// (`FROM oci-archive:<a path on the node>`, here the rig's busybox
 /// archive), which buildah would read as root. The build fails before

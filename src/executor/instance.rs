@@ -309,6 +309,12 @@ async fn pull(h: &Handles, plan: &Plan) -> Result<crate::runtime::LocalImage, Fa
         .image_ref
         .parse()
         .map_err(|e| Failure::of(Step::Pull, &plan.runtime.image_ref, e))?;
+    if let Some(why) = h
+        .puller
+        .foreign_project(&reference, &plan.assignment.project_id)
+    {
+        return Err(Failure::of(Step::Pull, &reference, why));
+    }
     // Counted only when a pull really happens (an image present is not one).
     let pulled = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let counted: ProgressFn = {

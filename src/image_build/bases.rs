@@ -58,6 +58,8 @@ pub enum Refused {
     /// `ARG` values that expand past the bounds (a tenant's way to make
     /// the agent allocate without limit).
     Expansion(String),
+    /// An image of another project in the cluster registry.
+    OtherProject { image: String, why: String },
 }
 
 impl std::fmt::Display for Refused {
@@ -72,6 +74,7 @@ impl std::fmt::Display for Refused {
                 "the Dockerfile asks for the frontend {image:?} (# syntax=); custom frontends are off on this node (build-frontends)"
             ),
             Self::Expansion(why) => write!(f, "the Dockerfile's ARG values {why}"),
+            Self::OtherProject { image, why } => write!(f, "image {image:?}: {why}"),
         }
     }
 }
@@ -90,6 +93,17 @@ pub fn check(
     dockerfile: &str,
     build_args: &BTreeMap<String, String>,
     allow_frontends: bool,
+) -> Result<(), Refused> {
+    check_with(dockerfile, build_args, allow_frontends, &|_| None)
+}
+
+/// [`check`], and every image the file names also goes through `foreign`,
+/// which says why this build may not use it (another project's image).
+pub fn check_with(
+    dockerfile: &str,
+    build_args: &BTreeMap<String, String>,
+    allow_frontends: bool,
+    foreign: &dyn Fn(&str) -> Option<String>,
 ) -> Result<(), Refused> {
     let directives = directives(dockerfile);
     if let Some(frontend) = directives.syntax.filter(|_| !allow_frontends) {
@@ -138,6 +152,9 @@ pub fn check(
             let image = expand(unquote(&image), &args, &mut budget)?;
             if let Some(transport) = transport_of(&image) {
                 return Err(Refused::LocalImage { image, transport });
+            }
+            if let Some(why) = foreign(&image) {
+                return Err(Refused::OtherProject { image, why });
             }
         }
     }
@@ -399,6 +416,32 @@ mod tests {
         );
         // A directive after the first instruction is a comment.
         assert_eq!(local("FROM alpine\n# syntax=x\n"), None);
+    }
+
+    /// Issue 56.6: every image the file names, after its ARG values, goes
+    /// through the project check.
+    #[test]
+    fn every_named_image_goes_through_the_project_check() {
+        let foreign = |image: &str| image.starts_with("reg:5000/b/").then(|| "B's".to_owned());
+        for df in [
+            "FROM reg:5000/b/app:1\n",
+            "ARG P=b\nFROM reg:5000/$P/app:1\n",
+            "FROM alpine\nCOPY --from=reg:5000/b/app:1 /x /y\n",
+            "FROM alpine\nONBUILD RUN --mount=type=bind,from=reg:5000/b/app:1,target=/m true\n",
+        ] {
+            assert_eq!(
+                check_with(df, &BTreeMap::new(), false, &foreign),
+                Err(Refused::OtherProject {
+                    image: "reg:5000/b/app:1".into(),
+                    why: "B's".into()
+                }),
+                "{df}"
+            );
+        }
+        assert_eq!(
+            check_with("FROM reg:5000/a/app:1\n", &BTreeMap::new(), false, &foreign),
+            Ok(())
+        );
     }
 
     /// Issue 56.4: nine 300-byte ARG lines that double each other asked

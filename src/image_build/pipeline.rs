@@ -240,13 +240,35 @@ impl Pipeline {
         if !matches!(req.source, Source::Dir(_)) {
             let dockerfile = super::bases::read_dockerfile(&context.join(strategy.dockerfile()))
                 .map_err(BuildError::Source)?;
-            super::bases::check(&dockerfile, &req.build_args, self.config.custom_frontends)
-                .map_err(|refused| match refused {
-                    super::bases::Refused::LocalImage { image, transport } => {
-                        BuildError::LocalImage { image, transport }
-                    }
-                    other => BuildError::Refused(other.to_string()),
-                })?;
+            let cluster = self
+                .config
+                .cluster_registry
+                .as_ref()
+                .and_then(|w| w.borrow().clone());
+            // Another project's image in the cluster registry (56.6).
+            let foreign = |image: &str| {
+                let cluster = cluster.as_ref()?;
+                let reference: crate::runtime::ImageRef = image.parse().ok()?;
+                if !cluster.serves(reference.domain()) {
+                    return None;
+                }
+                crate::link::registry::ClusterRegistry::foreign_project(
+                    reference.path(),
+                    &req.project,
+                )
+            };
+            super::bases::check_with(
+                &dockerfile,
+                &req.build_args,
+                self.config.custom_frontends,
+                &foreign,
+            )
+            .map_err(|refused| match refused {
+                super::bases::Refused::LocalImage { image, transport } => {
+                    BuildError::LocalImage { image, transport }
+                }
+                other => BuildError::Refused(other.to_string()),
+            })?;
         }
         let mut bridge = None;
         let lease = match (self.config.network, &self.config.sandbox) {

@@ -54,6 +54,24 @@ impl ClusterRegistry {
         std::iter::once(self.addr.as_str()).chain(self.also_at.iter().map(String::as_str))
     }
 
+    /// Why a project may not use an image at `path` (the reference's path
+    /// after the registry: `<project>/<app>`), or `None` when it may. The
+    /// reference pushes every build to `<registry>/<project id>/<app id>`,
+    /// ids being ULIDs lowercased; a path whose first segment is such an
+    /// id names the project that owns it, and only that project (compared
+    /// case-blind) may pull it with the node's credential or run it. Paths
+    /// that name no project (a shared base image) stay open to all.
+    pub fn foreign_project(path: &str, project_id: &str) -> Option<String> {
+        let first = path.split('/').next().unwrap_or_default();
+        let names_a_project = path.contains('/') && is_ulid(first);
+        (names_a_project && !first.eq_ignore_ascii_case(project_id)).then(|| {
+            format!(
+                "the cluster registry's {first}/ holds project {}'s images, and this is project {project_id:?}'s",
+                first.to_ascii_uppercase()
+            )
+        })
+    }
+
     /// The port the join's address names (every control node's registry
     /// listens on the same one).
     pub fn port(&self) -> Option<u16> {
@@ -61,8 +79,46 @@ impl ClusterRegistry {
     }
 }
 
+/// A ULID as the reference writes ids: 26 characters of Crockford's
+/// base32 (no I, L, O or U), in either case.
+fn is_ulid(s: &str) -> bool {
+    s.len() == 26
+        && s.bytes().all(|b| {
+            let b = b.to_ascii_uppercase();
+            b.is_ascii_digit()
+                || (b.is_ascii_uppercase() && !matches!(b, b'I' | b'L' | b'O' | b'U'))
+        })
+}
+
 /// The cluster registry as it is now; a re-join replaces it (the password
 /// is minted anew on every join).
 pub type ClusterRegistryWatch = watch::Receiver<Option<Arc<ClusterRegistry>>>;
 /// What writes it: the renewal, and the peer sets (its other addresses).
 pub type ClusterRegistryFeed = watch::Sender<Option<Arc<ClusterRegistry>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "01HZXK5V9P7W3Q2R8T6Y4M1N0B";
+    const B: &str = "01HZXK6A2B3C4D5E6F7G8H9J0K";
+
+    #[test]
+    fn a_project_path_is_its_own_project_s_alone() {
+        let a = A.to_ascii_lowercase();
+        assert_eq!(
+            ClusterRegistry::foreign_project(&format!("{a}/app"), A),
+            None
+        );
+        let refused = ClusterRegistry::foreign_project(&format!("{a}/app"), B).unwrap();
+        assert!(refused.contains(A) && refused.contains(B), "{refused}");
+        // Paths that name no project stay shared: a base image, a single name.
+        assert_eq!(ClusterRegistry::foreign_project("base/busybox", B), None);
+        assert_eq!(ClusterRegistry::foreign_project(&a, B), None);
+        // Not a ULID: 26 characters with a letter Crockford's base32 lacks.
+        assert_eq!(
+            ClusterRegistry::foreign_project("01hzxk5v9p7w3q2r8t6y4m1nou/app", B),
+            None
+        );
+    }
+}
