@@ -209,6 +209,8 @@ pub struct Executor {
     refresh_rx: mpsc::Receiver<Refreshed>,
     errors_rx: watch::Receiver<Vec<SourceError>>,
     status_tx: watch::Sender<Arc<StatusSnapshot>>,
+    /// The task event stream's generation, read by the workers.
+    events_generation: watch::Sender<u64>,
     ctx: Ctx,
     reports_rx: mpsc::UnboundedReceiver<Report>,
     halt_rx: mpsc::Receiver<HaltRequest>,
@@ -269,11 +271,13 @@ impl Executor {
             net,
             cfg: Arc::new(cfg),
         };
+        let (events_generation, events) = watch::channel(0);
         let ctx = Ctx {
             instances: Arc::new(instances::Containerd { h: h.clone() }),
             slots,
             reports: reports_tx,
             leases,
+            events,
         };
         let exec = Self {
             h,
@@ -291,6 +295,7 @@ impl Executor {
             refresh_rx,
             errors_rx,
             status_tx,
+            events_generation,
             ctx,
             reports_rx,
             halt_rx,
@@ -355,8 +360,10 @@ impl Executor {
                         if let Some(Err(e)) = ended {
                             tracing::debug!(error = %e, "task event stream ended; re-subscribing");
                         }
-                        // Events may have been missed: list everything again.
+                        // Events may have been missed: list everything
+                        // again, and every worker reads its task.
                         self.listing.invalidate();
+                        self.events_generation.send_modify(|g| *g += 1);
                         events = task_events(&self.h.ctd, RESUBSCRIBE);
                     }
                 },
