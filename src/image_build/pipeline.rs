@@ -240,22 +240,13 @@ impl Pipeline {
         if !matches!(req.source, Source::Dir(_)) {
             let dockerfile = super::bases::read_dockerfile(&context.join(strategy.dockerfile()))
                 .map_err(BuildError::Source)?;
-            let cluster = self
-                .config
-                .cluster_registry
-                .as_ref()
-                .and_then(|w| w.borrow().clone());
+            let cluster = self.cluster_registry();
             // Another project's image in the cluster registry (56.6).
             let foreign = |image: &str| {
-                let cluster = cluster.as_ref()?;
                 let reference: crate::runtime::ImageRef = image.parse().ok()?;
-                if !cluster.serves(reference.domain()) {
-                    return None;
-                }
-                crate::link::registry::ClusterRegistry::foreign_project(
-                    reference.path(),
-                    &req.project,
-                )
+                cluster
+                    .as_ref()?
+                    .refuses(reference.domain(), reference.path(), &req.project)
             };
             super::bases::check_with(
                 &dockerfile,
@@ -437,13 +428,17 @@ impl Pipeline {
     /// The node's credential and CA for the cluster registry; for the
     /// push reference's registry, the request's credential when it carries
     /// one and that registry is another.
-    fn registries(&self, req: &BuildRequest) -> Vec<RegistryAuth> {
-        let mut out = Vec::new();
-        let cluster = self
-            .config
+    /// The cluster registry as it is now, if the node has one.
+    fn cluster_registry(&self) -> Option<std::sync::Arc<crate::link::registry::ClusterRegistry>> {
+        self.config
             .cluster_registry
             .as_ref()
-            .and_then(|w| w.borrow().clone());
+            .and_then(|w| w.borrow().clone())
+    }
+
+    fn registries(&self, req: &BuildRequest) -> Vec<RegistryAuth> {
+        let mut out = Vec::new();
+        let cluster = self.cluster_registry();
         if let Some(reg) = &cluster {
             let (username, password) = match &reg.credentials {
                 Credentials::Basic { username, password } => (username.clone(), password.clone()),

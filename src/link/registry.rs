@@ -61,6 +61,15 @@ impl ClusterRegistry {
     /// id names the project that owns it, and only that project (compared
     /// case-blind) may pull it with the node's credential or run it. Paths
     /// that name no project (a shared base image) stay open to all.
+    /// [`Self::foreign_project`] for an image at `domain`/`path`: `None`
+    /// when this registry does not serve `domain`.
+    pub fn refuses(&self, domain: &str, path: &str, project_id: &str) -> Option<String> {
+        if !self.serves(domain) {
+            return None;
+        }
+        Self::foreign_project(path, project_id)
+    }
+
     pub fn foreign_project(path: &str, project_id: &str) -> Option<String> {
         let first = path.split('/').next().unwrap_or_default();
         let names_a_project = path.contains('/') && is_ulid(first);

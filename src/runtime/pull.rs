@@ -124,8 +124,8 @@ impl Puller {
     /// project in the cluster registry ([`ClusterRegistry::foreign_project`]),
     /// checked before anything, the image already on the node or not.
     pub fn foreign_project(&self, reference: &ImageRef, project_id: &str) -> Option<String> {
-        self.cluster_for(reference)?;
-        ClusterRegistry::foreign_project(reference.path(), project_id)
+        self.cluster_for(reference)?
+            .refuses(reference.domain(), reference.path(), project_id)
     }
 
     /// Makes sure `reference` is present and unpacked (R-2 `EnsureImage`).
