@@ -11,12 +11,13 @@
 //!
 //! | floor | modules |
 //! |---|---|
-//! | shared words | `proto` `status` `labels` `link` `beneath` `programs` `redact` `version` `durable` `layout` |
+//! | shared words | `proto` `status` `labels` `link` `beneath` `programs` `redact` `version` `durable` `layout` `addr_scope` |
 //! | operations | `runtime` `logs` `volumes` `upgrade` `image_build` `snapshot` `mesh` `health` `metrics` `telemetry` `image_gc` |
 //! | executor and sources | `executor` `source` `control` `config` |
 //! | doors | `node_api` `admin` `doctor` |
 //! | wiring | `agent`, and the binaries (`cli`, `bin`) |
 
+pub mod addr_scope;
 pub mod admin;
 pub mod agent;
 pub mod beneath;

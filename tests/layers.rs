@@ -23,8 +23,17 @@ const FLOORS: &[(&str, &[&str])] = &[
     (
         "shared words",
         &[
-            "proto", "status", "labels", "link", "beneath", "programs", "redact", "version",
-            "durable", "layout",
+            "proto",
+            "status",
+            "labels",
+            "link",
+            "beneath",
+            "programs",
+            "redact",
+            "version",
+            "durable",
+            "layout",
+            "addr_scope",
         ],
     ),
     (

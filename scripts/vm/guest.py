@@ -264,6 +264,11 @@ class GuestError(Exception):
     pass
 
 
+class GuestLost(GuestError):
+    """ssh to the guest failed (its exit 255), or never came: the guest's
+    failure, not the agent's."""
+
+
 class CaseFailed(Exception):
     pass
 
@@ -354,6 +359,8 @@ class Guest:
                                  timeout=timeout)
         except subprocess.TimeoutExpired as e:
             raise GuestError(f"{self.name}: `{command}` did not end within {timeout} s") from e
+        if check and out.returncode == 255:
+            raise GuestLost(f"{self.name}: ssh failed running `{command}`: {out.stderr[-1000:]}")
         if check and out.returncode != 0:
             raise GuestError(f"{self.name}: `{command}` exited {out.returncode}:\n"
                              f"{out.stdout[-3000:]}{out.stderr[-3000:]}")
@@ -405,13 +412,24 @@ class Guest:
             except GuestError:
                 pass
             time.sleep(2)
-        raise GuestError(f"{self.name}: no ssh within {timeout} s; console: {self.console}")
+        raise GuestLost(f"{self.name}: no ssh within {timeout} s; console: {self.console}")
 
     def reboot(self, how="reboot", timeout=400):
         before = self.boot_id()
         subprocess.run(self.ssh_argv(f"systemctl {how}"), capture_output=True, timeout=60)
         t0 = time.time()
         return self.wait_up(timeout, after_boot=before), t0
+
+    def kernel_stalls(self):
+        """The guest kernel's stall reports in this boot's console log (an
+        RCU stall, a soft lockup, a hung task): under TCG on a busy host
+        the emulated CPUs can starve, and ssh then stops answering."""
+        try:
+            text = self.console.read_text(errors="replace")
+        except OSError:
+            return []
+        marks = ("stall on CPU", "stalls on CPUs", "soft lockup", "blocked for more than")
+        return [line.strip() for line in text.splitlines() if any(m in line for m in marks)]
 
     def keep_journal(self):
         """The guest's journal beside its console log, for a failed case."""

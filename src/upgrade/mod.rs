@@ -13,14 +13,15 @@
 //! parsed and normalised (scheme, host, port, and the path under the base's,
 //! after `..` and `%2e%2e` resolve), never as strings: nothing outside the
 //! base is ever fetched.
-//! Redirects are followed wherever they lead (release assets redirect to a
-//! CDN; the SHA-256 protects the content), but never from https to http.
+//! Redirects are followed (release assets redirect to a CDN; the SHA-256
+//! protects the content), but never from https to http, and never into
+//! the node's own networks ([`download`]).
 //! The whole download is bounded (10 min, 512 MiB), hashed as it arrives,
 //! into a file beside the binary; a SHA-256 mismatch installs nothing.
 //! Older versions install too: control rolls back that way, and the wire
 //! cannot say "downgrade"; one is logged as such. Beyond the reference, the
 //! staged file must be a zattera-agent for this machine (an ELF for this
-//! architecture whose `version --json` says so) before anything is
+//! architecture whose `version --json`, run as nobody, says so) before anything is
 //! swapped: a reference release (the Go `zattera`) or a script is refused,
 //! naming what it is. One upgrade runs at a time. The running binary is
 //! kept as `<binary>.prev` (UPG-5; a hard link, and the way back of
@@ -31,14 +32,12 @@
 //! no exit, and the containers, which belong to containerd's shims, keep
 //! running and are adopted by the new process.
 
+mod download;
 pub mod rollback;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-
-use sha2::{Digest, Sha256};
 
 use crate::proto::cluster::{AgentUpgradeRequest, AgentUpgradeResponse};
 
@@ -89,6 +88,8 @@ pub const MAX_DOWNLOAD: u64 = 512 * 1024 * 1024;
 /// The whole download, redirects and body included (the spec's bound).
 const DOWNLOAD_TIMEOUT: Duration = Duration::from_secs(600);
 const RESTART_AFTER: Duration = Duration::from_millis(500);
+/// The unprivileged user a staged file is first run as.
+const NOBODY: u32 = 65534;
 
 /// Where upgrades may come from, and what they replace.
 #[derive(Debug, Clone)]
@@ -174,13 +175,21 @@ async fn not_an_agent(staged: &Path) -> Option<String> {
     if let Some(kind) = elf_mismatch(&head[..n]) {
         return Some(kind);
     }
+    // The file is run before it is accepted, so as nobody (56.10): as
+    // root, any program with the right digest would have the node before
+    // it was refused. It is handed over as the child's stdin and run as
+    // /proc/self/fd/0, so no directory on its path needs to let nobody in.
     let answer = |args: &'static [&'static str]| async move {
+        let file = std::fs::File::open(staged).ok()?;
         let out = tokio::time::timeout(
             Duration::from_secs(10),
-            tokio::process::Command::new(staged)
+            tokio::process::Command::new("/proc/self/fd/0")
                 .args(args)
                 .env_clear()
-                .stdin(std::process::Stdio::null())
+                .current_dir("/")
+                .uid(NOBODY)
+                .gid(NOBODY)
+                .stdin(file)
                 .kill_on_drop(true)
                 .output(),
         )
@@ -349,7 +358,7 @@ pub async fn upgrade(
     };
     tracing::info!(version = %req.version, url = %crate::redact::url(&url), "downloading an agent upgrade");
     let staged = staging_path(&cfg.binary);
-    let result = download(&url, &staged, &want).await;
+    let result = download::download(&url, &staged, &want).await;
     if let Err(e) = result {
         let _ = std::fs::remove_file(&staged);
         return Err(e);
@@ -399,85 +408,6 @@ fn staging_path(binary: &Path) -> PathBuf {
         |n| n.to_string_lossy().into_owned(),
     );
     binary.with_file_name(format!(".{name}.upgrade-{}", std::process::id()))
-}
-
-/// Streams `url` into `path`, checking size and digest; the file is
-/// executable and synced when this returns Ok.
-async fn download(url: &str, path: &Path, want: &str) -> Result<(), UpgradeError> {
-    let shown = crate::redact::url(url);
-    let unavailable = |e: &dyn std::fmt::Display| {
-        // reqwest's own errors quote the whole URL: the redacted one replaces it.
-        let reason = e.to_string().replace(url, &shown);
-        UpgradeError::Download {
-            url: shown.clone(),
-            reason,
-        }
-    };
-    // Redirects lead anywhere (the digest guards the bytes), never from
-    // https down to http.
-    let redirects = reqwest::redirect::Policy::custom(|attempt| {
-        let downgraded = attempt.url().scheme() == "http"
-            && attempt.previous().iter().any(|u| u.scheme() == "https");
-        if attempt.previous().len() >= 10 {
-            attempt.error("too many redirects")
-        } else if downgraded {
-            let to = crate::redact::url(attempt.url().as_str());
-            attempt.error(format!("redirected from https to {to}"))
-        } else {
-            attempt.follow()
-        }
-    });
-    // A stalled server fails the call, and the whole of it is bounded.
-    let client = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs(10))
-        .read_timeout(Duration::from_secs(60))
-        .timeout(DOWNLOAD_TIMEOUT)
-        .redirect(redirects)
-        .build()
-        .map_err(|e| unavailable(&e))?;
-    let mut resp = client.get(url).send().await.map_err(|e| unavailable(&e))?;
-    if !resp.status().is_success() {
-        return Err(unavailable(&resp.status()));
-    }
-    if resp.content_length().is_some_and(|n| n > MAX_DOWNLOAD) {
-        return Err(too_big(&shown));
-    }
-    let internal = |e: std::io::Error| UpgradeError::Local(format!("staging: {e}"));
-    let mut file = {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o755)
-            .open(path)
-            .map_err(internal)?
-    };
-    let mut hasher = Sha256::new();
-    let mut total: u64 = 0;
-    while let Some(chunk) = resp.chunk().await.map_err(|e| unavailable(&e))? {
-        total += chunk.len() as u64;
-        if total > MAX_DOWNLOAD {
-            return Err(too_big(&shown));
-        }
-        hasher.update(&chunk);
-        file.write_all(&chunk).map_err(internal)?;
-    }
-    let got = hex::encode(hasher.finalize());
-    if got != want {
-        return Err(UpgradeError::DigestMismatch {
-            url: shown,
-            got,
-            want: want.to_owned(),
-        });
-    }
-    file.sync_all().map_err(internal)
-}
-
-fn too_big(url: &str) -> UpgradeError {
-    UpgradeError::TooLarge {
-        url: url.to_owned(),
-    }
 }
 
 /// Replaces this process with `binary args…`, saying `why`. Every
@@ -537,6 +467,53 @@ mod tests {
         if std::env::consts::ARCH == "x86_64" {
             assert!(elf_mismatch(&other).unwrap().contains("another machine"));
         }
+    }
+
+    /// 56.10: the staged file is tried as nobody, never as root. The
+    /// program answers as the agent does (so it ran) and tries to leave a
+    /// file in a directory only root may write: run as root, it did.
+    #[tokio::test]
+    async fn a_staged_file_is_tried_as_nobody_never_as_root() {
+        if !zattera_testkit::require_root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap(); // 0700, root's
+        let (src, staged, mark) = (
+            tmp.path().join("staged.c"),
+            tmp.path().join("staged"),
+            tmp.path().join("written-as-root"),
+        );
+        let program = r#"
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    FILE *f = fopen("MARK", "w");
+    if (f) { fprintf(f, "%d\n", (int)getuid()); fclose(f); }
+    puts("{\"name\":\"zattera-agent\"}");
+    return 0;
+}
+"#;
+        let program = program.replace("MARK", &mark.display().to_string());
+        std::fs::write(&src, program).unwrap();
+        let built = std::process::Command::new("gcc")
+            .arg("-o")
+            .arg(&staged)
+            .arg(&src)
+            .status();
+        if !built.is_ok_and(|s| s.success()) {
+            zattera_testkit::missing("gcc");
+            return;
+        }
+        assert_eq!(
+            not_an_agent(&staged).await,
+            None,
+            "it answered as the agent"
+        );
+        assert!(
+            !mark.exists(),
+            "the staged program wrote as uid {}",
+            std::fs::read_to_string(&mark).unwrap_or_default().trim()
+        );
     }
 
     #[tokio::test]
