@@ -1096,6 +1096,8 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         std::fs::write(root.join("a.bin"), vec![7u8; 200_000]).unwrap();
         std::fs::write(data.path().join("host-secret"), "do not show").unwrap();
         std::os::unix::fs::symlink(data.path().join("host-secret"), root.join("leak")).unwrap();
+        // 56.10: a link to a host path that does not exist.
+        std::os::unix::fs::symlink(data.path().join("no-such-file"), root.join("gone")).unwrap();
         let (_tx, desired) = watch::channel(None);
         let ctx = node_context(&ctd, data.path(), &node_id, desired);
         let (addr, _server) = serve_node_api(&node_tls, Some(ctx)).await;
@@ -1110,13 +1112,13 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         let names: Vec<&str> = listing.files.iter().map(|f| f.name.as_str()).collect();
         assert_eq!(
             names,
-            ["sub", "a.bin", "b.txt", "leak"],
+            ["sub", "a.bin", "b.txt", "gone", "leak"],
             "directories first"
         );
         assert!(!listing.truncated);
         assert_eq!(listing.files[0].mode, "drwxr-xr-x");
         assert_eq!(listing.files[1].size_bytes, 200_000);
-        assert!(listing.files[3].mode.starts_with('L'));
+        assert!(listing.files[4].mode.starts_with('L'));
         let deeper = api
             .list_volume_files(list("sub/../sub"))
             .await
@@ -1147,6 +1149,23 @@ async fn node_api_volume_files_stay_inside_the_volume() {
         let host = data.path().display().to_string();
         let leak = api.read_volume_file(read("leak")).await.unwrap_err();
         assert_eq!(leak.code(), tonic::Code::InvalidArgument, "{leak:?}");
+        // 56.10: no oracle for host paths. A link out of the volume answers
+        // the same whether its target exists or not (the reference says
+        // NOT_FOUND for a missing one), for a read and for a listing.
+        let gone = api.read_volume_file(read("gone")).await.unwrap_err();
+        assert_eq!(
+            (gone.code(), gone.message().replace("gone", "leak")),
+            (leak.code(), leak.message().to_owned()),
+            "a missing host path answers otherwise than an existing one"
+        );
+        for link in ["leak", "gone"] {
+            let listed = api.list_volume_files(list(link)).await.unwrap_err();
+            assert_eq!(
+                listed.code(),
+                tonic::Code::InvalidArgument,
+                "{link}: {listed:?}"
+            );
+        }
         let climbed = api
             .read_volume_file(read("../../../host-secret"))
             .await

@@ -38,18 +38,14 @@ pub const SCAN_CAP: usize = 200_000;
 pub const READ_CHUNK: usize = 64 * 1024;
 
 /// A handle on the existing root of a volume, or NOT_FOUND naming it.
-fn root_of(
-    data_dir: &Path,
-    environment_id: &str,
-    name: &str,
-) -> Result<(std::path::PathBuf, OwnedFd), VolumeError> {
+fn root_of(data_dir: &Path, environment_id: &str, name: &str) -> Result<OwnedFd, VolumeError> {
     if name.is_empty() {
         return Err(VolumeError::NameRequired);
     }
     let local = volumes::ensure(data_dir, environment_id, name)?;
     let root = volumes::volume_root(data_dir, &local);
     match beneath::open_dir(&root) {
-        Ok(fd) => Ok((root, fd)),
+        Ok(fd) => Ok(fd),
         Err(_) => Err(VolumeError::NoVolume(name.to_owned())),
     }
 }
@@ -57,23 +53,16 @@ fn root_of(
 /// Opens the caller's `request` beneath the volume root (VF-1): `..` is
 /// clamped at the root, links inside are followed, anything leading out is
 /// refused by the kernel.
-fn open_in(
-    root: &Path,
-    root_fd: &OwnedFd,
-    request: &str,
-    flags: OFlag,
-) -> Result<OwnedFd, VolumeError> {
+fn open_in(root_fd: &OwnedFd, request: &str, flags: OFlag) -> Result<OwnedFd, VolumeError> {
     let rel = beneath::clean(request);
     match beneath::open_beneath(root_fd.as_fd(), &rel, flags) {
         Ok(fd) => Ok(fd),
+        // Leaving the root is an escape whether or not the target exists:
+        // the reference answers NOT_FOUND for a missing one, which tells a
+        // tenant (a link in its volume) whether any host path exists
+        // (56.10). Nothing outside is looked at.
         Err(e) if e.raw_os_error() == Some(nix::libc::EXDEV) => {
-            // Leaving the root: an escape, or NOT_FOUND when the target
-            // does not exist (as the reference answers). Decided by looking
-            // only; nothing is opened.
-            Err(match volumes::resolve(root, request) {
-                Err(VolumeError::NotFound(p)) => VolumeError::NotFound(p),
-                _ => VolumeError::Escapes(request.to_owned()),
-            })
+            Err(VolumeError::Escapes(request.to_owned()))
         }
         // Asked for a directory (O_DIRECTORY), and not one.
         Err(e) if e.raw_os_error() == Some(nix::libc::ENOTDIR) => {
@@ -97,11 +86,10 @@ fn list_blocking(
     data_dir: &Path,
     req: &AgentListFilesRequest,
 ) -> Result<AgentListFilesResponse, VolumeError> {
-    let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
+    let root_fd = root_of(data_dir, &req.environment_id, &req.volume_name)?;
     // O_DIRECTORY: anything else is refused before it is opened (a
     // device node would be, as host root).
     let dir = open_in(
-        &root,
         &root_fd,
         &req.path,
         OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_DIRECTORY,
@@ -187,8 +175,8 @@ pub async fn read(data_dir: &Path, req: AgentReadFileRequest) -> Result<Chunks, 
 /// opening alone can arm a watchdog or take a terminal. Only a regular file
 /// is then opened for reading, through that same handle.
 fn open_regular(data_dir: &Path, req: &AgentReadFileRequest) -> Result<std::fs::File, VolumeError> {
-    let (root, root_fd) = root_of(data_dir, &req.environment_id, &req.volume_name)?;
-    let handle = open_in(&root, &root_fd, &req.path, OFlag::O_PATH)?;
+    let root_fd = root_of(data_dir, &req.environment_id, &req.volume_name)?;
+    let handle = open_in(&root_fd, &req.path, OFlag::O_PATH)?;
     let st = nix::sys::stat::fstat(handle.as_fd())
         .map_err(|e| volumes::io_error(&req.path, &e.into()))?;
     match beneath::kind(&st) {

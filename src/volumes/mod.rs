@@ -250,35 +250,6 @@ pub fn mark_copied_up(data_dir: &Path, local: &str) -> std::io::Result<()> {
     }
 }
 
-/// Resolves `request` inside `root`: read as if absolute (`/a` and `a` are
-/// the same; `..` stops at the root), then with symlinks followed, it must
-/// still lie inside the root. Errors name the request, never a host path.
-pub fn resolve(root: &Path, request: &str) -> Result<PathBuf, VolumeError> {
-    let real_root = root.canonicalize().map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => VolumeError::NoVolume(String::new()),
-        _ => io_error(request, &e),
-    })?;
-    let mut lexical = PathBuf::new();
-    for part in Path::new(request).components() {
-        match part {
-            Component::Normal(p) => lexical.push(p),
-            Component::ParentDir => {
-                lexical.pop();
-            }
-            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
-        }
-    }
-    let real = real_root
-        .join(&lexical)
-        .canonicalize()
-        .map_err(|e| io_error(request, &e))?;
-    if real.starts_with(&real_root) {
-        Ok(real)
-    } else {
-        Err(VolumeError::Escapes(request.to_owned()))
-    }
-}
-
 pub(crate) fn io_error(request: &str, e: &std::io::Error) -> VolumeError {
     match e.kind() {
         std::io::ErrorKind::NotFound => VolumeError::NotFound(request.to_owned()),
@@ -434,45 +405,6 @@ mod tests {
         let other = ensure(dir.path(), "01JENVIR00000000000000000B", "pg").unwrap();
         assert!(!volume_dir(dir.path(), &other).exists());
         assert_eq!(ensure(dir.path(), env, "pg").unwrap(), local, "idempotent");
-    }
-
-    #[test]
-    fn paths_resolve_inside_the_root_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("vol");
-        std::fs::create_dir_all(root.join("a/b")).unwrap();
-        std::fs::write(root.join("a/b/f.txt"), "x").unwrap();
-        std::fs::write(dir.path().join("secret"), "no").unwrap();
-        std::os::unix::fs::symlink(dir.path().join("secret"), root.join("out")).unwrap();
-        std::os::unix::fs::symlink("b", root.join("a/in")).unwrap();
-        let real = root.canonicalize().unwrap();
-
-        assert_eq!(resolve(&root, "").unwrap(), real);
-        assert_eq!(resolve(&root, "/").unwrap(), real);
-        assert_eq!(
-            resolve(&root, "/a/b/f.txt").unwrap(),
-            real.join("a/b/f.txt")
-        );
-        assert_eq!(resolve(&root, "a/b/f.txt").unwrap(), real.join("a/b/f.txt"));
-        // `..` stops at the root.
-        assert_eq!(resolve(&root, "../../a").unwrap(), real.join("a"));
-        // A symlink inside is fine; one leading out is refused.
-        assert_eq!(
-            resolve(&root, "a/in/f.txt").unwrap(),
-            real.join("a/b/f.txt")
-        );
-        assert_eq!(
-            resolve(&root, "out").unwrap_err(),
-            VolumeError::Escapes("out".into())
-        );
-        let missing = resolve(&root, "nope").unwrap_err();
-        assert_eq!(missing, VolumeError::NotFound("nope".into()));
-        // No host path in any message.
-        assert!(
-            !missing
-                .to_string()
-                .contains(&dir.path().display().to_string())
-        );
     }
 
     #[test]
