@@ -122,16 +122,33 @@ pub fn run(interface: &str) -> Result<()> {
 /// The listening socket on `port` (0: any), IPv4 (the mesh's underlay).
 /// Blocking, with a receive timeout so that the receiver notices a new
 /// socket after a port change; buffers as large as the system allows, so
-/// that a burst of a super-packet's segments is not dropped.
+/// that a burst of a super-packet's segments is not dropped. No
+/// `SO_REUSEADDR` (56.10): with it on this socket, any local user's socket
+/// with it too may bind the port on a more specific address and take the
+/// mesh's datagrams.
 fn bind(port: u16) -> std::io::Result<UdpSocket> {
     let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
-    s.set_reuse_address(true)?;
     let _ = s.set_recv_buffer_size(4 << 20);
     let _ = s.set_send_buffer_size(4 << 20);
     s.bind(&SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)).into())?;
     s.set_read_timeout(Some(TICK))?;
     udp::enable_gro(&s);
     Ok(s.into())
+}
+
+/// [`bind`], waiting up to 2 s while the port is in use: a device this
+/// process ran before (a restarted mesh) lets go of it within a [`TICK`].
+fn bind_again(port: u16) -> std::io::Result<UdpSocket> {
+    let mut tries = 0;
+    loop {
+        match bind(port) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 8 => {
+                tries += 1;
+                std::thread::sleep(TICK);
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Every [`TICK`]: each peer's timers (handshake retries, keepalives,
@@ -243,7 +260,7 @@ fn set(dev: &Device, s: Set) -> std::result::Result<(), i32> {
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if *have != port {
-            let socket = bind(port).map_err(|e| e.raw_os_error().unwrap_or(EINVAL))?;
+            let socket = bind_again(port).map_err(|e| e.raw_os_error().unwrap_or(EINVAL))?;
             *dev.socket
                 .write()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(socket);
@@ -264,4 +281,22 @@ fn set(dev: &Device, s: Set) -> std::result::Result<(), i32> {
         peers.apply(&p).map_err(|()| EINVAL)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 56.10: no other socket takes the mesh port's datagrams. With
+    /// `SO_REUSEADDR` on the mesh's socket, another socket with it bound
+    /// the same port on 127.0.0.1 (more specific, so it would receive).
+    #[test]
+    fn no_other_socket_can_bind_the_mesh_port() {
+        let ours = bind(0).unwrap();
+        let port = ours.local_addr().unwrap().port();
+        let thief = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP)).unwrap();
+        thief.set_reuse_address(true).unwrap();
+        let taken = thief.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, port)).into());
+        assert!(taken.is_err(), "another socket bound the mesh port {port}");
+    }
 }
