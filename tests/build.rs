@@ -1190,6 +1190,72 @@ async fn buildkit_cluster(
     (c, cleanup)
 }
 
+/// 56.2, in part: buildah fetches an `ADD <url>` itself, from the host's
+/// network namespace. A listener on the host's loopback (as the agent's
+/// metrics are) was read into the build by its address and by a name that
+/// resolves to it; both are refused before buildah runs, and the listener
+/// is never connected to. A step that asks for the host's network is
+/// refused too (buildah 1.30 and later would honour it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_add_url_never_reaches_into_the_node() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    on_rig("build-add-url", |ctd, rig| async move {
+        let c = buildah_cluster(&rig, &ctd, "ztgx").await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counted = hits.clone();
+        let server = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let mut buf = vec![0u8; 4096];
+                let _ = conn.read(&mut buf).await;
+                let body = "zt_instances{project=\"other-tenant\"} 1\n";
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = conn.write_all(reply.as_bytes()).await;
+            }
+        });
+        for (id, url) in [
+            ("bld-a1", format!("http://127.0.0.1:{port}/metrics")),
+            ("bld-a2", format!("http://localhost:{port}/metrics")),
+        ] {
+            let dockerfile = format!("FROM {}\nADD {url} /m\nRUN cat /m\n", c.base);
+            let ctx = c
+                .blobs
+                .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+            let (lines, end) = run_build(&c.agent, &c.cp, build_request(id, &ctx, "")).await;
+            assert_eq!(
+                end.status,
+                BuildStatus::Failed as i32,
+                "{id}: {end:?}\n{lines:#?}"
+            );
+            assert!(
+                end.error
+                    .contains("a build fetches only from public addresses"),
+                "{id}: {end:?}"
+            );
+        }
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            0,
+            "the host's loopback listener was fetched"
+        );
+        let dockerfile = format!("FROM {}\nRUN --network=host true\n", c.base);
+        let ctx = c
+            .blobs
+            .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+        let (_, end) = run_build(&c.agent, &c.cp, build_request("bld-a3", &ctx, "")).await;
+        assert!(end.error.contains("RUN --network=host"), "{end:?}");
+        server.abort();
+    })
+    .await;
+}
+
 /// The same flow through a real buildkitd the agent starts itself
 /// (containerd worker in the agent's namespace): pushed with the node
 /// credential, deployed by digest, HEALTHY.

@@ -60,6 +60,9 @@ pub enum Refused {
     Expansion(String),
     /// An image of another project in the cluster registry.
     OtherProject { image: String, why: String },
+    /// `RUN --network=` other than `default` or `none`: steps run in the
+    /// node's build network (56.2).
+    StepNetwork(String),
 }
 
 impl std::fmt::Display for Refused {
@@ -75,6 +78,10 @@ impl std::fmt::Display for Refused {
             ),
             Self::Expansion(why) => write!(f, "the Dockerfile's ARG values {why}"),
             Self::OtherProject { image, why } => write!(f, "image {image:?}: {why}"),
+            Self::StepNetwork(network) => write!(
+                f,
+                "RUN --network={network}: build steps run in this node's build network (only default and none are taken)"
+            ),
         }
     }
 }
@@ -94,17 +101,22 @@ pub fn check(
     build_args: &BTreeMap<String, String>,
     allow_frontends: bool,
 ) -> Result<(), Refused> {
-    check_with(dockerfile, build_args, allow_frontends, &|_| None)
+    check_with(dockerfile, build_args, allow_frontends, &|_| None).map(|_| ())
 }
 
 /// [`check`], and every image the file names also goes through `foreign`,
 /// which says why this build may not use it (another project's image).
+/// Also refuses a `RUN --network=` other than `default` and `none`. Returns
+/// the URLs the file's `ADD` sources name (expanded), which the builder
+/// itself would fetch: the caller vets where they lead (that takes name
+/// resolution, which is I/O).
 pub fn check_with(
     dockerfile: &str,
     build_args: &BTreeMap<String, String>,
     allow_frontends: bool,
     foreign: &dyn Fn(&str) -> Option<String>,
-) -> Result<(), Refused> {
+) -> Result<Vec<String>, Refused> {
+    let mut fetched = Vec::new();
     let directives = directives(dockerfile);
     if let Some(frontend) = directives.syntax.filter(|_| !allow_frontends) {
         return Err(Refused::Frontend(frontend));
@@ -141,11 +153,26 @@ pub fn check_with(
                 .map(|w| (*w).to_owned())
                 .into_iter()
                 .collect(),
-            "COPY" | "ADD" | "RUN" => rest
-                .iter()
-                .take_while(|w| w.starts_with("--"))
-                .filter_map(|flag| from_in_flag(flag))
-                .collect(),
+            "COPY" | "ADD" | "RUN" => {
+                let flags = rest.iter().take_while(|w| w.starts_with("--"));
+                let network = flags.clone().find_map(|f| network_in_flag(f));
+                if let Some(network) = network.filter(|_| keyword.eq_ignore_ascii_case("RUN")) {
+                    let network = expand(unquote(network), &args, &mut budget)?;
+                    if network != "default" && network != "none" {
+                        return Err(Refused::StepNetwork(network));
+                    }
+                }
+                if keyword.eq_ignore_ascii_case("ADD") {
+                    let operands = &rest[flags.clone().count()..];
+                    for source in add_sources(operands) {
+                        let source = expand(&source, &args, &mut budget)?;
+                        if is_remote(&source) {
+                            fetched.push(source);
+                        }
+                    }
+                }
+                flags.filter_map(|flag| from_in_flag(flag)).collect()
+            }
             _ => continue,
         };
         for image in named {
@@ -158,7 +185,7 @@ pub fn check_with(
             }
         }
     }
-    Ok(())
+    Ok(fetched)
 }
 
 /// `line` after `keyword` (any case) and the whitespace that follows it.
@@ -205,6 +232,35 @@ fn directives(text: &str) -> Directives {
         }
     }
     d
+}
+
+/// The network a `RUN` flag asks for: `--network=X`.
+fn network_in_flag(flag: &str) -> Option<&str> {
+    flag.strip_prefix("--network=")
+}
+
+/// An `ADD`'s sources: every operand but the last (the destination), in
+/// either form (`ADD a b dst`, `ADD ["a", "b", "dst"]`).
+fn add_sources(operands: &[&str]) -> Vec<String> {
+    let joined = operands.join(" ");
+    let words: Vec<String> = if joined.trim_start().starts_with('[') {
+        serde_json::from_str(&joined).unwrap_or_default()
+    } else {
+        operands.iter().map(|w| unquote(w).to_owned()).collect()
+    };
+    match words.split_last() {
+        Some((_, sources)) => sources.to_vec(),
+        None => Vec::new(),
+    }
+}
+
+/// Whether an `ADD` source is fetched from the network (a URL or a git
+/// remote) rather than read from the context.
+fn is_remote(source: &str) -> bool {
+    let lower = source.to_ascii_lowercase();
+    ["http://", "https://", "git://", "ssh://", "git@"]
+        .iter()
+        .any(|p| lower.starts_with(p))
 }
 
 /// The image a flag names: `--from=X`, or `from=X` inside `--mount=...`.
@@ -440,7 +496,7 @@ mod tests {
         }
         assert_eq!(
             check_with("FROM reg:5000/a/app:1\n", &BTreeMap::new(), false, &foreign),
-            Ok(())
+            Ok(Vec::new())
         );
     }
 
@@ -465,5 +521,41 @@ mod tests {
         }
         let err = check(&(wide + "FROM alpine\n"), &BTreeMap::new(), false).unwrap_err();
         assert!(err.to_string().contains("in all"), "{err}");
+    }
+
+    /// 56.2 (defence in depth; the namespace is the real fix): a step asks
+    /// for the host's network; `ADD` sources that are fetched are returned
+    /// for the caller to vet, expanded, in both forms, triggers included.
+    #[test]
+    fn host_network_steps_are_refused_and_add_urls_are_returned() {
+        let none = BTreeMap::new();
+        for df in [
+            "FROM a\nRUN --network=host curl http://127.0.0.1/\n",
+            "FROM a\nARG N=host\nRUN --mount=type=cache,target=/c --network=$N true\n",
+            "FROM a\nONBUILD RUN --network=host true\n",
+        ] {
+            assert_eq!(
+                check(df, &none, false),
+                Err(Refused::StepNetwork("host".into())),
+                "{df}"
+            );
+        }
+        for df in [
+            "FROM a\nRUN --network=none true\n",
+            "FROM a\nRUN --network=default true\n",
+        ] {
+            assert_eq!(check(df, &none, false), Ok(()), "{df}");
+        }
+        let df = "FROM a\nARG H=127.0.0.1:9100\nADD http://$H/metrics /m\n\
+                  ADD --chmod=644 [\"https://example.com/x\", \"local.txt\", \"/dst/\"]\n\
+                  ADD ctx.txt /ctx\nONBUILD ADD git@example.com:o/r.git /src\n";
+        assert_eq!(
+            check_with(df, &none, false, &|_| None).unwrap(),
+            [
+                "http://127.0.0.1:9100/metrics",
+                "https://example.com/x",
+                "git@example.com:o/r.git"
+            ]
+        );
     }
 }

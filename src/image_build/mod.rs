@@ -15,6 +15,7 @@ pub mod buildah;
 pub mod buildkit;
 pub mod builds;
 pub mod child;
+pub mod fetches;
 pub mod network;
 pub mod pipeline;
 pub mod plan;

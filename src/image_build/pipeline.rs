@@ -248,7 +248,7 @@ impl Pipeline {
                     .as_ref()?
                     .refuses(reference.domain(), reference.path(), &req.project)
             };
-            super::bases::check_with(
+            let fetched = super::bases::check_with(
                 &dockerfile,
                 &req.build_args,
                 self.config.custom_frontends,
@@ -260,6 +260,14 @@ impl Pipeline {
                 }
                 other => BuildError::Refused(other.to_string()),
             })?;
+            for url in fetched {
+                if let Some(why) = super::fetches::refuses(&url).await {
+                    return Err(BuildError::Refused(format!(
+                        "ADD {}: {why}; a build fetches only from public addresses (put the file in the build context)",
+                        crate::redact::url(&url)
+                    )));
+                }
+            }
         }
         let mut bridge = None;
         let lease = match (self.config.network, &self.config.sandbox) {
