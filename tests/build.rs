@@ -1240,6 +1240,18 @@ async fn an_add_url_never_reaches_into_the_node() {
                 "{id}: {end:?}"
             );
         }
+        // A git source, which the agent clones itself.
+        let mut git = build_request("bld-a4", "", "");
+        git.git = Some(zattera_agent::proto::cluster::GitSource {
+            clone_url: format!("https://127.0.0.1:{port}/repo.git"),
+            ..Default::default()
+        });
+        let (_, end) = run_build(&c.agent, &c.cp, git).await;
+        assert!(
+            end.error
+                .contains("a build fetches only from public addresses"),
+            "{end:?}"
+        );
         assert_eq!(
             hits.load(Ordering::SeqCst),
             0,

@@ -412,6 +412,14 @@ impl Pipeline {
                 .await;
             }
             Source::Git(git) => {
+                // The agent clones from the host's network namespace: the
+                // same rule as a Dockerfile's ADD (56.2).
+                if let Some(why) = super::fetches::refuses(&git.url).await {
+                    return Err(BuildError::Source(format!(
+                        "git source {}: {why}; a build fetches only from public addresses",
+                        crate::redact::url(&git.url)
+                    )));
+                }
                 say(
                     events,
                     Phase::Source,

@@ -142,6 +142,16 @@ fn git_command(home: &Path) -> tokio::process::Command {
     cmd
 }
 
+/// `text` with every occurrence of `token` masked; an empty token masks
+/// nothing (replacing "" would put the mask between every character).
+fn hide_token(text: &str, token: &str) -> String {
+    if token.is_empty() {
+        text.to_owned()
+    } else {
+        text.replace(token, "***")
+    }
+}
+
 /// Clones `src` into `dir` (which must not exist), removes `.git`, and
 /// makes what is left like an unpacked tarball ([`tidy_clone`]).
 pub async fn fetch_git(src: &GitSource, dir: &Path, limits: &Limits) -> Result<(), String> {
@@ -175,7 +185,7 @@ pub async fn fetch_git(src: &GitSource, dir: &Path, limits: &Limits) -> Result<(
             return Err(format!(
                 "git {}: {}",
                 step.first().map_or("", String::as_str),
-                text.trim().replace(&src.token, "***")
+                hide_token(text.trim(), &src.token)
             ));
         }
     }
@@ -272,6 +282,12 @@ mod tests {
     }
 
     /// git reads no configuration of the host's: only the command line.
+    #[test]
+    fn a_git_error_hides_the_token_and_only_the_token() {
+        assert_eq!(hide_token("fatal: bad ghp_x", "ghp_x"), "fatal: bad ***");
+        assert_eq!(hide_token("fatal: no access", ""), "fatal: no access");
+    }
+
     #[tokio::test]
     async fn git_reads_no_host_configuration() {
         let home = tempfile::tempdir().unwrap();
