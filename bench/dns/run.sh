@@ -22,7 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 DURATION=${DURATION:-6}      # seconds per peak measurement
 RUNS=${RUNS:-3}              # peak rounds, median taken
 LAT_DURATION=${LAT_DURATION:-5}
-LAT_RUNS=${LAT_RUNS:-3}      # p99 rounds, interleaved, median taken
+LAT_RUNS=${LAT_RUNS:-5}      # p99 rounds, interleaved, median and spread
 SLOT=237
 GW=10.201.$SLOT.1
 PREFIX=ztdb
@@ -123,16 +123,31 @@ peak_once() { # port
     awk '/Queries per second/ {print int($4)}'
 }
 median() { sort -n | awk '{v[NR]=$1} END {print (NR ? v[int((NR+1)/2)] : 0)}'; }
-# p99 latency (ms) at a fixed rate, from every response's latency.
-p99_at() { # port rate
-  dnsperf -s "$GW" -p "$1" -d "$work/queries" -l "$LAT_DURATION" -c 8 -q 200 -T 1 -Q "$2" -v 2>&1 |
-    awk '/^> /{print $NF}' | sort -g |
-    awk '{v[NR]=$1} END {if (NR == 0) {print "n/a"} else {i=int(NR*0.99); if (i < 1) i=1; printf "%.3f\n", v[i]*1000}}'
+# One fixed-rate round against a server: its p99 latency (ms, from every
+# response's latency), and the CPU the server's whole process spent per
+# answered query (µs, user + system time of all its threads over the round,
+# as a user of the node sees it).
+p99_at() { # port rate pid
+  local before after
+  before=$(cpu_ticks "$3")
+  dnsperf -s "$GW" -p "$1" -d "$work/queries" -l "$LAT_DURATION" -c 8 -q 200 -T 1 -Q "$2" -v \
+    >"$work/round.out" 2>&1 || true
+  after=$(cpu_ticks "$3")
+  local p99 done
+  p99=$(awk '/^> /{print $NF}' "$work/round.out" | sort -g |
+    awk '{v[NR]=$1} END {if (NR == 0) {print "n/a"} else {i=int(NR*0.99); if (i < 1) i=1; printf "%.3f\n", v[i]*1000}}')
+  done=$(awk '/Queries completed:/ {print $3}' "$work/round.out")
+  echo "$p99 $((after - before)) ${done:-0}"
 }
+# utime + stime of every thread of a process, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 rss_kib() { awk '/^VmRSS/ {print $2}' "/proc/$1/status"; }
 
 names=(agent example dnsmasq aardvark)
 declare -A port=([agent]=53 [example]=10053 [dnsmasq]=10054 [aardvark]=10055)
+declare -A pid=([agent]=$agent_pid [example]=${pids[0]} [dnsmasq]=${pids[1]}
+  [aardvark]=$(cat "$work/aardvark/aardvark.pid" 2>/dev/null || pgrep -n -f "$AARDVARK --config $work/aardvark"))
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
 echo "== peak qps on $GW, median of $RUNS interleaved rounds of ${DURATION}s (web.internal A)"
 for r in $(seq "$RUNS"); do
   for n in "${names[@]}"; do echo "$n $(peak_once "${port[$n]}")"; done
@@ -147,13 +162,18 @@ done
 # the machine's other tenants: interleaved rounds, median.
 echo "== p99 latency at 10000 qps, median of $LAT_RUNS interleaved rounds of ${LAT_DURATION}s"
 for r in $(seq "$LAT_RUNS"); do
-  for n in "${names[@]}"; do echo "$n $(p99_at "${port[$n]}" 10000)"; done
+  for n in "${names[@]}"; do echo "$n $(p99_at "${port[$n]}" 10000 "${pid[$n]}")"; done
 done > "$work/p99s"
-declare -A p99
+declare -A p99 cpu
 for n in "${names[@]}"; do
   p99[$n]=$(awk -v n="$n" '$1 == n && $2 != "n/a" {print $2}' "$work/p99s" | sort -g |
     awk '{v[NR]=$1} END {print (NR ? v[int((NR+1)/2)] : "n/a")}')
-  printf '%-9s %s ms   rounds: %s\n' "$n" "${p99[$n]}" "$(awk -v n="$n" '$1 == n {printf "%s ", $2}' "$work/p99s")"
+  spread=$(awk -v n="$n" '$1 == n && $2 != "n/a" {print $2}' "$work/p99s" | sort -g |
+    awk 'NR == 1 {lo=$1} {hi=$1} END {printf "%s-%s", lo, hi}')
+  # CPU per query over every round together (a tick is 10 ms).
+  cpu[$n]=$(awk -v n="$n" -v t="$TICK_US" '$1 == n {ticks += $3; q += $4} END {printf "%.2f", q ? ticks * t / q : 0}' "$work/p99s")
+  printf '%-9s p99 %s ms (spread %s)   CPU %s us/query   rounds: %s\n' "$n" "${p99[$n]}" "$spread" "${cpu[$n]}" \
+    "$(awk -v n="$n" '$1 == n {printf "%s ", $2}' "$work/p99s")"
 done
 
 agent_rss=$(rss_kib "$agent_pid")
@@ -173,9 +193,9 @@ for count in 1 100 10000; do
   kill "${pids[-1]}" 2>/dev/null || true
 done
 
-echo "== ratios (goal: >= 1.3x dnsmasq, >= 2.0x aardvark-dns, p99 at 10k qps <= dnsmasq's)"
+echo "== ratios (goal: >= 1.3x dnsmasq, >= 2.0x aardvark-dns, p99 at 10k qps <= dnsmasq's, CPU per query <= 0.7 of dnsmasq's)"
 awk -v o="${peak[agent]}" -v e="${peak[example]}" -v d="${peak[dnsmasq]}" -v a="${peak[aardvark]}" \
-    -v po="${p99[agent]}" -v pd="${p99[dnsmasq]}" 'BEGIN {
+    -v po="${p99[agent]}" -v pd="${p99[dnsmasq]}" -v co="${cpu[agent]}" -v cd="${cpu[dnsmasq]}" 'BEGIN {
   rd = (d > 0) ? o / d : 0; ra = (a > 0) ? o / a : 0; re = (e > 0) ? o / e : 0
   pm = (po != "n/a" && pd != "n/a" && po + 0 <= pd + 0)
   printf "agent vs dnsmasq      %.2fx  %s\n", rd, (rd >= 1.3) ? "met" : "MISSED"
@@ -185,6 +205,9 @@ awk -v o="${peak[agent]}" -v e="${peak[example]}" -v d="${peak[dnsmasq]}" -v a="
   printf "ROW dns | peak qps, agent on its gateway | %d | dnsmasq | %d | %.2f | >= 1.3 | %s\n", o, d, rd, (rd >= 1.3) ? "met" : "MISSED"
   printf "ROW dns | peak qps, agent on its gateway | %d | aardvark-dns | %d | %.2f | >= 2.0 | %s\n", o, a, ra, (ra >= 2.0) ? "met" : "MISSED"
   printf "ROW dns | p99 ms at 10k qps | %s | dnsmasq | %s | %.2f | <= 1.0 | %s\n", po, pd, (pd > 0) ? po / pd : 0, pm ? "met" : "MISSED"
+  rc = (cd > 0) ? co / cd : 0
+  printf "CPU per query         %s vs %s us  %.2f  %s\n", co, cd, rc, (rc <= 0.7) ? "met" : "MISSED"
+  printf "ROW dns | CPU us per query at 10k qps (whole process) | %s | dnsmasq | %s | %.2f | <= 0.7 | %s\n", co, cd, rc, (rc <= 0.7) ? "met" : "MISSED"
 }'
 cat "$work/curves"
 
@@ -202,6 +225,10 @@ print(json.dumps({
     "p99_ms_at_10k": dict(zip(["agent", "dnsmasq", "example", "aardvark"], sys.argv[4:8])),
     "p99_ms_at_10k_rounds": {n: [l.split()[1] for l in open(sys.argv[8]) if l.split()[0] == n]
                              for n in ["agent", "dnsmasq", "example", "aardvark"]},
+    # Per round: CPU clock ticks of the server's process, queries answered.
+    "cpu_ticks_and_queries_at_10k_rounds": {
+        n: [[int(x) for x in l.split()[2:4]] for l in open(sys.argv[8]) if l.split()[0] == n]
+        for n in ["agent", "dnsmasq", "example", "aardvark"]},
     "agent_rss_kib": int(sys.argv[3]),
     "example_qps_by_names": {k: int(v) for k, v in curve},
     "load": open("/proc/loadavg").read().split()[:3],
