@@ -14,8 +14,9 @@ mkdir -p "$(dirname "$ZATTERA_TEST_SKIPS")"
 : > "$ZATTERA_TEST_SKIPS"
 
 # What failed, and what failed once and passed when run again, with
-# their messages (.config/nextest.toml): listed last.
-export ZATTERA_TEST_JUNIT=${ZATTERA_TEST_JUNIT:-${CARGO_TARGET_DIR:-$PWD/target}/nextest/default/junit.xml}
+# their messages (.config/nextest.toml): listed last. nextest keeps its
+# store under the workspace's own target/, whatever CARGO_TARGET_DIR says.
+export ZATTERA_TEST_JUNIT=${ZATTERA_TEST_JUNIT:-$PWD/target/nextest/default/junit.xml}
 rm -f "$ZATTERA_TEST_JUNIT"
 
 rc=0
