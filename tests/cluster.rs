@@ -1642,13 +1642,40 @@ async fn a_multi_node_cluster_meshes_follows_the_leader_and_survives_a_kill() {
         // Everything on the test bridge from here on is captured.
         let pcap = tempfile::NamedTempFile::new().unwrap();
         let mut capture = std::process::Command::new("tcpdump")
-            .args(["-i", &net.bridge, "-n", "-U", "-w"])
+            .args(["-i", &net.bridge, "-n", "-U", "--immediate-mode", "-w"])
             .arg(pcap.path())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
             .spawn()
             .expect("tcpdump (scripts/rig.sh installs it)");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Traffic starts only once tcpdump says it listens, and each packet
+        // reaches it at once (`--immediate-mode`): by default the kernel
+        // hands packets over in blocks retired after a second, so traffic
+        // in the first second of a capture ended by SIGTERM was lost. A
+        // fixed 500 ms pause was too short on a loaded CI machine, and
+        // the capture saw nothing.
+        // Its stderr is drained to the end, so its last words never meet
+        // a closed pipe.
+        let said = capture.stderr.take().unwrap();
+        let (listening, heard) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut listening = Some(listening);
+            for line in std::io::BufReader::new(said).lines().map_while(Result::ok) {
+                if line.contains("listening on")
+                    && let Some(tx) = listening.take()
+                {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_secs(30), heard)
+                .await
+                .is_ok_and(|r| r.is_ok()),
+            "tcpdump did not start listening on {} within 30 s",
+            net.bridge
+        );
         let client_id = cluster.with(|r| r.latest_of("cli1")).unwrap().container_id;
         let fifo = a.dir.path().join("fifos");
         let fetch = |ctd: zattera_agent::runtime::Containerd, client: String, fifo: std::path::PathBuf| async move {
