@@ -178,8 +178,10 @@ def case_cluster(ctx, first, node_of):
         control.call("route", version=2, fqdn="web.prod.proj.internal.", env="env-web", vip=VIP,
                      assignment="web1", node=b["node_id"], endpoint=f"{b['mesh_ip']}:{port}")
         pcap = first.dir / "bridge.pcap"
-        capture = subprocess.Popen(ctx.net.exec(["tcpdump", "-i", ctx.net.bridge, "-n", "-U", "-w",
-                                                 str(pcap)]),
+        # --immediate-mode: each packet reaches tcpdump at once, not in
+        # blocks the kernel retires after a second (lost at a SIGTERM).
+        capture = subprocess.Popen(ctx.net.exec(["tcpdump", "-i", ctx.net.bridge, "-n", "-U",
+                                                 "--immediate-mode", "-w", str(pcap)]),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
         try:
