@@ -50,6 +50,15 @@ fn build_request(id: &str, url: &str, push: &str) -> RunBuildRequest {
     }
 }
 
+/// RunBuild `id` of a context that holds only `dockerfile`: its lines and
+/// its terminal event.
+async fn build_dockerfile(c: &Cluster, id: &str, dockerfile: &str) -> (Vec<String>, BuildEvent) {
+    let url = c
+        .blobs
+        .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
+    run_build(&c.agent, &c.cp, build_request(id, &url, "")).await
+}
+
 /// Where an agent with `data_dir` keeps build scratch, as the README says:
 /// `<data-dir>-build`, beside the data dir.
 fn scratch_root(data_dir: &std::path::Path) -> std::path::PathBuf {
@@ -486,10 +495,7 @@ async fn a_dockerfile_may_not_read_images_from_the_node() {
                 ),
             ),
         ] {
-            let url = c
-                .blobs
-                .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
-            let (lines, end) = run_build(&c.agent, &c.cp, build_request(id, &url, "")).await;
+            let (lines, end) = build_dockerfile(&c, id, &dockerfile).await;
             assert_eq!(
                 end.status,
                 BuildStatus::Failed as i32,
@@ -1225,10 +1231,7 @@ async fn an_add_url_never_reaches_into_the_node() {
             ("bld-a2", format!("http://localhost:{port}/metrics")),
         ] {
             let dockerfile = format!("FROM {}\nADD {url} /m\nRUN cat /m\n", c.base);
-            let ctx = c
-                .blobs
-                .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
-            let (lines, end) = run_build(&c.agent, &c.cp, build_request(id, &ctx, "")).await;
+            let (lines, end) = build_dockerfile(&c, id, &dockerfile).await;
             assert_eq!(
                 end.status,
                 BuildStatus::Failed as i32,
@@ -1258,10 +1261,7 @@ async fn an_add_url_never_reaches_into_the_node() {
             "the host's loopback listener was fetched"
         );
         let dockerfile = format!("FROM {}\nRUN --network=host true\n", c.base);
-        let ctx = c
-            .blobs
-            .put(context(&[("Dockerfile", dockerfile.as_bytes())]));
-        let (_, end) = run_build(&c.agent, &c.cp, build_request("bld-a3", &ctx, "")).await;
+        let (_, end) = build_dockerfile(&c, "bld-a3", &dockerfile).await;
         assert!(end.error.contains("RUN --network=host"), "{end:?}");
         server.abort();
     })

@@ -19,8 +19,18 @@ use crate::addr_scope::is_global;
 /// the answer (the builder then meets the same resolver).
 const RESOLVE_WITHIN: Duration = Duration::from_secs(5);
 
-/// Why `url` (an `ADD` source) may not be fetched, if it may not.
+/// Why `url` (an `ADD` source, a git remote) may not be fetched, if it
+/// may not: the URL (redacted), where it leads, and the rule.
 pub async fn refuses(url: &str) -> Option<String> {
+    let why = leads_inward(url).await?;
+    Some(format!(
+        "{}: {why}; a build fetches only from public addresses",
+        crate::redact::url(url)
+    ))
+}
+
+/// Where `url` leads, when that is not a public address.
+async fn leads_inward(url: &str) -> Option<String> {
     let host = host_of(url)?;
     if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse() {
         return (!is_global(ip)).then(|| format!("{ip} is not a public address"));

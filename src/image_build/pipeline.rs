@@ -263,8 +263,7 @@ impl Pipeline {
             for url in fetched {
                 if let Some(why) = super::fetches::refuses(&url).await {
                     return Err(BuildError::Refused(format!(
-                        "ADD {}: {why}; a build fetches only from public addresses (put the file in the build context)",
-                        crate::redact::url(&url)
+                        "ADD {why} (put the file in the build context)"
                     )));
                 }
             }
@@ -415,10 +414,7 @@ impl Pipeline {
                 // The agent clones from the host's network namespace: the
                 // same rule as a Dockerfile's ADD (56.2).
                 if let Some(why) = super::fetches::refuses(&git.url).await {
-                    return Err(BuildError::Source(format!(
-                        "git source {}: {why}; a build fetches only from public addresses",
-                        crate::redact::url(&git.url)
-                    )));
+                    return Err(BuildError::Source(format!("git source {why}")));
                 }
                 say(
                     events,
@@ -441,9 +437,6 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The node's credential and CA for the cluster registry; for the
-    /// push reference's registry, the request's credential when it carries
-    /// one and that registry is another.
     /// The cluster registry as it is now, if the node has one.
     fn cluster_registry(&self) -> Option<std::sync::Arc<crate::link::registry::ClusterRegistry>> {
         self.config
@@ -452,6 +445,9 @@ impl Pipeline {
             .and_then(|w| w.borrow().clone())
     }
 
+    /// The node's credential and CA for the cluster registry; for the
+    /// push reference's registry, the request's credential when it carries
+    /// one and that registry is another.
     fn registries(&self, req: &BuildRequest) -> Vec<RegistryAuth> {
         let mut out = Vec::new();
         let cluster = self.cluster_registry();
